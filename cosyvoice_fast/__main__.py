@@ -1,0 +1,153 @@
+"""Command line: ``python -m cosyvoice_fast {synth,download,build-engines,synthetic,backends}``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger("cosyvoice_fast")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-dir", help="CosyVoice2-0.5B directory (default: pretrained_models/CosyVoice2-0.5B)")
+    p.add_argument("--synthetic", choices=["tiny", "full"], help="random-weight model of that size (no download)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 … (default: cuda if available)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
+
+
+def cmd_synth(a: argparse.Namespace) -> int:
+    import soundfile as sf
+
+    from .config import BackendConfig, StreamParams
+    from .request import SynthesisRequest
+    from .service import load_service
+    from .telemetry import format_breakdown
+
+    svc = load_service(a.model_dir, a.synthetic, a.device, a.dtype, speaker_cache_dir=a.speaker_cache)
+    try:
+        mode = a.mode or ("speaker" if a.speaker else "zero_shot" if a.prompt_text else "cross_lingual")
+        req = SynthesisRequest(
+            text=a.text, mode=mode, prompt_wav=a.prompt_wav, prompt_text=a.prompt_text or "",
+            instruct_text=a.instruct or "", speaker=a.speaker, seed=a.seed, stream=a.stream,
+            stream_params=StreamParams(token_hop_len_first=a.token_hop_len_first,
+                                       pre_lookahead_len=a.pre_lookahead_len),
+            backend=BackendConfig(llm=a.llm_backend, flow=a.flow_backend, vocoder=a.vocoder_backend,
+                                  dtype=a.dtype),
+            speed=a.speed)
+        if svc.synthetic:
+            log.warning(svc.banner)
+        wav, tele = svc.engine.synthesize(req)
+        sf.write(a.out, wav, svc.engine.sample_rate)
+        print(format_breakdown(tele))
+        print(f"wrote {a.out} ({len(wav) / svc.engine.sample_rate:.2f} s)")
+        if a.telemetry_json:
+            Path(a.telemetry_json).write_text(json.dumps(tele.to_dict(), indent=1))
+    finally:
+        svc.close()
+    return 0
+
+
+def cmd_download(a: argparse.Namespace) -> int:
+    """Fetch CosyVoice2-0.5B with huggingface_hub or modelscope (needs network; run once on the GPU box)."""
+    target = Path(a.out)
+    try:
+        from huggingface_hub import snapshot_download
+
+        snapshot_download(repo_id="FunAudioLLM/CosyVoice2-0.5B", local_dir=str(target))
+    except ImportError:
+        try:
+            from modelscope import snapshot_download as ms_download  # type: ignore[import-not-found]
+
+            ms_download("iic/CosyVoice2-0.5B", local_dir=str(target))
+        except ImportError:
+            print("Neither huggingface_hub nor modelscope is installed: pip install huggingface_hub", file=sys.stderr)
+            return 2
+    except Exception as e:  # network errors: say what to do
+        print(f"Download failed ({type(e).__name__}: {e}). Check the network, or copy the CosyVoice2-0.5B "
+              f"directory to {target} by hand.", file=sys.stderr)
+        return 1
+    print(f"downloaded to {target}")
+    return 0
+
+
+def cmd_synthetic(a: argparse.Namespace) -> int:
+    from .synthetic import write_synthetic_model_dir
+
+    print(write_synthetic_model_dir(a.out, a.size, seed=a.seed))
+    return 0
+
+
+def cmd_backends(a: argparse.Namespace) -> int:
+    from .backends.base import available_backends
+    from .service import pick_device
+
+    for b in available_backends(pick_device(a.device)):
+        print(f"{b.stage:<8}{b.name:<11}{'yes' if b.available else 'no':<5}{b.reason}")
+    return 0
+
+
+def cmd_build_engines(a: argparse.Namespace) -> int:
+    from .backends.tensorrt_build import build_engines_cli
+
+    return build_engines_cli(a)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    ap = argparse.ArgumentParser(prog="python -m cosyvoice_fast")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("synth", help="synthesise one utterance and print its TTFB breakdown")
+    _add_model_args(p)
+    p.add_argument("--text", required=True)
+    p.add_argument("--mode", choices=["zero_shot", "cross_lingual", "instruct2", "speaker"])
+    p.add_argument("--prompt-wav")
+    p.add_argument("--prompt-text")
+    p.add_argument("--instruct")
+    p.add_argument("--speaker")
+    p.add_argument("--speaker-cache", default="speakers")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stream", action="store_true")
+    p.add_argument("--speed", type=float, default=1.0)
+    p.add_argument("--token-hop-len-first", type=int, default=25)
+    p.add_argument("--pre-lookahead-len", type=int, default=3)
+    p.add_argument("--llm-backend", default="eager")
+    p.add_argument("--flow-backend", default="eager")
+    p.add_argument("--vocoder-backend", default="eager")
+    p.add_argument("--out", default="out.wav")
+    p.add_argument("--telemetry-json")
+    p.set_defaults(fn=cmd_synth)
+
+    p = sub.add_parser("download", help="download CosyVoice2-0.5B (needs network)")
+    p.add_argument("--out", default="pretrained_models/CosyVoice2-0.5B")
+    p.set_defaults(fn=cmd_download)
+
+    p = sub.add_parser("synthetic", help="write a random-weight model directory")
+    p.add_argument("--size", choices=["tiny", "full"], default="tiny")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    p.set_defaults(fn=cmd_synthetic)
+
+    p = sub.add_parser("backends", help="list backends and why any is unavailable")
+    p.add_argument("--device", default="auto")
+    p.set_defaults(fn=cmd_backends)
+
+    p = sub.add_parser("build-engines", help="export the flow estimator to ONNX and build TensorRT engines")
+    _add_model_args(p)
+    p.add_argument("--engines-dir", default="engines")
+    p.add_argument("--onnx-only", action="store_true", help="stop after the ONNX export (no TensorRT needed)")
+    p.set_defaults(fn=cmd_build_engines)
+
+    a = ap.parse_args(argv)
+    try:
+        return a.fn(a)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

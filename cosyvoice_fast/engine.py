@@ -1,0 +1,318 @@
+"""The streaming engine: many requests, one GPU worker, audio chunks the moment their tokens exist.
+
+Shape of the runtime:
+
+- ``Engine.stream(request)`` runs the frontend in the caller's thread (CPU/ONNX work must not hold the GPU
+  worker), hands a :class:`RequestState` to the worker and yields :class:`AudioChunk`s from the request's own
+  queue (blocking ``get``: no polling, a chunk is handed over the moment it is queued).
+- One worker thread owns all model work and interleaves requests step by step.  Each turn it
+  (1) drops cancelled requests, (2) starts LMs of new segments (prefill), (3) runs any *first* chunk that is
+  ready (first audio has priority), (4) advances every running LM by one token, (5) runs one ready later chunk,
+  earliest playback deadline first.  A new request therefore waits at most one decode round, never behind
+  another request's long tail.
+- Closing the iterator (or :meth:`Engine.cancel`) marks the request; the worker drops it before its next step,
+  so its LM stops within one decode step and its caches are freed.
+- An error in one request goes to that request's consumer only; the others keep streaming.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from typing import AsyncIterator, Callable, Iterator
+
+import numpy as np
+import torch
+
+from .backends.base import StageSet, check_available
+from .config import BackendConfig, StreamParams
+from .modelfiles import LoadedModels
+from .request import AudioChunk, ModelInputs, SynthesisRequest
+from .runtime.state import RequestState, SegmentState
+from .runtime.vocoder_stream import vocode_chunk
+from .schedule import ChunkCall, ChunkCursor
+from .telemetry import ChunkTiming, RequestTelemetry, now
+
+log = logging.getLogger(__name__)
+
+_DONE = object()
+
+
+class EngineClosed(RuntimeError):
+    pass
+
+
+class Engine:
+    """Serve streaming synthesis requests on one set of loaded models."""
+
+    def __init__(self, models: LoadedModels, frontend: object | None = None,
+                 backend: BackendConfig | None = None, max_active: int = 64):
+        self.models = models
+        self.frontend = frontend
+        self.default_backend = backend or BackendConfig()
+        self.max_active = max_active
+        self._stage_sets: dict[BackendConfig, StageSet] = {}
+        self._stage_lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._incoming: deque[RequestState] = deque()
+        self._active: list[RequestState] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="cosyvoice-worker", daemon=True)
+        self._thread.start()
+        self.stages(self.default_backend)
+
+    # ------------------------------------------------------------------------------------------- public API
+    @property
+    def sample_rate(self) -> int:
+        return self.models.config.sample_rate
+
+    def stages(self, config: BackendConfig) -> StageSet:
+        """The stage implementations for ``config`` (built once, then shared: they hold no request state)."""
+        with self._stage_lock:
+            if config not in self._stage_sets:
+                check_available(config, self.models.device)
+                from .backends import build_stage_set
+
+                self._stage_sets[config] = build_stage_set(self.models, config)
+            return self._stage_sets[config]
+
+    def stream(self, request: SynthesisRequest) -> Iterator[AudioChunk]:
+        """Yield the request's audio chunks as they are produced; closing the iterator cancels the request."""
+        state = self._admit(request)
+        return self._consume(state)
+
+    def synthesize(self, request: SynthesisRequest) -> tuple[np.ndarray, RequestTelemetry]:
+        """The whole utterance as one array (24 kHz float32) and its telemetry."""
+        parts, tele = [], None
+        for chunk in self.stream(request):
+            parts.append(chunk.samples)
+            tele = chunk.telemetry or tele
+        return (np.concatenate(parts) if parts else np.zeros(0, np.float32)), tele
+
+    async def astream(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
+        """asyncio-friendly :meth:`stream`: waits for chunks in a thread, cancels on ``aclose``/cancel."""
+        state = await asyncio.to_thread(self._admit, request)
+        it = self._consume(state)
+        try:
+            while True:
+                chunk = await asyncio.to_thread(next, it, None)
+                if chunk is None:
+                    return
+                yield chunk
+        finally:
+            it.close()
+
+    def cancel(self, request_id: str) -> bool:
+        with self._cv:
+            for st in list(self._incoming) + self._active:
+                if st.id == request_id:
+                    st.cancelled.set()
+                    self._cv.notify_all()
+                    return True
+        return False
+
+    def active_requests(self) -> int:
+        with self._cv:
+            return len(self._incoming) + len(self._active)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------- admission
+    def prepare(self, request: SynthesisRequest, tele: RequestTelemetry | None = None) -> ModelInputs:
+        """Run the frontend (text, prompt audio or saved speaker) -> model inputs."""
+        if request.inputs is not None:
+            return request.inputs
+        if self.frontend is None:
+            raise ValueError("this engine has no frontend (the model directory lacks the tokenizer or ONNX files):"
+                             " pass token ids as inputs, or load a complete CosyVoice2-0.5B directory")
+        inputs, cache_hit = self.frontend.prepare(request)  # type: ignore[attr-defined]
+        if tele is not None:
+            tele.speaker_cache_hit = cache_hit
+        return inputs
+
+    def _admit(self, request: SynthesisRequest) -> RequestState:
+        if self._closed:
+            raise EngineClosed("the engine is shut down")
+        tele = RequestTelemetry(request.request_id)
+        cfg = request.backend or self.default_backend
+        tele.params = {"backend": f"{cfg.llm}/{cfg.flow}/{cfg.vocoder}", "dtype": cfg.dtype,
+                       "stream": request.stream, "seed": request.seed,
+                       **{k: getattr(request.stream_params, k) for k in StreamParams.__slots__}}
+        stages = self.stages(cfg)
+        inputs = self.prepare(request, tele)
+        tele.frontend_done = now()
+        dev = self.models.device
+        g_llm = torch.Generator(device=dev).manual_seed(request.seed)
+        g_voc = torch.Generator(device=dev).manual_seed(request.seed + 1)
+        state = RequestState(request=request, inputs=inputs, telemetry=tele, stages=stages,
+                             llm_generator=g_llm, vocoder_generator=g_voc)
+        with self._cv:
+            if len(self._incoming) + len(self._active) >= self.max_active:
+                raise RuntimeError(f"the engine is at its limit of {self.max_active} active requests; "
+                                   "try again in a moment")
+            self._incoming.append(state)
+            self._cv.notify_all()
+        return state
+
+    def _consume(self, state: RequestState) -> Iterator[AudioChunk]:
+        try:
+            while True:
+                item = state.out.get()
+                if item is _DONE:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                item.timing.delivered = now()
+                if item.is_last:
+                    state.telemetry.finished = item.timing.delivered
+                    item.telemetry = state.telemetry
+                yield item
+        finally:
+            if not state.done:
+                state.cancelled.set()
+                with self._cv:
+                    self._cv.notify_all()
+
+    # ------------------------------------------------------------------------------------------- worker
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._cv:
+                while not self._closed and not self._incoming and not self._active:
+                    self._cv.wait()
+                if self._closed:
+                    for st in list(self._incoming) + self._active:
+                        self._fail(st, EngineClosed("the engine was shut down"))
+                    return
+                while self._incoming:
+                    self._active.append(self._incoming.popleft())
+            self._turn()
+
+    def _turn(self) -> None:
+        for st in list(self._active):
+            if st.cancelled.is_set():
+                st.telemetry.cancelled = True
+                self._finish(st)
+        for st in list(self._active):
+            if st.segment is None:
+                self._guard(st, self._start_segment)
+        first = [st for st in self._active if st.segment and st.segment.pending and st.chunks_emitted == 0]
+        for st in first:
+            self._guard(st, self._run_chunk)
+        for st in list(self._active):
+            seg = st.segment
+            if seg is not None and not seg.llm_done and not st.cancelled.is_set():
+                self._guard(st, self._llm_step)
+        ready = [st for st in self._active if st.segment and st.segment.pending]
+        if ready:
+            ready.sort(key=lambda s: (s.chunks_emitted > 0, s.audio_samples_emitted / self.sample_rate
+                                      + s.telemetry.received))
+            self._guard(ready[0], self._run_chunk)
+
+    def _guard(self, st: RequestState, fn: Callable[[RequestState], None]) -> None:
+        if st not in self._active:
+            return
+        try:
+            fn(st)
+        except Exception as e:  # one request's failure must not disturb the others
+            log.exception("request %s failed", st.id)
+            self._fail(st, e)
+
+    def _start_segment(self, st: RequestState) -> None:
+        segs = st.inputs.text_segments
+        if st.next_segment >= len(segs):
+            st.out.put(_DONE)
+            self._finish(st)
+            return
+        idx = st.next_segment
+        st.next_segment += 1
+        text = segs[idx]
+        prompt_len = st.inputs.flow_prompt_speech_token.shape[1]
+        params = st.request.stream_params
+        st.segment = SegmentState(index=idx, text=text,
+                                  cursor=ChunkCursor(prompt_len, params, self.models.config.chunk_size))
+        if idx == 0:
+            st.telemetry.prefill_start = now()
+        st.segment.token_iter = st.stages.llm.generate(st.inputs, text, st.llm_generator,
+                                                       st.request.max_tokens, st.request.ignore_eos)
+        self._llm_step(st)  # prefill + first token
+        if idx == 0:
+            st.telemetry.prefill_done = now()
+
+    def _llm_step(self, st: RequestState) -> None:
+        seg = st.segment
+        assert seg is not None and seg.token_iter is not None
+        tok = next(seg.token_iter, None)
+        st.decode_steps += 1
+        if tok is None:
+            seg.llm_done = True
+            seg.token_iter = None
+        else:
+            seg.tokens.append(int(tok))
+            st.telemetry.token_times.append(now())
+        if st.request.stream:
+            while (call := seg.cursor.next_call(len(seg.tokens), seg.llm_done)) is not None:
+                seg.pending.append((call, now()))
+        elif seg.llm_done:
+            n = len(seg.tokens)
+            seg.pending.append((ChunkCall(0, 0, n, n, 0, finalize=True), now()))
+
+    def _run_chunk(self, st: RequestState) -> None:
+        seg = st.segment
+        assert seg is not None
+        call, ready_at = seg.pending.pop(0)
+        timing = ChunkTiming(index=st.chunks_emitted, segment=seg.index, n_tokens=call.hop,
+                             sample_rate=self.sample_rate, tokens_ready=ready_at, finalize=call.finalize)
+        timing.flow_start = now()
+        tokens = torch.tensor([seg.tokens[:call.n_tokens]], dtype=torch.int32)
+        mel = st.stages.flow.chunk(seg, st.inputs, tokens, call)
+        _sync(self.models.device)
+        timing.flow_end = now()
+        speed = st.request.speed if not st.request.stream else 1.0
+        voc = st.stages.vocoder
+        wav, seg.voc_cache = vocode_chunk(lambda m, cs: voc.vocode(m, cs, st.vocoder_generator), mel,
+                                          seg.voc_cache, call.finalize, speed=speed)
+        samples = wav[0].float().cpu().numpy()
+        timing.vocoder_end = now()
+        timing.n_samples = len(samples)
+        last_segment = st.next_segment >= len(st.inputs.text_segments)
+        is_last = call.finalize and last_segment
+        st.telemetry.chunks.append(timing)
+        st.chunks_emitted += 1
+        st.audio_samples_emitted += len(samples)
+        st.out.put(AudioChunk(samples=samples, index=timing.index, segment=seg.index,
+                              sample_rate=self.sample_rate, is_last=is_last, timing=timing))
+        if call.finalize:
+            seg.close()
+            st.segment = None
+            if is_last:
+                st.out.put(_DONE)
+                self._finish(st)
+
+    def _fail(self, st: RequestState, err: BaseException) -> None:
+        st.telemetry.error = f"{type(err).__name__}: {err}"
+        st.out.put(err)
+        self._finish(st)
+
+    def _finish(self, st: RequestState) -> None:
+        st.close()
+        if st in self._active:
+            self._active.remove(st)
+
+
+def _sync(device: torch.device) -> None:
+    """Make stage wall-clock honest on a GPU: the stage ends when its kernels have run."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

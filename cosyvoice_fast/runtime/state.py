@@ -1,0 +1,73 @@
+"""All runtime state of one request, in one object.
+
+The engine's worker thread is the only writer of the GPU-side fields; the consumer thread only reads the output
+queue and may set ``cancelled``.  Nothing here is shared between requests (upstream kept per-request values in
+uuid-keyed dicts and even on the shared model object).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from ..request import ModelInputs, SynthesisRequest
+from ..schedule import ChunkCall, ChunkCursor
+from ..telemetry import RequestTelemetry
+from .vocoder_stream import VocoderCache
+
+
+@dataclass
+class SegmentState:
+    """One text segment's speech-token stream: LM iterator, tokens so far, chunk cursor, vocoder carry-over."""
+
+    index: int
+    text: torch.Tensor
+    cursor: ChunkCursor
+    token_iter: Iterator[int] | None = None
+    tokens: list[int] = field(default_factory=list)
+    llm_done: bool = False
+    pending: list[tuple[ChunkCall, float]] = field(default_factory=list)  # (call, tokens_ready time)
+    voc_cache: VocoderCache | None = None
+    flow_state: Any = None  # owned by the flow backend (e.g. incremental caches)
+
+    def close(self) -> None:
+        """Free the LM's KV cache (closing the generator) and any flow state."""
+        if self.token_iter is not None and hasattr(self.token_iter, "close"):
+            self.token_iter.close()
+        self.token_iter = None
+        self.flow_state = None
+        self.voc_cache = None
+
+
+@dataclass
+class RequestState:
+    """A request in flight: inputs, parameters, generators, per-segment state, output queue, telemetry."""
+
+    request: SynthesisRequest
+    inputs: ModelInputs
+    telemetry: RequestTelemetry
+    stages: Any
+    llm_generator: torch.Generator
+    vocoder_generator: torch.Generator
+    out: "queue.Queue[Any]" = field(default_factory=queue.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    segment: SegmentState | None = None
+    next_segment: int = 0
+    chunks_emitted: int = 0
+    audio_samples_emitted: int = 0
+    decode_steps: int = 0
+    done: bool = False
+
+    @property
+    def id(self) -> str:
+        return self.request.request_id
+
+    def close(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
+        self.segment = None
+        self.done = True

@@ -1,0 +1,95 @@
+"""The streaming chunk schedule: when a chunk of speech tokens is ready for the flow, and how long it is.
+
+Pure arithmetic on counts, no tensors, so it is exact, cheap and testable against upstream's recorded calls.
+
+Upstream's default (token_hop_len 25, scale 2, max 100, look-ahead 3): the first hop is padded so that
+prompt + first hop is a multiple of the flow's 25-token attention chunk, then hops double up to 100.  With a
+20-token prompt and 90 tokens that gives calls of 33 tokens (30 + 3 look-ahead), 83 (80 + 3) and a final call
+with all 90.  Every parameter here comes from the request (upstream kept the hop on the shared model object,
+so a second request started with a 100-token first chunk).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .config import StreamParams
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkCall:
+    """One flow call: tokens ``[0, n_tokens)`` are passed; frames before ``2*token_offset`` are already emitted."""
+
+    index: int
+    token_offset: int
+    hop: int
+    n_tokens: int
+    lookahead: int
+    finalize: bool
+
+
+def first_hop(prompt_tokens: int, params: StreamParams, chunk_size: int = 25) -> int:
+    """Tokens the first chunk emits.
+
+    With the default ``token_hop_len_first`` (= chunk size) the hop is padded as upstream does so that
+    prompt + hop ends on a chunk boundary; a shorter first hop is taken as asked (no padding), trading an
+    unaligned first chunk for earlier audio.
+    """
+    hop = params.token_hop_len_first
+    if hop == chunk_size:
+        hop += math.ceil(prompt_tokens / chunk_size) * chunk_size - prompt_tokens
+    return hop
+
+
+def hop_for(index: int, prompt_tokens: int, params: StreamParams, chunk_size: int = 25) -> int:
+    """Tokens chunk ``index`` emits (chunk 0: :func:`first_hop`; then ``token_hop_len * scale**index`` capped)."""
+    if index == 0:
+        return first_hop(prompt_tokens, params, chunk_size)
+    return int(min(params.token_max_hop_len, params.token_hop_len * params.stream_scale_factor ** index))
+
+
+class ChunkCursor:
+    """Walks the schedule for one speech-token stream (one text segment of one request).
+
+    ``next_call(n_available, llm_done)`` answers with the next :class:`ChunkCall` as soon as enough tokens exist,
+    or ``None``.  It is owned by the request's state; nothing here is shared between requests.
+    """
+
+    def __init__(self, prompt_tokens: int, params: StreamParams, chunk_size: int = 25):
+        self.prompt_tokens = prompt_tokens
+        self.params = params
+        self.chunk_size = chunk_size
+        self.index = 0
+        self.token_offset = 0
+        self.finished = False
+
+    def tokens_needed(self) -> int:
+        """Total tokens that must exist before the next non-final chunk can run."""
+        hop = hop_for(self.index, self.prompt_tokens, self.params, self.chunk_size)
+        return self.token_offset + hop + self.params.pre_lookahead_len
+
+    def next_call(self, n_available: int, llm_done: bool) -> ChunkCall | None:
+        if self.finished:
+            return None
+        hop = hop_for(self.index, self.prompt_tokens, self.params, self.chunk_size)
+        la = self.params.pre_lookahead_len
+        if n_available >= self.token_offset + hop + la:
+            call = ChunkCall(self.index, self.token_offset, hop, self.token_offset + hop + la, la, finalize=False)
+            self.token_offset += hop
+            self.index += 1
+            return call
+        if llm_done:
+            self.finished = True
+            return ChunkCall(self.index, self.token_offset, n_available - self.token_offset, n_available, 0,
+                             finalize=True)
+        return None
+
+
+def plan(prompt_tokens: int, total_tokens: int, params: StreamParams, chunk_size: int = 25) -> list[ChunkCall]:
+    """The whole schedule for a stream whose final length is known (tests, the dashboard's 'what it buys')."""
+    cur = ChunkCursor(prompt_tokens, params, chunk_size)
+    calls = []
+    while (c := cur.next_call(total_tokens, llm_done=True)) is not None:
+        calls.append(c)
+    return calls

@@ -1,0 +1,36 @@
+"""Shared test fixtures.  The parity fixture directory is read only through ``../shared/fixtures/cosyvoice2-tiny``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FIXTURE_DIR = REPO_ROOT / ".." / "shared" / "fixtures" / "cosyvoice2-tiny"
+
+
+@pytest.fixture(scope="session")
+def fixture_dir() -> Path:
+    if not FIXTURE_DIR.is_dir():
+        pytest.fail(f"parity fixtures not found at {FIXTURE_DIR}: check out ../shared beside the repo")
+    return FIXTURE_DIR
+
+
+@pytest.fixture(scope="session")
+def load_case(fixture_dir):
+    """``load_case("case_llm")`` -> the recorded dict."""
+
+    def _load(name: str) -> dict:
+        return torch.load(fixture_dir / f"{name}.pt", weights_only=True)
+
+    return _load
+
+
+@pytest.fixture(scope="session")
+def tiny_models(fixture_dir):
+    """The fixture model directory loaded with the same loader users use (fp32, CPU, eval mode)."""
+    from cosyvoice_fast.modelfiles import load_models
+
+    return load_models(fixture_dir, device="cpu")

@@ -1,0 +1,82 @@
+"""The chunk schedule: upstream's recorded calls, per-request parameters, and the second-request bug."""
+
+from __future__ import annotations
+
+import pytest
+
+from cosyvoice_fast.config import ConfigError, StreamParams
+from cosyvoice_fast.schedule import ChunkCursor, first_hop, plan
+
+
+def test_default_schedule_matches_upstream_recorded_calls(load_case):
+    case = load_case("case_flow_stream")
+    prompt_len = case["prompt_token"].shape[1]
+    total = case["token"].shape[1]
+    calls = plan(prompt_len, total, StreamParams())
+    assert [(c.n_tokens, c.token_offset, c.finalize) for c in calls] == [
+        (c["n_tokens"], c["token_offset"], c["finalize"]) for c in case["calls"]]
+
+
+def test_first_hop_pads_prompt_to_chunk_boundary_by_default():
+    assert first_hop(20, StreamParams()) == 30
+    assert first_hop(75, StreamParams()) == 25
+    assert first_hop(76, StreamParams()) == 49
+
+
+def test_token_hop_len_first_shortens_first_chunk_without_padding():
+    calls = plan(20, 300, StreamParams(token_hop_len_first=5))
+    assert calls[0].n_tokens == 5 + 3 and calls[0].hop == 5
+    # later hops follow token_hop_len * 2**k capped at 100
+    assert [c.hop for c in calls[1:4]] == [50, 100, 100]
+
+
+def test_pre_lookahead_len_changes_tokens_needed():
+    calls = plan(20, 200, StreamParams(token_hop_len_first=10, pre_lookahead_len=0))
+    assert calls[0].n_tokens == 10 and calls[0].lookahead == 0
+    calls = plan(20, 200, StreamParams(token_hop_len_first=10, pre_lookahead_len=2))
+    assert calls[0].n_tokens == 12 and calls[0].lookahead == 2
+
+
+def test_every_token_is_emitted_exactly_once():
+    for total in (1, 7, 33, 90, 251):
+        for p in (StreamParams(), StreamParams(token_hop_len_first=4, pre_lookahead_len=1)):
+            calls = plan(20, total, p)
+            assert calls[-1].finalize and calls[-1].n_tokens == total
+            emitted = sum(c.hop for c in calls)
+            assert emitted == total
+            for a, b in zip(calls, calls[1:]):
+                assert b.token_offset == a.token_offset + a.hop
+
+
+def test_second_request_gets_the_same_first_chunk():
+    """Upstream grew the hop on the shared model; here each request starts from its own parameters."""
+    p = StreamParams()
+    first = plan(20, 300, p)
+    second = plan(20, 300, p)
+    assert first == second
+    assert second[0].n_tokens == 33
+
+
+def test_cursor_waits_for_tokens_then_cuts():
+    cur = ChunkCursor(20, StreamParams())
+    assert cur.next_call(32, llm_done=False) is None
+    call = cur.next_call(33, llm_done=False)
+    assert call is not None and call.n_tokens == 33
+    assert cur.next_call(82, llm_done=False) is None
+    assert cur.next_call(83, llm_done=False).n_tokens == 83
+    last = cur.next_call(90, llm_done=True)
+    assert last.finalize and last.hop == 10
+    assert cur.next_call(90, llm_done=True) is None
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"token_hop_len_first": 0}, "token_hop_len_first"),
+    ({"token_hop_len_first": 101}, "token_hop_len_first"),
+    ({"pre_lookahead_len": 4}, "pre_lookahead_len"),
+    ({"pre_lookahead_len": -1}, "pre_lookahead_len"),
+    ({"stream_scale_factor": 0.5}, "stream_scale_factor"),
+    ({"token_hop_len": 50, "token_max_hop_len": 40}, "token_max_hop_len"),
+])
+def test_invalid_params_name_the_field(kw, field):
+    with pytest.raises(ConfigError, match=field):
+        StreamParams(**kw)
