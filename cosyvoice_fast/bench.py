@@ -1,0 +1,191 @@
+"""GPU benchmark: TTFB p50/p95 and its stage split, LLM ms/token, flow and vocoder ms per chunk, RTF, throughput.
+
+    python -m cosyvoice_fast.bench --synthetic full --backends eager,cudagraph --concurrency 1,4,16 \
+        --requests 20 --prompt-tokens 75 --text-tokens 30 --gen-tokens 150 --dtype bf16 --out bench_out
+
+Inputs are token ids drawn from a seeded generator (no frontend: it is not what is measured), the LM is forced
+to produce exactly ``--gen-tokens`` tokens (EOS ignored) so runs are comparable, and every backend is warmed up
+before timing.  Writes ``results.json`` and ``report.html`` (Plotly) to ``--out`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import BackendConfig, StreamParams
+from .request import ModelInputs, SynthesisRequest
+from .telemetry import RequestTelemetry, aggregate, percentile
+
+log = logging.getLogger(__name__)
+
+BACKEND_PRESETS = {
+    "eager": BackendConfig(),
+    "cudagraph": BackendConfig(llm="cudagraph", flow="cudagraph", vocoder="cudagraph"),
+    "tensorrt": BackendConfig(llm="cudagraph", flow="tensorrt", vocoder="cudagraph"),
+    "trtllm": BackendConfig(llm="trtllm", flow="tensorrt", vocoder="cudagraph"),
+}
+
+
+def synthetic_inputs(cfg: Any, prompt_tokens: int, text_tokens: int, seed: int) -> ModelInputs:
+    """Random but valid model inputs of the requested sizes."""
+    g = torch.Generator().manual_seed(seed)
+    vocab_text = cfg.llm.qwen.vocab_size
+    speech_vocab = min(cfg.llm.speech_token_size, cfg.flow.vocab_size)
+    return ModelInputs(
+        text_segments=[torch.randint(0, vocab_text, (1, text_tokens), generator=g)],
+        prompt_text=torch.randint(0, vocab_text, (1, max(1, text_tokens // 2)), generator=g),
+        llm_prompt_speech_token=torch.randint(0, speech_vocab, (1, prompt_tokens), generator=g),
+        flow_prompt_speech_token=torch.randint(0, speech_vocab, (1, prompt_tokens), generator=g),
+        prompt_feat=torch.randn(1, 2 * prompt_tokens, 80, generator=g) - 5.0,
+        embedding=torch.randn(1, cfg.flow.spk_embed_dim, generator=g),
+    )
+
+
+def run_wave(engine: Any, requests: list[SynthesisRequest]) -> list[RequestTelemetry]:
+    """Run requests concurrently (one consumer thread each) and return their telemetry."""
+    out: list[RequestTelemetry | None] = [None] * len(requests)
+    errors: list[BaseException] = []
+
+    def consume(i: int, r: SynthesisRequest) -> None:
+        try:
+            for ch in engine.stream(r):
+                if ch.telemetry is not None:
+                    out[i] = ch.telemetry
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=consume, args=(i, r)) for i, r in enumerate(requests)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [t for t in out if t is not None]
+
+
+def bench_config(engine: Any, backend: BackendConfig, concurrency: int, n_requests: int, args: argparse.Namespace
+                 ) -> dict[str, Any]:
+    cfg = engine.models.config
+    params = StreamParams(token_hop_len_first=args.token_hop_len_first, pre_lookahead_len=args.pre_lookahead_len)
+
+    def make(i: int) -> SynthesisRequest:
+        return SynthesisRequest(inputs=synthetic_inputs(cfg, args.prompt_tokens, args.text_tokens, seed=i),
+                                seed=i, stream=True, stream_params=params, backend=backend,
+                                max_tokens=args.gen_tokens, ignore_eos=True)
+
+    run_wave(engine, [make(10_000 + i) for i in range(max(2, concurrency))])  # warm-up (captures, autotune)
+    dev = engine.models.device
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    teles: list[RequestTelemetry] = []
+    t0 = time.perf_counter()
+    done = 0
+    while done < n_requests:
+        wave = min(concurrency, n_requests - done)
+        teles += run_wave(engine, [make(done + i) for i in range(wave)])
+        done += wave
+    wall = time.perf_counter() - t0
+    agg = aggregate(teles)
+    step_ms = [(b - a) * 1e3 for t in teles for a, b in zip(t.token_times[1:], t.token_times[2:])]
+    agg["llm_ms_per_token"] = {"p50": percentile(step_ms, 50), "p95": percentile(step_ms, 95)}
+    agg["audio_s_per_s"] = sum(t.audio_seconds for t in teles) / wall
+    agg["wall_s"] = wall
+    agg["gpu_mem_peak_gib"] = (torch.cuda.max_memory_allocated(dev) / 2**30) if dev.type == "cuda" else None
+    agg["underruns"] = sum(r["underrun"] for t in teles for r in t.chunk_report())
+    return agg
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    ap = argparse.ArgumentParser(prog="python -m cosyvoice_fast.bench")
+    ap.add_argument("--model-dir")
+    ap.add_argument("--synthetic", choices=["tiny", "full"])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="bf16", choices=["fp32", "fp16", "bf16"])
+    ap.add_argument("--backends", default="eager,cudagraph")
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--requests", type=int, default=20)
+    ap.add_argument("--prompt-tokens", type=int, default=75)
+    ap.add_argument("--text-tokens", type=int, default=30)
+    ap.add_argument("--gen-tokens", type=int, default=150)
+    ap.add_argument("--token-hop-len-first", type=int, default=25)
+    ap.add_argument("--pre-lookahead-len", type=int, default=3)
+    ap.add_argument("--out", default="bench_out")
+    a = ap.parse_args(argv)
+
+    from .backends.base import available_backends
+    from .service import load_service
+
+    svc = load_service(a.model_dir, a.synthetic, a.device, a.dtype, speaker_cache_dir=None, progress=False)
+    dev = svc.models.device
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    avail = {(b.stage, b.name): b for b in available_backends(dev)}
+    results: dict[str, Any] = {"gpu": gpu, "dtype": a.dtype, "model": svc.model_name, "args": vars(a),
+                               "torch": torch.__version__, "runs": []}
+    try:
+        for name in a.backends.split(","):
+            if name not in BACKEND_PRESETS:
+                raise SystemExit(f"unknown backend {name!r}; choose from {', '.join(BACKEND_PRESETS)}")
+            preset = BACKEND_PRESETS[name]
+            backend = BackendConfig(llm=preset.llm, flow=preset.flow, vocoder=preset.vocoder, dtype=a.dtype)
+            missing = [f"{s}:{getattr(backend, s)} ({avail[(s, getattr(backend, s))].reason})"
+                       for s in ("llm", "flow", "vocoder") if not avail[(s, getattr(backend, s))].available]
+            if missing:
+                log.warning("skipping backend %s: %s", name, "; ".join(missing))
+                results["runs"].append({"backend": name, "skipped": "; ".join(missing)})
+                continue
+            for c in (int(x) for x in a.concurrency.split(",")):
+                log.info("backend %s, concurrency %d, %d requests", name, c, a.requests)
+                agg = bench_config(svc.engine, backend, c, a.requests, a)
+                results["runs"].append({"backend": name, "concurrency": c, **agg})
+                print(_row(name, c, agg), flush=True)
+    finally:
+        svc.close()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(_finite(results), indent=1))
+    from .dashboard import benchmark_report_html
+
+    (out / "report.html").write_text(benchmark_report_html(results))
+    print(f"\nGPU {gpu}, dtype {a.dtype}, prompt {a.prompt_tokens} tokens, text {a.text_tokens} tokens, "
+          f"{a.gen_tokens} generated tokens, hop_first {a.token_hop_len_first}, lookahead {a.pre_lookahead_len}")
+    print(HEADER)
+    for r in results["runs"]:
+        if "skipped" not in r:
+            print(_row(r["backend"], r["concurrency"], r))
+    return 0
+
+
+HEADER = (f"{'backend':<10}{'conc':>5}{'TTFB p50':>10}{'TTFB p95':>10}{'LLM ms/tok':>11}{'flow ms/ch':>11}"
+          f"{'voc ms/ch':>10}{'RTF p50':>9}{'audio s/s':>10}")
+
+
+def _row(name: str, c: int, agg: dict[str, Any]) -> str:
+    return (f"{name:<10}{c:>5}{agg['ttfb_ms']['p50']:>10.1f}{agg['ttfb_ms']['p95']:>10.1f}"
+            f"{agg['llm_ms_per_token']['p50']:>11.2f}{agg['flow_ms_per_chunk']['p50']:>11.1f}"
+            f"{agg['vocoder_ms_per_chunk']['p50']:>10.1f}{agg['rtf']['p50']:>9.3f}{agg['audio_s_per_s']:>10.2f}")
+
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite(v) for v in x]
+    return x
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
