@@ -151,9 +151,9 @@ class Engine:
                        "stream": request.stream, "seed": request.seed,
                        **{k: getattr(request.stream_params, k) for k in StreamParams.__slots__}}
         stages = self.stages(cfg)
-        inputs = self.prepare(request, tele)
-        tele.frontend_done = now()
         dev = self.models.device
+        inputs = self.prepare(request, tele).to(dev)
+        tele.frontend_done = now()
         g_llm = torch.Generator(device=dev).manual_seed(request.seed)
         g_voc = torch.Generator(device=dev).manual_seed(request.seed + 1)
         state = RequestState(request=request, inputs=inputs, telemetry=tele, stages=stages,

@@ -60,6 +60,17 @@ class ModelInputs:
         if self.embedding.dim() != 2 or self.embedding.shape[0] != 1:
             raise ConfigError(f"embedding must be (1, dim), got {tuple(self.embedding.shape)}")
 
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "ModelInputs":
+        """A copy on ``device``; float tensors cast to ``dtype`` when given (token ids stay int32)."""
+        def f(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=dtype) if dtype is not None else t.to(device)
+
+        return ModelInputs(text_segments=[t.to(device) for t in self.text_segments],
+                           prompt_text=self.prompt_text.to(device),
+                           llm_prompt_speech_token=self.llm_prompt_speech_token.to(device),
+                           flow_prompt_speech_token=self.flow_prompt_speech_token.to(device),
+                           prompt_feat=f(self.prompt_feat), embedding=f(self.embedding), speaker=self.speaker)
+
 
 @dataclass
 class SynthesisRequest:

@@ -1,0 +1,230 @@
+"""Speech LM parity with upstream (case_llm.pt) plus the generation rules: lengths, eos, seeding, cache bounds."""
+
+from __future__ import annotations
+
+import copy
+from itertools import islice
+
+import pytest
+import torch
+
+from cosyvoice_fast.config import ModelConfig
+from cosyvoice_fast.models.llm import Qwen2LM
+from cosyvoice_fast.models.qwen2 import KVCacheFullError
+from cosyvoice_fast.models.sampling import greedy_sample, nucleus_sample, random_sample, ras_sample
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def lm(request, fixture_dir) -> Qwen2LM:
+    """The fixture LM through the shared loader; direct strict load while other networks' modules are missing."""
+    try:
+        return request.getfixturevalue("tiny_models").llm
+    except ImportError:
+        cfg = ModelConfig.from_files(fixture_dir / "cosyvoice2.yaml", fixture_dir / "CosyVoice-BlankEN/config.json")
+        model = Qwen2LM(cfg.llm)
+        model.load_state_dict(torch.load(fixture_dir / "llm.pt", weights_only=True), strict=True)
+        return model.eval()
+
+
+@pytest.fixture(scope="module")
+def case(load_case) -> dict:
+    return load_case("case_llm")
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def _zero_shot_input(lm: Qwen2LM, case: dict) -> torch.Tensor:
+    return lm.build_lm_input(case["text"], case["prompt_text"], case["prompt_speech_token"])
+
+
+@torch.inference_mode()
+def test_lm_input_and_first_logp(lm, case):
+    x = _zero_shot_input(lm, case)
+    assert x.shape == case["lm_input"].shape
+    assert _max_err(x, case["lm_input"]) <= TOL
+    cache = lm.new_cache(x.shape[1] + 1)
+    logp = lm.prefill(x, cache)
+    assert logp.shape == (1, case["logp_first"].shape[0]) and logp.dtype == torch.float32
+    assert _max_err(logp[0], case["logp_first"]) <= TOL
+
+
+@torch.inference_mode()
+def test_kv_cache_forced_steps_and_full_forward(lm, case):
+    x = _zero_shot_input(lm, case)
+    forced = case["forced_tokens"].tolist()
+    cache = lm.new_cache(x.shape[1] + len(forced))
+    lm.prefill(x, cache)
+    pos = x.shape[1]
+    rows = []
+    for tok in forced:
+        rows.append(lm.decode_step(tok, cache, pos)[0])
+        pos += 1
+    assert _max_err(torch.stack(rows), case["forced_logp"]) <= TOL
+
+    seq = torch.cat([x, lm.speech_embedding(case["forced_tokens"].long())[None]], dim=1)
+    full = lm(seq)[0, x.shape[1] - 1:]
+    assert full.shape == case["full_forward_logp"].shape
+    assert _max_err(full, case["full_forward_logp"]) <= TOL
+
+
+@torch.inference_mode()
+def test_static_shape_attention_matches(lm, case):
+    """The graph-capture call (attend over the whole buffer, positions as a tensor) equals the sliced eager call."""
+    x = _zero_shot_input(lm, case)
+    forced = case["forced_tokens"].tolist()[:5]
+    cache = lm.new_cache(x.shape[1] + 16)
+    lm.prefill(x, cache)
+    for i, tok in enumerate(forced):
+        pos = torch.tensor([x.shape[1] + i])
+        hidden = lm.decoder(lm.embed_speech(tok), pos, cache, kv_len=None)
+        assert _max_err(lm.log_probs(hidden[:, -1])[0], case["forced_logp"][i]) <= TOL
+
+
+@torch.inference_mode()
+def test_greedy_tokens_exact(lm, case):
+    x = _zero_shot_input(lm, case)
+    n = case["greedy_tokens"].numel()
+    cache = lm.new_cache(x.shape[1] + n)
+    logp, pos, out = lm.prefill(x, cache)[0], x.shape[1], []
+    for _ in range(n):
+        out.append(int(logp.argmax()))
+        logp = lm.decode_step(out[-1], cache, pos)[0]
+        pos += 1
+    assert out == case["greedy_tokens"].tolist()
+
+
+def test_generate_greedy_matches_recorded(lm, case):
+    gen = lm.generate(case["text"], case["prompt_text"], case["prompt_speech_token"],
+                      generator=torch.Generator().manual_seed(0), sampler=greedy_sample)
+    n = case["greedy_tokens"].numel()
+    assert list(islice(gen, n)) == case["greedy_tokens"].tolist()
+    gen.close()
+
+
+def test_ras_reproduces_upstream_global_rng_draws(case):
+    """Upstream drew these after torch.manual_seed(3); a private CPU generator seeded 3 gives the same draws."""
+    g = torch.Generator().manual_seed(3)
+    draws = [ras_sample(case["logp_first"], [], g) for _ in range(case["ras_sampled_seeded"].numel())]
+    assert draws == case["ras_sampled_seeded"].tolist()
+
+
+def test_ras_falls_back_on_repetition(case):
+    """A nucleus pick already in the window is banned and replaced by a full-distribution draw."""
+    logp = case["logp_first"]
+    first = nucleus_sample(logp, torch.Generator().manual_seed(3))
+    g = torch.Generator().manual_seed(3)
+    redrawn = ras_sample(logp, [first], g)  # same seed: the nucleus step picks ``first`` again, then falls back
+    assert redrawn != first
+    banned = logp.clone()
+    banned[first] = -float("inf")
+    g_ref = torch.Generator().manual_seed(3)
+    nucleus_sample(logp, g_ref)
+    assert redrawn == random_sample(banned, g_ref)
+    # Every top-25 token in the window: each draw falls back, and a flat distribution lands mostly outside.
+    top = logp.topk(25).indices.tolist()
+    draws = [ras_sample(logp, top, torch.Generator().manual_seed(s), win_size=25, tau_r=0.04) for s in range(20)]
+    assert sum(d not in top for d in draws) >= 15
+    # Below the threshold (one occurrence, needs two) nothing changes.
+    assert ras_sample(logp, [first], torch.Generator().manual_seed(3), tau_r=0.2) == first
+
+
+def test_seeded_requests_are_independent(lm, case):
+    args = (case["text"], case["prompt_text"], case["prompt_speech_token"])
+    n = 25
+    rng_before = torch.get_rng_state()
+    alone = [list(islice(lm.generate(*args, generator=torch.Generator().manual_seed(s)), n)) for s in (1, 2)]
+    g1 = lm.generate(*args, generator=torch.Generator().manual_seed(1))
+    g2 = lm.generate(*args, generator=torch.Generator().manual_seed(2))
+    inter: list[list[int]] = [[], []]
+    for _ in range(n):
+        inter[0].append(next(g1))
+        inter[1].append(next(g2))
+    assert inter == alone
+    assert alone[0] != alone[1]
+    assert torch.equal(torch.get_rng_state(), rng_before)  # the global RNG is never touched
+    assert not torch.is_inference_mode_enabled()  # suspending a generator leaks no inference mode
+
+
+def _eos_seeker(eos: int, fallback: int):
+    """A sampler that ends generation as soon as eos is allowed, else emits ``fallback``."""
+
+    def sample(logp: torch.Tensor, history, generator) -> int:
+        return eos if torch.isfinite(logp[eos]) else fallback
+
+    return sample
+
+
+def _never_stop(logp: torch.Tensor, history, generator) -> int:
+    return 7
+
+
+def test_length_rules(lm):
+    cfg = lm.cfg
+    text = torch.tensor([[5, 6, 7]], dtype=torch.int32)
+    prompt_text = torch.tensor([[8, 9, 10, 11]], dtype=torch.int32)  # prompt text does not count
+    g = torch.Generator()
+    n_min, n_max = lm.length_limits(3)
+    assert (n_min, n_max) == (int(3 * cfg.min_token_text_ratio), int(3 * cfg.max_token_text_ratio)) == (6, 60)
+    assert len(list(lm.generate(text, prompt_text, generator=g, sampler=_eos_seeker(cfg.eos_token, 3)))) == n_min
+    assert len(list(lm.generate(text, prompt_text, generator=g, sampler=_never_stop))) == n_max
+    assert len(list(lm.generate(text, generator=g, sampler=_never_stop, max_tokens=9))) == 9
+    # ignore_eos: every stop id masked at every step, runs to max_tokens even past 20 x text.
+    out = list(lm.generate(text, generator=g, sampler=_eos_seeker(cfg.eos_token, 3), max_tokens=75, ignore_eos=True))
+    assert out == [3] * 75
+    # Any id >= speech_token_size ends generation and is never yielded (upstream masks only eos before min_len).
+    for stop in (cfg.speech_token_size + 1, cfg.speech_token_size + 2):
+        toks = list(lm.generate(text, generator=g, sampler=lambda lp, h, gen, s=stop: s if len(h) == 2 else 4))
+        assert toks == [4, 4]
+    # The real sampler never yields a special id.
+    toks = list(lm.generate(text, generator=torch.Generator().manual_seed(5)))
+    assert n_min <= len(toks) <= n_max and max(toks) < cfg.speech_token_size
+
+
+@torch.inference_mode()
+def test_mode_inputs(lm, case):
+    """Cross-lingual drops prompt text and speech; instruct2 keeps prompt text (the instruction) only."""
+    full = _zero_shot_input(lm, case)
+    n_p, n_t, n_s = (case[k].shape[1] for k in ("prompt_text", "text", "prompt_speech_token"))
+    cross = lm.build_lm_input(case["text"], torch.zeros(1, 0, dtype=torch.int32), torch.zeros(1, 0, dtype=torch.int32))
+    assert cross.shape[1] == 1 + n_t + 1
+    assert torch.equal(cross[:, 1:1 + n_t], full[:, 1 + n_p:1 + n_p + n_t])
+    assert torch.equal(cross[:, -1], full[:, 1 + n_p + n_t])  # task id right after the text
+    instruct = lm.build_lm_input(case["text"], case["prompt_text"], None)
+    assert torch.equal(instruct, full[:, :full.shape[1] - n_s])
+
+
+@torch.inference_mode()
+def test_kv_cache_bounds(lm, case):
+    x = _zero_shot_input(lm, case)
+    max_len = x.shape[1] + 4
+    cache = lm.new_cache(max_len)
+    assert cache.k[0].shape == (1, lm.cfg.qwen.num_key_value_heads, max_len, lm.cfg.qwen.head_dim)
+    logp = lm.prefill(x, cache)[0]
+    pos = x.shape[1]
+    while pos < max_len:  # fill every slot up to max_len
+        logp = lm.decode_step(int(logp.argmax()), cache, pos)[0]
+        pos += 1
+    assert torch.isfinite(logp).all()
+    with pytest.raises(KVCacheFullError, match=rf"max_len >= {max_len + 1}.*holds {max_len}"):
+        lm.decode_step(0, cache, pos)
+    with pytest.raises(KVCacheFullError):
+        lm.prefill(x, lm.new_cache(x.shape[1] - 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_runs(lm, case, dtype):
+    """Half models keep fp32 rotary frequencies and fp32 log-probs and stay near the fp32 reference."""
+    half = copy.deepcopy(lm).to(dtype)
+    assert half.decoder.rotary.inv_freq.dtype == torch.float32
+    with torch.inference_mode():
+        x = _zero_shot_input(half, case)
+        cache = half.new_cache(x.shape[1] + 1)
+        assert cache.dtype == dtype
+        logp = half.prefill(x, cache)[0]
+    assert logp.dtype == torch.float32
+    assert _max_err(logp, case["logp_first"]) < 0.15
+    assert abs(logp.exp().sum().item() - 1.0) < 1e-4
