@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cosyvoice_fast.models.cfm import fixed_noise
+from cosyvoice_fast.models.cfm import euler_schedule, fixed_noise, time_grid
 
 
 @pytest.fixture(scope="module")
 def cfm(tiny_models):
+    """The CausalCFM as the model loader builds it (flow.pt's ``decoder.*``)."""
     return tiny_models.flow.decoder
 
 
@@ -35,6 +36,46 @@ def test_cfm_solve_reproduces_mel(cfm, load_case):
     with torch.no_grad():
         out = cfm(ei["mu"][:1], ei["mask"][:1], ei["spks"][:1], ei["cond"][:1], n_timesteps=10, streaming=False)
     assert (out[:, :, -mel_new:] - case["mel"]).abs().max().item() <= 1e-4
+
+
+def test_solver_feeds_estimator_a_guidance_batch(cfm, load_case):
+    """Ten calls on the cosine grid, each a batch of 2 whose second row has mu/spks/cond zeroed; a swapped-in
+    estimator (how a graph backend plugs in) gives the same mel as the built-in one."""
+    ei = load_case("case_flow")["estimator_inputs"]
+    mu, mask, spks, cond = ei["mu"][:1], ei["mask"][:1], ei["spks"][:1], ei["cond"][:1]
+    seen = []
+
+    def spy(x, m, mu2, t, spks2, cond2, streaming):
+        seen.append(t.clone())
+        assert x.shape[0] == 2 and torch.equal(x[0], x[1])
+        assert torch.equal(mu2[0], mu[0]) and not mu2[1].any() and not spks2[1].any() and not cond2[1].any()
+        assert torch.equal(m, torch.cat([mask, mask]))
+        return cfm.estimator(x, m, mu2, t, spks2, cond2, streaming)
+
+    with torch.no_grad():
+        ref = cfm(mu, mask, spks, cond, n_timesteps=10)
+        out = cfm(mu, mask, spks, cond, n_timesteps=10, estimator=spy)
+    assert torch.equal(out, ref)
+    grid = time_grid(10, "cosine")
+    torch.testing.assert_close(torch.stack([t[0] for t in seen]), grid[:-1], atol=0, rtol=0)
+    assert torch.equal(seen[0], ei["t"])  # the recorded first call ran at t = 0 for both rows
+    ts, dts = euler_schedule(10, "cosine")
+    assert abs(dts.sum().item() - 1.0) < 1e-6 and torch.all(dts > 0)
+
+
+def test_fully_padded_batch_row_stays_finite(cfm, load_case):
+    """A batch row with no valid frame must not turn into NaN (softmax over nothing), nor disturb other rows."""
+    ei = load_case("case_flow")["estimator_inputs"]
+    mask = ei["mask"].clone()
+    mask[1] = 0
+    with torch.no_grad():
+        for streaming in (False, True):
+            out = cfm.estimator(ei["x"], mask, ei["mu"], ei["t"], ei["spks"], ei["cond"], streaming=streaming)
+            row0 = cfm.estimator(ei["x"][:1], mask[:1], ei["mu"][:1], ei["t"][:1], ei["spks"][:1], ei["cond"][:1],
+                                 streaming=streaming)
+            assert torch.isfinite(out).all()
+            assert not out[1].any()
+            assert (out[:1] - row0).abs().max().item() <= 1e-5
 
 
 def test_streaming_estimator_is_chunk_causal(cfm, load_case):

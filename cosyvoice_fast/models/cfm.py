@@ -5,11 +5,16 @@ truncated to the utterance length: upstream does this so that re-running a longe
 the same starting point for the frames already emitted.  Guidance runs the conditional and unconditional
 estimates as one batch of 2 (row 1 has mu, speaker and prompt condition zeroed) and mixes them as
 ``(1 + w) · v_cond − w · v_uncond``.
+
+The solve is split into pieces a faster backend can reuse: ``euler_schedule`` (the step times, computed
+once), ``guidance_batch`` (the step-invariant half of the estimator input, built once per solve) and
+``euler_step`` / ``guided_velocity`` (one estimator call; the estimator can be swapped for a captured graph).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -19,18 +24,52 @@ from .flow_decoder import CausalConditionalDecoder
 
 NOISE_FRAMES = 15000
 
+# (x, mask, mu, t, spks, cond, streaming) -> velocity, the estimator's calling convention.
+Estimator = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, bool], Tensor]
+
 
 def fixed_noise(n_frames: int = NOISE_FRAMES, channels: int = 80) -> Tensor:
     """The fixed CFM start noise, drawn on CPU from its own generator (the global RNG is untouched)."""
     return torch.randn(1, channels, n_frames, generator=torch.Generator().manual_seed(0))
 
 
-def time_grid(n_steps: int, scheduler: str, device: torch.device, dtype: torch.dtype) -> Tensor:
+def time_grid(n_steps: int, scheduler: str, device: torch.device | str | None = None,
+              dtype: torch.dtype = torch.float32) -> Tensor:
     """``n_steps + 1`` flow times from 0 to 1; 'cosine' spends more steps near t = 0."""
+    if scheduler not in ("cosine", "linear"):
+        raise ValueError(f"unknown CFM t_scheduler {scheduler!r}; expected 'cosine' or 'linear'")
     t = torch.linspace(0, 1, n_steps + 1, device=device, dtype=dtype)
     if scheduler == "cosine":
         t = 1 - torch.cos(t * 0.5 * math.pi)
     return t
+
+
+def euler_schedule(n_steps: int, scheduler: str, device: torch.device | str = "cpu",
+                   dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """Per-step ``(t, dt)``, each of shape (n_steps,).
+
+    Upstream does not index the grid: it advances ``t += dt`` and takes the next ``dt`` as ``grid[i+1] - t``.
+    In fp32 that equals the grid exactly; in bf16/fp16 the running sum can round differently, so the same
+    recurrence is followed here (on CPU, once per solve; a handful of scalar ops).
+    """
+    grid = time_grid(n_steps, scheduler, "cpu", dtype)
+    ts, dts = [], []
+    t = grid[0]
+    for i in range(n_steps):
+        dt = grid[i + 1] - t
+        ts.append(t)
+        dts.append(dt)
+        t = t + dt
+    return torch.stack(ts).to(device), torch.stack(dts).to(device)
+
+
+class GuidanceBatch(NamedTuple):
+    """The parts of the batch-2 estimator input that do not change between Euler steps."""
+
+    mask: Tensor  # (2, 1, T)
+    mu: Tensor  # (2, 80, T), row 1 zero
+    spks: Tensor  # (2, 80), row 1 zero
+    cond: Tensor  # (2, 80, T), row 1 zero
 
 
 class CausalCFM(nn.Module):
@@ -40,33 +79,55 @@ class CausalCFM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.estimator = CausalConditionalDecoder(decoder_cfg)
-        self.register_buffer("noise", fixed_noise(), persistent=False)
+        # Not in the checkpoint (persistent=False); being a buffer, ``.to(device)`` moves it with the module.
+        # Note ``.to(dtype)`` casts it too, which matches upstream casting the noise to mu's dtype.
+        self.register_buffer("noise", fixed_noise(channels=decoder_cfg.out_channels), persistent=False)
 
-    def guided_velocity(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
-                        streaming: bool) -> Tensor:
-        """One estimator call with CFG for a batch-1 state ``x`` at flow time ``t`` (a 0-dim or (1,) tensor)."""
-        zeros_mu, zeros_spk, zeros_cond = torch.zeros_like(mu), torch.zeros_like(spks), torch.zeros_like(cond)
-        v = self.estimator(torch.cat([x, x]), torch.cat([mask, mask]), torch.cat([mu, zeros_mu]),
-                           t.reshape(1).expand(2), torch.cat([spks, zeros_spk]), torch.cat([cond, zeros_cond]),
-                           streaming)
-        v_cond, v_uncond = v[:1], v[1:]
+    @staticmethod
+    def guidance_batch(mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor) -> GuidanceBatch:
+        """Stack the conditional row and the all-zero unconditional row (batch-1 inputs -> batch 2)."""
+        return GuidanceBatch(mask=torch.cat([mask, mask]).to(mu.dtype),
+                             mu=torch.cat([mu, torch.zeros_like(mu)]),
+                             spks=torch.cat([spks, torch.zeros_like(spks)]).to(mu.dtype),
+                             cond=torch.cat([cond, torch.zeros_like(cond)]).to(mu.dtype))
+
+    def guided_velocity(self, x: Tensor, t: Tensor, g: GuidanceBatch, streaming: bool,
+                        estimator: Estimator | None = None) -> Tensor:
+        """One estimator call on the batch of 2 at flow time ``t`` (0-dim or (1,)), mixed by the CFG rate.
+
+        ``estimator`` replaces ``self.estimator`` (e.g. a CUDA-graph runner with the same signature).
+        """
+        est = self.estimator if estimator is None else estimator
+        v = est(torch.cat([x, x]), g.mask, g.mu, t.reshape(1).expand(2), g.spks, g.cond, streaming)
         w = self.cfg.inference_cfg_rate
-        return (1.0 + w) * v_cond - w * v_uncond
+        return (1.0 + w) * v[:1] - w * v[1:]
 
-    def forward(self, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, n_timesteps: int = 10,
-                streaming: bool = False, noise: Tensor | None = None) -> Tensor:
-        """(1, 80, T) conditions -> (1, 80, T) mel in fp32."""
-        if mu.shape[0] != 1:
-            raise ValueError("the CFM runs one utterance at a time (batch 1, CFG doubles it)")
-        frames = mu.shape[2]
+    def euler_step(self, x: Tensor, t: Tensor, dt: Tensor, g: GuidanceBatch, streaming: bool,
+                   estimator: Estimator | None = None) -> Tensor:
+        """State after step ``i`` given ``t = ts[i]``, ``dt = dts[i]`` from :func:`euler_schedule`."""
+        return x + dt * self.guided_velocity(x, t, g, streaming, estimator)
+
+    def start_noise(self, frames: int, device: torch.device, dtype: torch.dtype,
+                    noise: Tensor | None = None) -> Tensor:
+        """The first ``frames`` frames of the fixed noise (or of ``noise``), on ``device`` in ``dtype``."""
         start = self.noise if noise is None else noise
         if frames > start.shape[2]:
             raise ValueError(f"{frames} mel frames exceed the fixed noise length {start.shape[2]} "
                              f"({start.shape[2] / 50:.0f} s); split the text into shorter segments")
-        x = start[:, :, :frames].to(device=mu.device, dtype=mu.dtype)
-        grid = time_grid(n_timesteps, self.cfg.t_scheduler, mu.device, mu.dtype)
-        spks = spks.to(mu.dtype)
+        return start[:, :, :frames].to(device=device, dtype=dtype)
+
+    def forward(self, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, n_timesteps: int = 10,
+                streaming: bool = False, noise: Tensor | None = None, *,
+                estimator: Estimator | None = None) -> Tensor:
+        """(1, 80, T) encoder output, (1, 1, T) mask, (1, 80) speaker, (1, 80, T) prompt mel -> (1, 80, T) mel.
+
+        Computed in mu's dtype, returned in fp32.
+        """
+        if mu.shape[0] != 1:
+            raise ValueError("the CFM runs one utterance at a time (batch 1, CFG doubles it)")
+        x = self.start_noise(mu.shape[2], mu.device, mu.dtype, noise)
+        ts, dts = euler_schedule(n_timesteps, self.cfg.t_scheduler, mu.device, mu.dtype)
+        g = self.guidance_batch(mu, mask, spks, cond)
         for i in range(n_timesteps):
-            dt = grid[i + 1] - grid[i]
-            x = x + dt * self.guided_velocity(x, mask, mu, grid[i], spks, cond, streaming)
+            x = self.euler_step(x, ts[i], dts[i], g, streaming, estimator)
         return x.float()

@@ -4,7 +4,9 @@ Input channels are ``[x, mu, speaker, cond]`` stacked (4 × 80 = 320); the outpu
 the 80 mel channels.  Everything along time is causal (left-padded convolutions, per-frame LayerNorm) and
 attention is either full or, when streaming, chunk-causal (static chunks of 50 frames, all left chunks
 visible), so frames of a finished chunk never change when later frames are appended.  That property is what
-makes incremental and length-bucketed (zero-padded) execution exact.
+makes incremental and length-bucketed (zero-padded) execution exact.  (With more than one entry in
+``channels`` the stride-2 down/up-sampling between levels would look one frame ahead; released models have a
+single level, where both are causal 3-tap convolutions.)
 
 Module names follow the official checkpoint (``decoder.estimator.*`` in flow.pt).
 """
@@ -90,21 +92,34 @@ class SelfAttention(nn.Module):
         return self.to_out[0](o.transpose(1, 2).reshape(b, t, -1))
 
 
-class GELUProj(nn.Module):
-    """Linear then exact GELU (the ``ff.net.0.proj`` key)."""
+# The estimator's ``act_fn`` names the feed-forward nonlinearity; CosyVoice2 ships "gelu" (erf form).  Other
+# names upstream accepts (gated or snake variants) would need different weights, so they are refused loudly
+# rather than silently computed with the wrong function.
+_GELU_APPROXIMATION = {"gelu": "none", "gelu-approximate": "tanh"}
 
-    def __init__(self, c_in: int, c_out: int):
+
+class GELUProj(nn.Module):
+    """Linear then GELU (the ``ff.net.0.proj`` key)."""
+
+    def __init__(self, c_in: int, c_out: int, approximate: str = "none"):
         super().__init__()
         self.proj = nn.Linear(c_in, c_out)
+        self.approximate = approximate
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.gelu(self.proj(x))
+        return F.gelu(self.proj(x), approximate=self.approximate)
 
 
 class FeedForward(nn.Module):
-    def __init__(self, dim: int, mult: int = 4):
+    """Linear 4x up + GELU, then linear down (``net.0`` / ``net.2`` keys; ``net.1`` is a parameter-free dropout)."""
+
+    def __init__(self, dim: int, act_fn: str = "gelu", mult: int = 4):
         super().__init__()
-        self.net = nn.ModuleList([GELUProj(dim, dim * mult), nn.Dropout(0.0), nn.Linear(dim * mult, dim)])
+        if act_fn not in _GELU_APPROXIMATION:
+            raise ValueError(f"estimator act_fn {act_fn!r} is not supported; CosyVoice2 uses 'gelu' "
+                             f"(supported: {', '.join(_GELU_APPROXIMATION)})")
+        self.net = nn.ModuleList([GELUProj(dim, dim * mult, _GELU_APPROXIMATION[act_fn]), nn.Dropout(0.0),
+                                  nn.Linear(dim * mult, dim)])
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net[2](self.net[0](x))
@@ -113,12 +128,12 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm self-attention + feed-forward, residual both (``norm1``/``attn1``/``norm3``/``ff`` keys)."""
 
-    def __init__(self, dim: int, heads: int, head_dim: int):
+    def __init__(self, dim: int, heads: int, head_dim: int, act_fn: str = "gelu"):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
         self.attn1 = SelfAttention(dim, heads, head_dim)
         self.norm3 = nn.LayerNorm(dim)
-        self.ff = FeedForward(dim)
+        self.ff = FeedForward(dim, act_fn)
 
     def forward(self, x: Tensor, allowed: Tensor) -> Tensor:
         x = x + self.attn1(self.norm1(x), allowed)
@@ -126,6 +141,8 @@ class TransformerBlock(nn.Module):
 
 
 class TimestepMLP(nn.Module):
+    """Sinusoidal flow-time features -> the embedding every ResNet block adds (``linear_1``/``linear_2``)."""
+
     def __init__(self, c_in: int, dim: int):
         super().__init__()
         self.linear_1 = nn.Linear(c_in, dim)
@@ -144,18 +161,21 @@ def sinusoidal_embedding(t: Tensor, dim: int, scale: float = 1000.0) -> Tensor:
 
 
 def attention_allowed(mask: Tensor, chunk: int) -> Tensor:
-    """(B, 1, T) frame mask -> bool (B, 1|T, T): valid keys, and with ``chunk`` > 0 only keys in the query's
-    chunk or earlier ones.  A query row with no visible key would make softmax undefined; it is opened (its
-    output is masked downstream anyway)."""
-    valid = mask.bool()
-    if chunk <= 0:
-        return valid
-    t = mask.shape[-1]
-    pos = torch.arange(t, device=mask.device)
-    limit = (pos // chunk + 1) * chunk
-    allowed = valid & (pos.unsqueeze(0) < limit.unsqueeze(1)).unsqueeze(0)
-    empty = ~allowed.any(dim=-1, keepdim=True)
-    return allowed | empty
+    """(B, 1, T) frame mask -> bool (B, 1|T, T), True where a query may attend a key.
+
+    Keys must be valid frames; with ``chunk`` > 0 they must also lie in the query's chunk or an earlier one
+    (every left chunk stays visible: the released estimator ignores ``num_decoding_left_chunks``).  A row
+    with no visible key (an all-padding batch row) has an undefined softmax (NaN on some SDPA kernels, and NaN
+    survives the later ``* mask``); such rows are opened instead, as upstream does, which is harmless because
+    padding never reaches valid frames.
+    Built from tensor ops only (no host sync), so it can live inside a CUDA graph.
+    """
+    allowed = mask.bool()
+    if chunk > 0:
+        pos = torch.arange(mask.shape[-1], device=mask.device)
+        chunk_end = (pos // chunk + 1) * chunk
+        allowed = allowed & (pos.unsqueeze(0) < chunk_end.unsqueeze(1)).unsqueeze(0)
+    return allowed | ~allowed.any(dim=-1, keepdim=True)
 
 
 class CausalConditionalDecoder(nn.Module):
@@ -169,7 +189,7 @@ class CausalConditionalDecoder(nn.Module):
         self.time_mlp = TimestepMLP(cfg.in_channels, time_dim)
 
         def tblocks(dim: int) -> nn.ModuleList:
-            return nn.ModuleList(TransformerBlock(dim, cfg.num_heads, cfg.attention_head_dim)
+            return nn.ModuleList(TransformerBlock(dim, cfg.num_heads, cfg.attention_head_dim, cfg.act_fn)
                                  for _ in range(cfg.n_blocks))
 
         self.down_blocks = nn.ModuleList()
