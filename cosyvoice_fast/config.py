@@ -16,6 +16,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .yamlconf import ConfigError, read_hyperpyyaml
 
 
@@ -370,6 +372,7 @@ class StreamParams:
 
 
 BACKEND_NAMES = ("eager", "cudagraph", "tensorrt", "trtllm")
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,5 +391,10 @@ class BackendConfig:
             v = getattr(self, stage)
             if v not in ok:
                 raise ConfigError(f"unknown {stage} backend {v!r}; choose one of {', '.join(ok)}")
-        if self.dtype not in ("fp32", "fp16", "bf16"):
+        if self.dtype not in TORCH_DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}; choose fp32, fp16 or bf16")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype the LM and flow run in (HiFT always runs in fp32)."""
+        return TORCH_DTYPES[self.dtype]

@@ -152,7 +152,7 @@ class Engine:
                        **{k: getattr(request.stream_params, k) for k in StreamParams.__slots__}}
         stages = self.stages(cfg)
         dev = self.models.device
-        inputs = self.prepare(request, tele).to(dev)
+        inputs = self.prepare(request, tele).to(dev, cfg.torch_dtype)  # prompt mel/embedding feed the flow
         tele.frontend_done = now()
         g_llm = torch.Generator(device=dev).manual_seed(request.seed)
         g_voc = torch.Generator(device=dev).manual_seed(request.seed + 1)
@@ -198,7 +198,12 @@ class Engine:
                     return
                 while self._incoming:
                     self._active.append(self._incoming.popleft())
-            self._turn()
+            try:
+                self._turn()
+            except Exception as e:  # a scheduler bug must fail the requests in flight, never hang them
+                log.exception("engine scheduler failed; failing the active requests")
+                for st in list(self._active):
+                    self._fail(st, RuntimeError(f"internal engine error ({type(e).__name__}): {e}"))
 
     def _turn(self) -> None:
         for st in list(self._active):

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import torch
 
-from .config import BackendConfig
+from .config import TORCH_DTYPES, BackendConfig
 from .engine import Engine
 from .modelfiles import LoadedModels, find_model_dir, load_models
 from .synthetic import synthetic_model_dir
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = TORCH_DTYPES
 
 
 @dataclass

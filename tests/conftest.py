@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-FIXTURE_DIR = REPO_ROOT / ".." / "shared" / "fixtures" / "cosyvoice2-tiny"
+# COSYVOICE_FIXTURE_DIR points elsewhere where ../shared is not beside the checkout (e.g. a GPU box)
+FIXTURE_DIR = Path(os.environ.get("COSYVOICE_FIXTURE_DIR") or REPO_ROOT / ".." / "shared" / "fixtures" / "cosyvoice2-tiny")
 
 
 @pytest.fixture(scope="session")

@@ -9,14 +9,11 @@ import torch
 from ..config import BackendConfig
 from .base import StageSet
 
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
 def build_stage_set(models, config: BackendConfig) -> StageSet:  # noqa: ANN001 - LoadedModels (import cycle)
     """Instantiate the stage implementations ``config`` names, over ``models`` (cast copies if dtype differs)."""
     from . import eager
 
-    dtype = _DTYPES[config.dtype]
+    dtype = config.torch_dtype
     llm, flow = models.llm, models.flow
     if dtype != models.dtype:
         if models.device.type == "cpu" and dtype != torch.float32:

@@ -20,7 +20,7 @@ from ..telemetry import RequestTelemetry
 from .vocoder_stream import VocoderCache
 
 
-@dataclass
+@dataclass(eq=False)
 class SegmentState:
     """One text segment's speech-token stream: LM iterator, tokens so far, chunk cursor, vocoder carry-over."""
 
@@ -43,7 +43,7 @@ class SegmentState:
         self.voc_cache = None
 
 
-@dataclass
+@dataclass(eq=False)  # identity equality: field-wise == would compare tensors (and is meaningless here)
 class RequestState:
     """A request in flight: inputs, parameters, generators, per-segment state, output queue, telemetry."""
 
