@@ -1,0 +1,381 @@
+"""The ``cudagraph`` LLM backend: static KV caches in a slot pool, prefill and decode replayed as CUDA graphs.
+
+Eager decoding of a 24-layer Qwen2 at batch 1 is launch-bound: ~900 small kernels per token, each costing more
+CPU time to launch than GPU time to run.  Here every request borrows a *slot* (a pre-allocated KV cache of
+``max_len`` positions plus a few static buffers) and each step is one graph replay.
+
+Per slot, one decode graph is captured for each *KV bucket* (e.g. 256, 512, 1024, 2048 positions): it attends
+over the first ``bucket`` cache positions, masked by position, so early tokens do not pay for a 2048-long
+attention.  A decode graph computes: token embedding -> decoder -> fp32 log-probs (+ the step's eos mask) ->
+softmax -> stable sort -> nucleus cut -> the draw.  Prefill is captured per slot for a few padded input lengths
+(64..512 by default; zero rows after the real ones, causally invisible to them); a longer input runs the eager
+SDPA prefill.  The model is called through its public methods and does not know it is being captured.
+
+Sampling is the eager RAS sampler's, draw for draw (same seed -> same tokens in fp32):
+
+- ``torch.multinomial(p[:n], 1)`` is ``argmax(p[:n] / q)`` with ``q = empty_like(p[:n]).exponential_(gen)``.
+  On CUDA, element ``i`` of an exponential draw comes from Philox counter ``i`` and the generator's offset
+  advances by the same amount for any length up to 256, so drawing ``q`` for all ``top_k`` candidates and
+  masking those past the nucleus gives the same token *and* leaves the generator in the same state.  The draw
+  into a static buffer happens eagerly just before the replay (graphs must not own per-request generators).
+- The nucleus size uses sequential fp32 running sums, like :func:`..models.sampling._nucleus_size`: a CUDA
+  ``cumsum`` along a non-innermost dimension is one thread walking the column in order.
+- The repetition check needs the token on the host, which streaming needs anyway: one ``.item()`` per token is
+  the only sync.  When the window check fires (the fallback full-distribution draw), :func:`random_sample`
+  runs eagerly, as in eager mode, with its own syncs.  A CPU generator falls back to the eager sampler entirely.
+
+Both claims about torch internals are asserted by the GPU tests (tokens equal eager's, nucleus cut equal the
+host loop on boundary cases).  Log-probs differ from eager's only by the attention length (bucket instead of
+the filled prefix, the rest masked), a rounding-level difference.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from ..config import ModelConfig
+from ..models.qwen2 import KVCache, KVCacheFullError
+from ..models.sampling import random_sample
+from .base import BackendUnavailable
+from .kv_pool import SlotPool
+
+log = logging.getLogger(__name__)
+
+_NEG_INF = -float("inf")
+
+
+# ------------------------------------------------------------------------------------------ pure helpers
+
+
+def why_unavailable(llm: torch.nn.Module) -> str | None:
+    """The reason this backend cannot drive ``llm`` here, or None when it can."""
+    if not torch.cuda.is_available():
+        return "llm backend 'cudagraph' needs a CUDA GPU (torch sees none here); choose 'eager' instead"
+    dev = next(llm.parameters()).device
+    if dev.type != "cuda":
+        return f"llm backend 'cudagraph' needs a CUDA GPU, but the model is on {dev}; choose 'eager' instead"
+    return None
+
+
+def choose_kv_buckets(max_len: int, buckets: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Sorted attention lengths to capture, always ending at ``max_len``.
+
+    Default: powers of two from 256 below ``max_len``, then ``max_len`` (2048 -> 256, 512, 1024, 2048).
+    """
+    if max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len}")
+    if buckets is None:
+        buckets = [1 << p for p in range(8, max_len.bit_length()) if (1 << p) < max_len]
+    bad = [b for b in buckets if not 0 < b <= max_len]
+    if bad:
+        raise ValueError(f"kv buckets {bad} must lie in 1..max_len={max_len}")
+    return tuple(sorted(set(buckets) | {max_len}))
+
+
+def bucket_for(buckets: Sequence[int], pos: int) -> int:
+    """The smallest bucket that holds position ``pos`` (it must attend over ``pos + 1`` positions)."""
+    for b in buckets:
+        if b > pos:
+            return b
+    raise KVCacheFullError(f"position {pos} is past the slot's {buckets[-1]} KV positions")
+
+
+def token_budget(n_prompt: int, max_len: int, capacity: int, ignore_eos: bool) -> int:
+    """How many tokens a request of ``n_prompt`` LM-input positions may draw in a slot of ``capacity``.
+
+    Drawing ``m`` tokens writes ``n_prompt + m - 1`` positions (the last token is never fed back).  A fixed
+    count (``ignore_eos``) that does not fit is an error; the usual 20x-text safety cap is shortened instead,
+    since real speech ends with eos long before it.
+    """
+    if n_prompt > capacity:
+        raise KVCacheFullError(f"the LM input has {n_prompt} positions but a slot holds {capacity}: shorten the "
+                               "prompt/text or build the cudagraph backend with a larger max_len")
+    room = capacity - n_prompt + 1
+    if max_len <= room:
+        return max_len
+    if ignore_eos:
+        raise KVCacheFullError(f"{max_len} forced tokens after a {n_prompt}-position input need "
+                               f"{n_prompt + max_len - 1} KV positions, but a slot holds {capacity}")
+    log.warning("cudagraph LLM: safety cap of %d tokens shortened to %d to fit the slot's %d KV positions",
+                max_len, room, capacity)
+    return room
+
+
+def nucleus_keep(head_p: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """Which of the sorted top-k probabilities (k,) the nucleus keeps: candidate ``j`` is kept while the fp32
+    running sum of the ``j`` before it is ``< limit``; the first is always kept.
+
+    The running sums must be the sequential fp32 sums the eager sampler computes on the host.  CUDA's ``cumsum``
+    along an outer dimension is exactly that (one thread per column, in order), hence the dummy second column;
+    along the only dimension it would be a parallel scan with different rounding.  (On CPU, cumsum accumulates
+    in fp64, so this is exact only on CUDA.)
+    """
+    run = torch.stack((head_p, head_p), dim=1).cumsum(dim=0)[:, 0]
+    first = torch.ones(1, dtype=torch.bool, device=head_p.device)
+    return torch.cat((first, run[:-1] < limit))
+
+
+def nucleus_pick(logp: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, limit: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply the step's mask, then draw from the nucleus given exponential variates ``q`` (top_k,).
+
+    Returns ``(masked log-probs (V,), token (1,) int64)``, both on the GPU, no host sync.  ``bias`` holds 0 or
+    -inf per id (eos / stop ids masked), which equals the eager in-place ``-inf`` assignment.
+    """
+    logp = logp + bias
+    sorted_p, sorted_i = logp.softmax(dim=0).sort(descending=True, stable=True)
+    k = q.shape[0]
+    head_p, head_i = sorted_p[:k], sorted_i[:k]
+    score = torch.where(nucleus_keep(head_p, limit), head_p / q, _NEG_INF)
+    return logp, head_i.gather(0, score.argmax(dim=0, keepdim=True))
+
+
+# ------------------------------------------------------------------------------------------ the backend
+
+
+@dataclass
+class _Slot:
+    """One request's static state: its cache, the graphs' inputs and outputs, and the graphs themselves."""
+
+    cache: KVCache
+    tok: torch.Tensor  # (1, 1) int64: the token fed this step
+    pos: torch.Tensor  # (1,) int64: the position it is written at
+    bias: torch.Tensor  # (V,) fp32: 0 or -inf (the step's eos/stop mask)
+    q: torch.Tensor  # (top_k,) fp32: exponential variates of this step's draw
+    logp: torch.Tensor  # (V,) fp32 out: masked log-probs
+    token: torch.Tensor  # (1,) int64 out: the nucleus draw
+    mask_mode: str = ""
+    graphs: dict[int, Any] = field(default_factory=dict)  # decode step per kv bucket
+    prefill_graphs: dict[int, Any] = field(default_factory=dict)  # prefill per padded input length
+
+
+class CudaGraphLLM:
+    """Speech-token generation with pooled static KV caches and graph-replayed prefill and decode steps.
+
+    ``slots`` requests can run at once, each with room for ``max_len`` LM positions (prompt + text + tokens);
+    ``kv_buckets`` are the attention lengths captured per slot for decoding (see :func:`choose_kv_buckets`).
+    ``prefill_buckets`` are the padded input lengths whose prefill is captured too (eager prefill costs one
+    kernel launch per op, tens of ms of CPU time at 0.5B); longer inputs prefill eagerly; ``()`` turns it off.
+    Everything is allocated and captured here, so the first request pays nothing.
+    """
+
+    def __init__(self, llm: torch.nn.Module, config: ModelConfig, *, slots: int = 16, max_len: int = 2048,
+                 kv_buckets: Sequence[int] | None = None, prefill_buckets: Sequence[int] = (64, 128, 256, 512),
+                 progress: bool = True):
+        reason = why_unavailable(llm)
+        if reason is not None:
+            raise BackendUnavailable(reason)
+        self.llm = llm
+        self.config = config
+        self.device = next(llm.parameters()).device
+        self.sampler = llm.default_sampler()
+        self.max_len = max_len
+        self.buckets = choose_kv_buckets(max_len, kv_buckets)
+        self.prefill_buckets = tuple(sorted(b for b in set(prefill_buckets) if 0 < b <= max_len))
+        self.fallback_draws = 0  # how often the RAS repetition check replaced a nucleus draw
+        self._lock = threading.Lock()  # graphs share one scratch pool: one replay (and its reads) at a time
+        vocab = llm.cfg.vocab_out
+        self._k = min(self.sampler.top_k, vocab)
+        t0, mem0 = time.perf_counter(), torch.cuda.memory_allocated(self.device)
+        with torch.inference_mode():
+            dev, n_in = self.device, max(self.prefill_buckets, default=1)
+            self._limit = torch.full((), self.sampler.top_p, dtype=torch.float32, device=dev)
+            # prefill inputs, shared by all slots (prefills are serialised by the lock)
+            self._emb = torch.zeros(1, n_in, llm.cfg.llm_input_size, dtype=llm.speech_embedding.weight.dtype,
+                                    device=dev)
+            self._ppos = torch.arange(n_in, device=dev)
+            self._last = torch.zeros(1, dtype=torch.long, device=dev)
+            self.pool = SlotPool([self._new_slot(vocab) for _ in range(slots)], name="LLM slot")
+            n = self._capture_all(progress)
+        log.info("cudagraph LLM: %d graphs (%d slots x kv buckets %s + prefill buckets %s) captured in %.1f s; "
+                 "%.0f MiB for caches and graphs", n, slots, list(self.buckets), list(self.prefill_buckets),
+                 time.perf_counter() - t0, (torch.cuda.memory_allocated(self.device) - mem0) / 2**20)
+
+    def _new_slot(self, vocab: int) -> _Slot:
+        dev, f32 = self.device, torch.float32
+        return _Slot(cache=self.llm.new_cache(self.max_len),
+                     tok=torch.zeros(1, 1, dtype=torch.long, device=dev),
+                     pos=torch.zeros(1, dtype=torch.long, device=dev),
+                     bias=torch.zeros(vocab, dtype=f32, device=dev), q=torch.ones(self._k, dtype=f32, device=dev),
+                     logp=torch.zeros(vocab, dtype=f32, device=dev),
+                     token=torch.zeros(1, dtype=torch.long, device=dev))
+
+    # -------------------------------------------------------------------------------------- capture
+
+    def _pick_into(self, s: _Slot, hidden_last: torch.Tensor) -> None:
+        logp, token = nucleus_pick(self.llm.log_probs(hidden_last)[0], s.bias, s.q, self._limit)
+        s.logp.copy_(logp)  # outputs live outside the graph pool, so replaying any graph never clobbers them
+        s.token.copy_(token)
+
+    def _step_math(self, s: _Slot, bucket: int) -> None:
+        """What a decode graph replays: one token through the decoder, attending over ``bucket`` positions."""
+        hidden = self.llm.decoder(self.llm.speech_embedding(s.tok), s.pos, s.cache, kv_len=bucket)
+        self._pick_into(s, hidden[:, -1])
+
+    def _prefill_math(self, s: _Slot, n: int) -> None:
+        """What a prefill graph replays: ``n`` input rows (real ones, then zero padding) at positions 0..n-1.
+
+        Padding is harmless: causal masking keeps it out of the real rows, and the cache positions it writes
+        are rewritten by decode steps before any query can attend to them.
+        """
+        hidden = self.llm.decoder(self._emb[:, :n], self._ppos[:n], s.cache, kv_len=n)
+        self._pick_into(s, hidden[0].index_select(0, self._last))
+
+    def _capture_all(self, progress: bool) -> int:
+        from tqdm.auto import tqdm
+
+        slots = [self.pool.item(i) for i in range(self.pool.capacity)]
+        jobs = [(s, b, False) for s in slots for b in self.buckets]
+        jobs += [(s, n, True) for s in slots for n in self.prefill_buckets]
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up: library handles and kernel choices happen outside any capture
+            for b in self.buckets:
+                self._step_math(slots[0], b)
+            for n in self.prefill_buckets:
+                self._prefill_math(slots[0], n)
+        torch.cuda.synchronize(self.device)
+        scratch = torch.cuda.graph_pool_handle()
+        # capture_begin/end rather than ``torch.cuda.graph``: that one runs gc.collect() and empty_cache() per graph.
+        with torch.cuda.stream(side):
+            for s, n, prefill in tqdm(jobs, desc="capturing LLM graphs", unit="graph", disable=not progress,
+                                      leave=False):
+                g = torch.cuda.CUDAGraph()
+                g.capture_begin(pool=scratch, capture_error_mode="thread_local")
+                try:
+                    (self._prefill_math if prefill else self._step_math)(s, n)
+                finally:
+                    g.capture_end()
+                (s.prefill_graphs if prefill else s.graphs)[n] = g
+        torch.cuda.synchronize(self.device)
+        return len(jobs)
+
+    # -------------------------------------------------------------------------------------- stepping
+
+    @property
+    def slots_in_use(self) -> int:
+        return self.pool.in_use
+
+    def _set_mask(self, s: _Slot, step: int, min_len: int, ignore_eos: bool) -> None:
+        """Mirror eager's per-step masking: all stop ids with ``ignore_eos``, else eos for the first ``min_len``."""
+        mode = "stops" if ignore_eos else ("eos" if step < min_len else "none")
+        if mode == s.mask_mode:
+            return
+        cfg = self.llm.cfg
+        s.bias.zero_()
+        if mode == "stops":
+            s.bias[cfg.speech_token_size:] = _NEG_INF
+        elif mode == "eos":
+            s.bias[cfg.eos_token] = _NEG_INF
+        s.mask_mode = mode
+
+    def _prefill(self, s: _Slot, lm_input: torch.Tensor, gen: torch.Generator) -> None:
+        if gen.device.type == "cuda":
+            s.q.exponential_(1.0, generator=gen)
+        n = lm_input.shape[1]
+        padded = next((b for b in self.prefill_buckets if b >= n), None)
+        if padded is None:  # longer than any captured length: the eager prefill, exactly as the eager backend
+            logp, token = nucleus_pick(self.llm.prefill(lm_input, s.cache)[0], s.bias, s.q, self._limit)
+            s.logp.copy_(logp)
+            s.token.copy_(token)
+            return
+        self._emb[:, :n].copy_(lm_input)
+        self._emb[:, n:padded].zero_()
+        self._last.fill_(n - 1)
+        s.prefill_graphs[padded].replay()
+
+    def _decode(self, s: _Slot, token: int, pos: int, gen: torch.Generator) -> None:
+        s.cache.check_room(pos, 1)
+        s.tok.fill_(token)  # fills take the value as a kernel argument: no host-to-device copy, no sync
+        s.pos.fill_(pos)
+        if gen.device.type == "cuda":
+            s.q.exponential_(1.0, generator=gen)
+        s.graphs[bucket_for(self.buckets, pos)].replay()
+
+    def _take(self, s: _Slot, history: list[int], gen: torch.Generator) -> int:
+        """The step's token on the host, with the RAS repetition rule applied exactly as the eager sampler does."""
+        if gen.device.type != "cuda":  # a CPU generator draws on the CPU: let the eager sampler do all of it
+            return int(self.sampler(s.logp, history, gen))
+        token = int(s.token.item())  # the one sync per token
+        win, tau = self.sampler.win_size, self.sampler.tau_r
+        window = history[-win:] if win > 0 else []
+        if window.count(token) >= win * tau:
+            banned = s.logp.clone()
+            banned[token] = _NEG_INF
+            token = random_sample(banned, gen)
+            self.fallback_draws += 1
+        return token
+
+    def _check_generator(self, gen: torch.Generator) -> None:
+        if gen.device.type == "cuda" and (gen.device.index or 0) != (self.device.index or 0):
+            raise ValueError(f"the request's generator is on {gen.device} but the LM runs on {self.device}")
+
+    # -------------------------------------------------------------------------------------- public
+
+    def generate(self, inputs: Any, text: torch.Tensor, generator: torch.Generator, max_tokens: int | None,
+                 ignore_eos: bool) -> Iterator[int]:
+        """Yield speech tokens; the slot is taken at the first ``next`` (prefill) and freed when the iterator
+        finishes, fails or is closed, so an iterator that is never started holds nothing."""
+        return self._stream(text, inputs.prompt_text, inputs.llm_prompt_speech_token, generator, max_tokens,
+                            ignore_eos)
+
+    def _stream(self, text: torch.Tensor, prompt_text: torch.Tensor | None, prompt_speech: torch.Tensor | None,
+                gen: torch.Generator, max_tokens: int | None, ignore_eos: bool) -> Iterator[int]:
+        llm = self.llm
+        min_len, max_len = llm.length_limits(int(text.shape[-1]))
+        if max_tokens is not None:
+            max_len = int(max_tokens) if ignore_eos else min(max_len, int(max_tokens))
+        if ignore_eos and max_tokens is None:
+            raise ValueError("ignore_eos needs max_tokens, otherwise generation would never end")
+        if max_len <= 0:
+            return
+        self._check_generator(gen)
+        stop = llm.cfg.speech_token_size
+        index, s = self.pool.acquire()
+        try:
+            history: list[int] = []
+            with torch.inference_mode(), self._lock:
+                self._set_mask(s, 0, min_len, ignore_eos)
+                lm_input = llm.build_lm_input(text, prompt_text, prompt_speech)
+                pos = lm_input.shape[1]  # the next cache position to write
+                max_len = token_budget(pos, max_len, self.max_len, ignore_eos)
+                self._prefill(s, lm_input, gen)
+                token = self._take(s, history, gen)
+            for step in range(1, max_len + 1):
+                if token >= stop:
+                    return
+                history.append(token)
+                yield token
+                if step == max_len:
+                    return
+                with torch.inference_mode(), self._lock:
+                    self._set_mask(s, step, min_len, ignore_eos)
+                    self._decode(s, token, pos, gen)
+                    pos += 1
+                    token = self._take(s, history, gen)
+        finally:
+            self.pool.release(index)
+
+    def teacher_forced_logp(self, lm_input: torch.Tensor, tokens: Sequence[int]) -> torch.Tensor:
+        """(len(tokens) + 1, V) log-probs: after prefilling ``lm_input``, then after feeding each token through
+        the captured graphs (no masking, no sampling effects).  For parity tests and debugging."""
+        index, s = self.pool.acquire()
+        gen = torch.Generator(device=self.device)
+        try:
+            with torch.inference_mode(), self._lock:
+                self._set_mask(s, 0, 0, False)
+                token_budget(lm_input.shape[1], len(tokens) + 1, self.max_len, True)
+                self._prefill(s, lm_input, gen)
+                rows = [s.logp.clone()]
+                for i, tok in enumerate(tokens):
+                    self._decode(s, int(tok), lm_input.shape[1] + i, gen)
+                    rows.append(s.logp.clone())
+            return torch.stack(rows)
+        finally:
+            self.pool.release(index)
