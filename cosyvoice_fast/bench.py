@@ -50,6 +50,31 @@ def synthetic_inputs(cfg: Any, prompt_tokens: int, text_tokens: int, seed: int) 
     )
 
 
+def parse_backend(name: str, dtype: str) -> BackendConfig:
+    """A preset name (``eager``, ``cudagraph``, ...) or an explicit ``llm:flow:vocoder`` triple, e.g.
+    ``cudagraph:eager:cudagraph`` to measure one stage's backend against the others held fixed."""
+    if name in BACKEND_PRESETS:
+        p = BACKEND_PRESETS[name]
+        return BackendConfig(llm=p.llm, flow=p.flow, vocoder=p.vocoder, dtype=dtype)
+    parts = name.split(":")
+    if len(parts) != 3:
+        raise SystemExit(f"unknown backend {name!r}: use a preset ({', '.join(BACKEND_PRESETS)}) "
+                         "or llm:flow:vocoder, e.g. cudagraph:eager:cudagraph")
+    return BackendConfig(llm=parts[0], flow=parts[1], vocoder=parts[2], dtype=dtype)
+
+
+def write_report(results: dict[str, Any], out: Path) -> None:
+    """``report.html`` beside ``results.json``; skipped with a warning where plotly is not installed (GPU
+    boxes without the app's dependencies): ``python -m cosyvoice_fast.bench --report DIR`` renders it later."""
+    try:
+        from .dashboard import benchmark_report_html
+    except ImportError as e:
+        log.warning("no report.html (%s); render it elsewhere with: python -m cosyvoice_fast.bench --report %s",
+                    e, out)
+        return
+    (out / "report.html").write_text(benchmark_report_html(results))
+
+
 def run_wave(engine: Any, requests: list[SynthesisRequest]) -> list[RequestTelemetry]:
     """Run requests concurrently (one consumer thread each) and return their telemetry."""
     out: list[RequestTelemetry | None] = [None] * len(requests)
@@ -122,7 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--token-hop-len-first", type=int, default=25)
     ap.add_argument("--pre-lookahead-len", type=int, default=3)
     ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--report", metavar="DIR", help="only render DIR/report.html from DIR/results.json")
     a = ap.parse_args(argv)
+    if a.report:
+        write_report(json.loads((Path(a.report) / "results.json").read_text()), Path(a.report))
+        return 0
 
     from .backends.base import available_backends
     from .service import load_service
@@ -135,10 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                                "torch": torch.__version__, "runs": []}
     try:
         for name in a.backends.split(","):
-            if name not in BACKEND_PRESETS:
-                raise SystemExit(f"unknown backend {name!r}; choose from {', '.join(BACKEND_PRESETS)}")
-            preset = BACKEND_PRESETS[name]
-            backend = BackendConfig(llm=preset.llm, flow=preset.flow, vocoder=preset.vocoder, dtype=a.dtype)
+            backend = parse_backend(name, a.dtype)
             missing = [f"{s}:{getattr(backend, s)} ({avail[(s, getattr(backend, s))].reason})"
                        for s in ("llm", "flow", "vocoder") if not avail[(s, getattr(backend, s))].available]
             if missing:
@@ -155,9 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(_finite(results), indent=1))
-    from .dashboard import benchmark_report_html
-
-    (out / "report.html").write_text(benchmark_report_html(results))
+    write_report(results, out)
     print(f"\nGPU {gpu}, dtype {a.dtype}, prompt {a.prompt_tokens} tokens, text {a.text_tokens} tokens, "
           f"{a.gen_tokens} generated tokens, hop_first {a.token_hop_len_first}, lookahead {a.pre_lookahead_len}")
     print(HEADER)
