@@ -32,11 +32,12 @@ def fold_to_flow_vocab(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def flow_chunk_mel(flow: torch.nn.Module, inputs: Any, tokens: torch.Tensor, call: ChunkCall,
-                   stream: bool = True) -> torch.Tensor:
+                   stream: bool = True, estimator: Any = None) -> torch.Tensor:
     """Upstream's per-chunk flow call: the whole prefix is recomputed and the new frames are kept.
 
     Non-final streaming chunks run chunk-causal attention with ``call.lookahead`` trailing context tokens;
-    the final chunk runs full attention, as upstream does.
+    the final chunk runs full attention, as upstream does.  ``estimator`` replaces the CFM estimator (a
+    captured graph or TensorRT engine with the same calling convention); the encoder always runs eagerly.
     """
     dev = inputs.embedding.device
     tokens = fold_to_flow_vocab(tokens.to(dev), flow.cfg.vocab_size)
@@ -47,7 +48,7 @@ def flow_chunk_mel(flow: torch.nn.Module, inputs: Any, tokens: torch.Tensor, cal
     with torch.inference_mode():
         enc = flow.encode(tokens, tlen, ptok, plen, inputs.embedding, streaming=streaming,
                           finalize=call.finalize, n_lookahead=call.lookahead)
-        mel = flow.decode(enc.mu, enc.spks, inputs.prompt_feat, streaming=streaming)
+        mel = flow.decode(enc.mu, enc.spks, inputs.prompt_feat, streaming=streaming, estimator=estimator)
     return mel[:, :, call.token_offset * flow.cfg.token_mel_ratio:]
 
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import FlowConfig
-from .cfm import CausalCFM
+from .cfm import CausalCFM, Estimator
 from .flow_encoder import UpsampleConformerEncoder
 
 
@@ -81,9 +81,13 @@ class CausalMaskedDiffWithXvec(nn.Module):
         return FlowEncoding(mu, spks)
 
     def decode(self, mu: Tensor, spks: Tensor, prompt_feat: Tensor, streaming: bool = False,
-               n_timesteps: int | None = None, noise: Tensor | None = None) -> Tensor:
+               n_timesteps: int | None = None, noise: Tensor | None = None, *,
+               estimator: Estimator | None = None) -> Tensor:
         """Flow matching from ``mu`` (B, 80, T) with the prompt mel (B, T_p, 80) as condition on its first
-        T_p frames; returns the (B, 80, T - T_p) generated frames after the prompt, in fp32."""
+        T_p frames; returns the (B, 80, T - T_p) generated frames after the prompt, in fp32.
+
+        ``estimator`` replaces the CFM's own estimator for every Euler step (a CUDA-graph or TensorRT runner
+        with the same calling convention); ``None`` runs the module's eager estimator."""
         n_prompt = prompt_feat.shape[1]
         total = mu.shape[2]
         if n_prompt > total:
@@ -92,7 +96,8 @@ class CausalMaskedDiffWithXvec(nn.Module):
         cond[:, :, :n_prompt] = prompt_feat.transpose(1, 2).to(mu.dtype)
         mask = torch.ones(mu.shape[0], 1, total, device=mu.device, dtype=mu.dtype)
         steps = self.cfg.cfm.n_timesteps if n_timesteps is None else n_timesteps
-        feat = self.decoder(mu, mask, spks.to(mu.dtype), cond, n_timesteps=steps, streaming=streaming, noise=noise)
+        feat = self.decoder(mu, mask, spks.to(mu.dtype), cond, n_timesteps=steps, streaming=streaming, noise=noise,
+                            estimator=estimator)
         return feat[:, :, n_prompt:].float()
 
     @torch.inference_mode()

@@ -1,0 +1,220 @@
+"""The ``cudagraph`` flow backend: the CFM estimator replayed as CUDA graphs, one per time-length bucket.
+
+A flow chunk is ~10 Euler steps, each one estimator call on the CFG batch of 2 (conditional row, all-zero
+unconditional row).  The estimator is a few hundred small kernels, so eager execution is launch-bound; here
+each call is one graph replay.  The encoder (one call per chunk) stays eager.
+
+Bucket policy
+-------------
+The estimator sees ``T = token_mel_ratio · (prompt tokens + encoded tokens)`` frames.  ``T`` is rounded *up*
+to a multiple of the estimator's attention chunk (``DecoderConfig.static_chunk_size``, 50 frames = 1 s), the
+tail zero-padded and masked out.  With upstream's schedule (the first hop padded so that prompt + hop ends on a
+25-token boundary, then hops of 50 and 100 tokens) every non-final streaming call already has ``T`` on a
+multiple of 50, so it runs with no padding at all; only the final call of each segment pays up to 49 padded
+frames.  Buckets run up to ``max_frames`` (default 3000 = 60 s, i.e. ≤ 60 buckets per attention mode); longer
+inputs run the eager estimator (counted in :attr:`GraphEstimator.eager_calls`).  Graphs are keyed by
+(bucket, dtype) separately for chunk-causal (streaming) and full attention, captured on first use (or ahead
+of time with :meth:`CudaGraphFlow.warmup`) and LRU-capped by ``max_graphs`` per mode.
+
+Why padding is exact: every time-mixing op of the estimator looks only left (causal convolutions, per-frame
+LayerNorm, 1x1 convs) or is masked (attention keys must be valid frames; chunk-causal limits depend only on
+the absolute position), and each block multiplies its input by the mask, so zero-mask frames appended on the
+right never reach a real frame.  ``tests/test_flow_backends.py`` checks padded == unpadded on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from ..config import ModelConfig, StreamParams
+from ..schedule import ChunkCall, plan
+from .base import BackendUnavailable
+from .eager import flow_chunk_mel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_FRAMES = 3000  # 60 s of mel at 50 Hz; longer estimator inputs run eagerly
+
+
+# --------------------------------------------------------------------------------------------- shape policy
+
+
+def bucket_frames(frames: int, granularity: int = 50) -> int:
+    """The captured length serving an estimator input of ``frames`` frames: the next multiple of
+    ``granularity`` (at least one granule)."""
+    if frames < 1:
+        raise ValueError(f"an estimator input needs at least one frame, got {frames}")
+    if granularity < 1:
+        raise ValueError(f"bucket granularity must be >= 1, got {granularity}")
+    return max(1, math.ceil(frames / granularity)) * granularity
+
+
+def call_frames(call: ChunkCall, prompt_tokens: int, token_mel_ratio: int = 2) -> int:
+    """Estimator time length for one flow call: prompt + encoded tokens (look-ahead tokens are not encoded)."""
+    encoded = call.n_tokens - (0 if call.finalize else call.lookahead)
+    return token_mel_ratio * (prompt_tokens + encoded)
+
+
+def schedule_frames(prompt_tokens: int, total_tokens: int, params: StreamParams | None = None,
+                    chunk_size: int = 25, token_mel_ratio: int = 2) -> list[tuple[int, bool]]:
+    """``(frames, streaming)`` of every estimator input the streamed schedule produces for one segment
+    (non-final calls use chunk-causal attention, the final call full attention)."""
+    params = params or StreamParams()
+    return [(call_frames(c, prompt_tokens, token_mel_ratio), not c.finalize)
+            for c in plan(prompt_tokens, total_tokens, params, chunk_size)]
+
+
+# ------------------------------------------------------------------------------------------ the chunk call
+
+
+def pad_estimator_inputs(x: Tensor, mask: Tensor, mu: Tensor, cond: Tensor, frames: int
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Zero-pad the time axis of ``x``, ``mask``, ``mu``, ``cond`` on the right to ``frames``."""
+    pad = frames - x.shape[-1]
+    if pad < 0:
+        raise ValueError(f"cannot pad {x.shape[-1]} frames down to {frames}")
+    f = torch.nn.functional.pad
+    return f(x, (0, pad)), f(mask, (0, pad)), f(mu, (0, pad)), f(cond, (0, pad))
+
+
+# --------------------------------------------------------------------------------------- the graph runner
+
+
+def why_unavailable(flow: torch.nn.Module) -> str | None:
+    """The reason this backend cannot drive ``flow`` here, or None when it can."""
+    if not torch.cuda.is_available():
+        return "flow backend 'cudagraph' needs a CUDA GPU (torch sees none here); choose 'eager' instead"
+    dev = next(flow.parameters()).device
+    if dev.type != "cuda":
+        return f"flow backend 'cudagraph' needs a CUDA GPU, but the model is on {dev}; choose 'eager' instead"
+    return None
+
+
+class GraphEstimator:
+    """Callable with the estimator's signature ``(x, mask, mu, t, spks, cond, streaming) -> velocity`` that
+    pads to the length bucket and replays a captured graph of ``estimator`` (batch 2, the CFG pair)."""
+
+    def __init__(self, estimator: torch.nn.Module, device: torch.device, granularity: int = 50,
+                 max_frames: int = DEFAULT_MAX_FRAMES, max_graphs: int = 64):
+        from .graphs import GraphCache
+
+        self.estimator = estimator
+        self.device = device
+        self.granularity = granularity
+        self.max_frames = max_frames
+        self.caches = {
+            mode: GraphCache(self._fn(mode), device, max_graphs, f"flow-estimator-{'stream' if mode else 'full'}")
+            for mode in (True, False)}
+        self.lock = threading.Lock()
+        self.eager_calls = 0
+        self._last_replay: torch.cuda.Event | None = None
+
+    def _fn(self, streaming: bool):
+        est = self.estimator
+
+        def run(x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor) -> tuple[Tensor]:
+            return (est(x, mask, mu, t, spks, cond, streaming),)
+
+        return run
+
+    @property
+    def captures(self) -> int:
+        return sum(c.captures for c in self.caches.values())
+
+    @property
+    def replays(self) -> int:
+        return sum(c.replays for c in self.caches.values())
+
+    def _example(self, frames: int, dtype: torch.dtype) -> tuple[Tensor, ...]:
+        b, c = 2, self.estimator.cfg.out_channels
+        z = torch.zeros(b, c, frames, device=self.device, dtype=dtype)
+        return (z, torch.ones(b, 1, frames, device=self.device, dtype=dtype), z.clone(),
+                torch.zeros(b, device=self.device, dtype=dtype), torch.zeros(b, c, device=self.device, dtype=dtype),
+                z.clone())
+
+    def capture(self, frames: int, streaming: bool, dtype: torch.dtype) -> int:
+        """Capture (if not yet) the graph serving ``frames``; returns its bucket length."""
+        bucket = bucket_frames(frames, self.granularity)
+        if bucket > self.max_frames:
+            raise ValueError(f"{frames} frames exceed the largest bucket ({self.max_frames}); they run eagerly")
+        with self.lock:
+            self.caches[bool(streaming)].get((bucket, dtype), self._example(bucket, dtype))
+        return bucket
+
+    def __call__(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
+                 streaming: bool = False) -> Tensor:
+        frames = x.shape[-1]
+        bucket = bucket_frames(frames, self.granularity)
+        if (bucket > self.max_frames or x.shape[0] != 2 or x.device.type != self.device.type
+                or (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
+            self.eager_calls += 1
+            with torch.inference_mode():
+                return self.estimator(x, mask, mu, t, spks, cond, streaming)
+        cache = self.caches[bool(streaming)]
+        key = (bucket, x.dtype)
+        with self.lock, torch.inference_mode():
+            g = cache.graphs.get(key)
+            if g is None:
+                g = cache.get(key, self._example(bucket, x.dtype))
+            else:
+                cache.graphs.move_to_end(key)
+            on_gpu = x.device.type == "cuda"
+            if on_gpu and self._last_replay is not None:
+                # static buffers are shared: a replay enqueued by another thread/stream must finish first
+                torch.cuda.current_stream(x.device).wait_event(self._last_replay)
+            xs, ms, mus, ts, ss, cs = g.inputs
+            for dst, src in ((xs, x), (ms, mask), (mus, mu), (cs, cond)):
+                dst[..., :frames].copy_(src)
+                if frames < bucket:
+                    dst[..., frames:].zero_()  # masked anyway; zeros keep stale values (and NaN*0) out
+            ts.copy_(t.reshape(-1).expand(2))
+            ss.copy_(spks)
+            g.graph.replay()
+            cache.replays += 1
+            out = g.outputs[0][..., :frames].clone()
+            if on_gpu:
+                self._last_replay = torch.cuda.Event()
+                self._last_replay.record(torch.cuda.current_stream(x.device))
+            return out
+
+
+class CudaGraphFlow:
+    """Flow stage: eager encoder, graph-replayed estimator (see the module docstring for the bucket policy)."""
+
+    def __init__(self, flow: torch.nn.Module, config: ModelConfig, granularity: int | None = None,
+                 max_frames: int = DEFAULT_MAX_FRAMES, max_graphs: int = 64):
+        reason = why_unavailable(flow)
+        if reason is not None:
+            raise BackendUnavailable(reason)
+        self.flow = flow
+        self.config = config
+        est = flow.decoder.estimator
+        gran = granularity or est.cfg.static_chunk_size or 50
+        self.estimator = GraphEstimator(est, next(flow.parameters()).device, gran, max_frames, max_graphs)
+
+    def chunk(self, seg: Any, inputs: Any, tokens: Tensor, call: ChunkCall, stream: bool = True) -> Tensor:
+        return flow_chunk_mel(self.flow, inputs, tokens, call, stream, self.estimator)
+
+    def warmup(self, prompt_tokens: Iterable[int] = (0, 25, 50, 75, 100), total_tokens: int = 300,
+               params: StreamParams | None = None, extra: Sequence[tuple[int, bool]] = ()) -> list[tuple[int, bool]]:
+        """Capture ahead of time the buckets the streamed schedule uses for these prompt lengths (plus
+        ``extra`` ``(frames, streaming)`` pairs); returns the ``(bucket, streaming)`` pairs captured."""
+        dtype = next(self.flow.parameters()).dtype
+        want: set[tuple[int, bool]] = set()
+        for p in prompt_tokens:
+            for frames, streaming in schedule_frames(p, total_tokens, params, self.config.chunk_size,
+                                                     self.flow.cfg.token_mel_ratio):
+                want.add((bucket_frames(frames, self.estimator.granularity), streaming))
+        want.update((bucket_frames(f, self.estimator.granularity), s) for f, s in extra)
+        done = []
+        for frames, streaming in sorted(want):
+            if frames <= self.estimator.max_frames:
+                self.estimator.capture(frames, streaming, dtype)
+                done.append((frames, streaming))
+        return done
