@@ -1,0 +1,60 @@
+"""cosyvoice_fast web app: ``python app.py`` (see ``--help``).
+
+Loads a model directory (or a synthetic random-weight model when none is found, announced in a banner) and serves
+the Gradio UI of :mod:`cosyvoice_fast.webui`: streamed synthesis, a live latency dashboard and an A/B tab.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python app.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--model-dir", help="CosyVoice2-0.5B directory (default: pretrained_models/CosyVoice2-0.5B, "
+                                        "else a synthetic model)")
+    ap.add_argument("--synthetic", choices=["tiny", "full"], help="run on random weights of that size (no download)")
+    ap.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for every interface)")
+    ap.add_argument("--port", type=int, default=7860)
+    ap.add_argument("--share", action="store_true", help="also open a public gradio.live link")
+    ap.add_argument("--auth", metavar="USER:PASS", help="require this login")
+    ap.add_argument("--speaker-cache", default="speakers", metavar="DIR", help="where saved voices are kept")
+    ap.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 … (default: cuda if available)")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
+    ap.add_argument("--concurrency", type=int, default=4, help="requests synthesised at the same time")
+    ap.add_argument("--max-queue", type=int, default=32, help="waiting requests beyond which users are turned away")
+    a = ap.parse_args(argv)
+    if a.auth is not None and (":" not in a.auth or not a.auth.split(":", 1)[0]):
+        ap.error("--auth must look like user:password")
+    if a.concurrency < 1 or a.max_queue < 1:
+        ap.error("--concurrency and --max-queue must be at least 1")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    a = parse_args(argv)
+    from cosyvoice_fast.service import load_service
+    from cosyvoice_fast.webui import build_demo, serve
+
+    print("loading the model …", flush=True)
+    try:
+        svc = load_service(a.model_dir, a.synthetic, a.device, a.dtype, speaker_cache_dir=a.speaker_cache,
+                           progress=True)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(svc.banner, flush=True)
+    auth = tuple(a.auth.split(":", 1)) if a.auth else None
+    try:
+        serve(build_demo(svc), host=a.host, port=a.port, share=a.share, auth=auth, concurrency=a.concurrency,
+              max_queue=a.max_queue)
+    finally:
+        svc.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""The Gradio layout and its event wiring (the behaviour is in :mod:`cosyvoice_fast.webui_handlers`).
+
+``build_demo(service)`` returns the ``gr.Blocks``; ``serve(demo, ...)`` turns on the queue and the serving limits
+and launches it (used by ``app.py`` and by the tests).  Gradio serves only its own cache (uploads, generated
+audio): no ``allowed_paths`` are added, so no file of the host can be fetched through the app.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Sequence
+
+import gradio as gr
+
+from . import dashboard as db
+from .request import MODE_LABELS
+from .webui_handlers import CONFIG_FIELDS, VOICE_FIELDS, Handlers, random_seed
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+MAX_UPLOAD = "10mb"
+CSS = """
+#banner {background:#fff4e5; border:1px solid #f0a35e; border-radius:8px; padding:6px 14px}
+#header h2 {margin-bottom:4px}
+.tip {font-size:0.85em; color:#666}
+"""
+TIPS = {
+    "token_hop_len_first": "Tokens in the first chunk. Fewer: first audio sooner (less LM decoding before the first "
+                           "flow call) but a short first chunk with less context. 25 = upstream (padded so prompt + "
+                           "chunk fills whole 25-token attention chunks).",
+    "token_hop_len": "Tokens in the second chunk; each later one grows by stream_scale_factor up to 100. Smaller: "
+                     "more, shorter flow/vocoder calls (more overhead per second of audio, more underrun risk).",
+    "pre_lookahead_len": "Future tokens each chunk waits for before running. Fewer: every chunk is ready sooner; but "
+                         "the flow encoder was trained with 3, so chunk edges may sound worse.",
+    "stream_scale_factor": "How fast chunks grow. Larger: fewer flow calls and less overhead overall, but later "
+                           "chunks need more tokens before they can run. 1 keeps every chunk the same size.",
+    "max_tokens": "Cap on speech tokens per text segment (25 tokens = 1 s). 0 = until the LM emits end-of-speech. "
+                  "Random-weight models rarely stop on their own: keep a cap there.",
+}
+MODE_SHOWS = {  # mode -> visible (upload, mic, transcript, instruction, speaker)
+    "zero_shot": (True, True, True, False, False), "cross_lingual": (True, True, False, False, False),
+    "instruct2": (True, True, False, True, False), "speaker": (False, False, False, False, True),
+}
+
+
+def load_examples(path: Path = ASSETS / "examples.json") -> list[dict[str, Any]]:
+    """Example prompts from ``assets/examples.json`` (wav names resolved inside ``assets/``; missing ones skipped)."""
+    if not path.is_file():
+        return []
+    out = []
+    for ex in json.loads(path.read_text(encoding="utf-8")):
+        wav = path.parent / ex["prompt_wav"] if ex.get("prompt_wav") else None
+        if wav is None or wav.is_file():
+            out.append({**ex, "prompt_wav": str(wav) if wav else None})
+    return out
+
+
+def config_panel(h: Handlers, *, hop_first: int = 25, lookahead: int = 3, max_tokens: int = 0,
+                 backend: str | None = None, key: str = "") -> list[Any]:
+    """Tuning sliders + backend per stage + dtype, in the order of ``CONFIG_FIELDS``."""
+    comps = [
+        gr.Slider(1, 100, hop_first, step=1, label="token_hop_len_first", info=TIPS["token_hop_len_first"]),
+        gr.Slider(1, 200, 25, step=1, label="token_hop_len", info=TIPS["token_hop_len"]),
+        gr.Slider(0, 3, lookahead, step=1, label="pre_lookahead_len", info=TIPS["pre_lookahead_len"]),
+        gr.Slider(1.0, 4.0, 2.0, step=0.5, label="stream_scale_factor", info=TIPS["stream_scale_factor"]),
+        gr.Slider(0, 2000, max_tokens, step=5, label="max speech tokens", info=TIPS["max_tokens"]),
+    ]
+    with gr.Row():
+        for stage in ("llm", "flow", "vocoder"):
+            choices, note = h.backend_choices(stage)
+            value = backend if backend in choices else "eager"
+            comps.append(gr.Dropdown(choices, value=value, label=f"{stage} backend", info=note,
+                                     elem_id=f"{key}{stage}-backend" if key else None))
+        dtypes, note = h.dtype_choices()
+        comps.append(gr.Dropdown(dtypes, value=dtypes[0], label="dtype", info=note))
+    return comps
+
+
+def named(fn: Any, names: Sequence[str]) -> Any:
+    """``fn(*values)`` with a signature naming each input, so the API page and gradio_client show real names."""
+    if inspect.isgeneratorfunction(fn):
+        def wrapper(*values: Any) -> Any:
+            yield from fn(*values)
+    else:
+        def wrapper(*values: Any) -> Any:
+            return fn(*values)
+    wrapper.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
+    wrapper.__name__ = fn.__name__
+    wrapper.__doc__ = fn.__doc__
+    return wrapper
+
+
+def _mode_visibility(mode: str) -> list[dict]:
+    return [gr.update(visible=v) for v in MODE_SHOWS.get(mode, MODE_SHOWS["zero_shot"])]
+
+
+def build_demo(service: Any) -> gr.Blocks:
+    """The whole UI for one loaded service."""
+    can_stream = shutil.which("ffmpeg") is not None  # Gradio encodes streamed audio with ffmpeg
+    h = Handlers(service, stream_audio=can_stream)
+    examples = load_examples()
+    default_cap = 150 if service.synthetic else 0
+    fast = next((n for n in ("cudagraph",) if n in h.backend_choices("flow")[0]), None)
+    with gr.Blocks(title="cosyvoice_fast", analytics_enabled=False, delete_cache=(1800, 3600)) as demo:
+        gr.Markdown(h.header_markdown(), elem_id="header")
+        if service.synthetic or service.frontend is None:
+            gr.Markdown("⚠️ " + service.banner, elem_id="banner")
+        history = gr.State([])
+        with gr.Tab("Synthesize"):
+            with gr.Row():
+                with gr.Column(scale=3):
+                    text = gr.Textbox(examples[0]["text"] if examples else "", label="Text to speak", lines=3,
+                                      max_lines=12, elem_id="tts-text")
+                    mode = gr.Radio([(lab, k) for k, lab in MODE_LABELS.items()], value="zero_shot", label="Mode")
+                    with gr.Row():
+                        upload = gr.Audio(examples[0]["prompt_wav"] if examples else None, sources=["upload"],
+                                          type="filepath", label="Prompt voice: upload (3–30 s)")
+                        mic = gr.Audio(sources=["microphone"], type="filepath", label="…or record")
+                    prompt_text = gr.Textbox(examples[0]["prompt_text"] if examples else "",
+                                             label="Prompt transcript", info="exactly what is said in the prompt")
+                    instruct = gr.Textbox(label="Instruction", visible=False,
+                                          placeholder="e.g. Speak slowly, in a calm voice.")
+                    speaker = gr.Dropdown(h.speaker_names(), value=None, label="Saved speaker", visible=False)
+                    with gr.Accordion("Saved voices", open=False):
+                        with gr.Row():
+                            save_name = gr.Textbox(label="Save this voice as…", placeholder="name", scale=3)
+                            save_btn = gr.Button("Save voice", scale=1)
+                            del_btn = gr.Button("Delete selected speaker", scale=1)
+                    with gr.Row():
+                        seed = gr.Number(0, precision=0, label="Seed", minimum=0, scale=2, elem_id="seed",
+                                         info="same seed + same inputs = same audio")
+                        dice = gr.Button("🎲", scale=0, min_width=50, elem_id="dice")
+                        stream = gr.Checkbox(True, label="Stream", scale=1)
+                        speed = gr.Slider(0.5, 2.0, 1.0, step=0.05, label="Speed (only without streaming)",
+                                          interactive=False, scale=3)
+                with gr.Column(scale=2):
+                    with gr.Accordion("Tuning: chunking, backends, dtype", open=True):
+                        cfg = config_panel(h, max_tokens=default_cap)
+            with gr.Row():
+                run_btn = gr.Button("Synthesize", variant="primary", elem_id="synthesize-btn", scale=3)
+                stop_btn = gr.Button("Stop", variant="stop", scale=1)
+            if examples:
+                gr.Examples([[e["text"], e["mode"], e["prompt_wav"], e["prompt_text"], e["instruct_text"]]
+                             for e in examples], [text, mode, upload, prompt_text, instruct],
+                            example_labels=[e["label"] for e in examples], label="Examples")
+            with gr.Row():
+                stream_out = gr.Audio(label="Streaming output (plays from the first chunk)", streaming=can_stream,
+                                      autoplay=True, interactive=False, elem_id="stream-audio")
+                full_out = gr.Audio(label="Full utterance (wav download)", type="numpy", format="wav",
+                                    interactive=False, buttons=["download"], elem_id="full-audio")
+            status = gr.Markdown("", elem_id="status", label="status")
+            with gr.Row():
+                # show_label=False: each figure carries its own title (a Gradio label would cover it)
+                ttfb_plot = gr.Plot(db.ttfb_figure(None), show_label=False, label="Time to first audio",
+                                    elem_id="ttfb-plot", scale=3)
+                summary = gr.Dataframe(headers=db.SUMMARY_HEADERS, label="Summary", interactive=False, scale=2)
+            timeline = gr.Plot(db.chunk_timeline_figure(None), show_label=False, label="Chunk timeline",
+                               elem_id="timeline-plot")
+            hist_plot = gr.Plot(db.history_figure([]), show_label=False, label="Run history", elem_id="history-plot")
+            clear_btn = gr.Button("Clear history", size="sm")
+            with gr.Accordion("Raw telemetry of the last run (JSON)", open=False):
+                raw = gr.JSON(label="telemetry")
+        with gr.Tab("A/B"):
+            gr.Markdown("The text, voice, seed and streaming choice of the *Synthesize* tab, through two "
+                        "configurations one after the other: hear and see what a backend or a parameter changes. "
+                        "The prompt voice is analysed once beforehand, so A and B both find it in the frontend's "
+                        "cache and their frontend times are comparable.")
+            with gr.Row():
+                with gr.Column():
+                    gr.Markdown("### A")
+                    cfg_a = config_panel(h, max_tokens=default_cap, key="a-")
+                with gr.Column():
+                    gr.Markdown("### B")
+                    cfg_b = config_panel(h, max_tokens=default_cap, key="b-", backend=fast,
+                                         hop_first=25 if fast else 10, lookahead=3 if fast else 1)
+            ab_btn = gr.Button("Run A then B", variant="primary", elem_id="ab-btn")
+            with gr.Row():
+                audio_a = gr.Audio(label="A", type="numpy", format="wav", interactive=False)
+                audio_b = gr.Audio(label="B", type="numpy", format="wav", interactive=False)
+            ab_ttfb = gr.Plot(db.ttfb_figure(None), show_label=False, label="TTFB, A vs B")
+            with gr.Row():
+                tl_a = gr.Plot(db.chunk_timeline_figure(None), show_label=False, label="A: chunks")
+                tl_b = gr.Plot(db.chunk_timeline_figure(None), show_label=False, label="B: chunks")
+            diff = gr.Dataframe(headers=db.AB_HEADERS, label="Difference (B − A)", interactive=False)
+
+        voice = [text, mode, upload, mic, prompt_text, instruct, speaker, seed, stream, speed]
+        run_ev = run_btn.click(named(h.synthesize, VOICE_FIELDS + CONFIG_FIELDS + ("history",)),
+                               voice + cfg + [history],
+                               [stream_out, full_out, ttfb_plot, timeline, hist_plot, summary, status, raw, history],
+                               api_name="synthesize", show_progress="minimal")
+        stop_btn.click(None, None, None, cancels=[run_ev], api_visibility="private")
+        ab_fields = VOICE_FIELDS + tuple(f"a_{n}" for n in CONFIG_FIELDS) + tuple(f"b_{n}" for n in CONFIG_FIELDS)
+        ab_btn.click(named(h.ab, ab_fields), voice + cfg_a + cfg_b, [audio_a, audio_b, ab_ttfb, tl_a, tl_b, diff],
+                     api_name="ab")
+        clear_btn.click(h.clear_history, None, [hist_plot, history], api_visibility="private", queue=False)
+        dice.click(random_seed, None, seed, api_name="random_seed", queue=False)
+        save_btn.click(h.save_speaker, [save_name, upload, mic, prompt_text], speaker, api_name="save_speaker")
+        del_btn.click(h.delete_speaker, [speaker], speaker, api_name="delete_speaker")
+        mode.change(_mode_visibility, mode, [upload, mic, prompt_text, instruct, speaker], queue=False,
+                    api_visibility="private")
+        stream.change(lambda s: gr.update(interactive=not s, value=1.0), stream, speed, queue=False,
+                      api_visibility="private")
+        demo.load(h.refresh_speakers, None, speaker, api_visibility="private")
+    return demo
+
+
+def serve(demo: gr.Blocks, *, host: str = "127.0.0.1", port: int | None = 7860, share: bool = False,
+          auth: tuple[str, str] | None = None, concurrency: int = 4, max_queue: int = 32,
+          max_file_size: str | int = MAX_UPLOAD, prevent_thread_lock: bool = False, quiet: bool = False) -> Any:
+    """Queue with a concurrency limit and a bounded size (excess users are told the queue is full), an upload
+    size limit, and no extra served paths."""
+    demo.queue(default_concurrency_limit=concurrency, max_size=max_queue)
+    return demo.launch(server_name=host, server_port=port, share=share, auth=auth, max_file_size=max_file_size,
+                       prevent_thread_lock=prevent_thread_lock, quiet=quiet, show_error=True, ssr_mode=False,
+                       theme=gr.themes.Soft(), css=CSS, footer_links=["api"])

@@ -1,0 +1,288 @@
+"""What the app's buttons do: widget values -> :class:`SynthesisRequest`, engine chunks -> streamed audio plus live
+dashboard figures, A/B pairs, saved voices.
+
+No layout here (that is :mod:`cosyvoice_fast.webui`) and no model code: everything goes through the engine and the
+frontend of a loaded :class:`~cosyvoice_fast.service.Service`.  A user mistake (empty text, unreadable prompt,
+prompt too long, parameter out of range, backend unavailable here) becomes a ``gr.Error`` whose text is the
+library's own message; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Any, Iterator, Sequence
+
+import gradio as gr
+import numpy as np
+
+from . import dashboard as db
+from .backends.base import available_backends
+from .config import BackendConfig, StreamParams
+from .request import MODE_LABELS, SynthesisRequest
+from .telemetry import RequestTelemetry, now
+
+log = logging.getLogger(__name__)
+
+VOICE_FIELDS = ("text", "mode", "prompt_upload", "prompt_mic", "prompt_text", "instruct_text", "speaker", "seed",
+                "stream", "speed")
+CONFIG_FIELDS = ("token_hop_len_first", "token_hop_len", "pre_lookahead_len", "stream_scale_factor", "max_tokens",
+                 "llm", "flow", "vocoder", "dtype")
+STAGE_NAMES = ("llm", "flow", "vocoder")
+MAX_HISTORY = 200
+
+
+def pcm16(x: np.ndarray) -> np.ndarray:
+    """float [-1, 1] -> int16.  Converting here keeps Gradio from peak-normalising each chunk on its own, which
+    would make the streamed chunks jump in loudness."""
+    return (np.clip(np.asarray(x, dtype=np.float32), -1.0, 1.0) * 32767.0).astype(np.int16)
+
+
+def random_seed() -> int:
+    return secrets.randbelow(2**31)
+
+
+def _message(e: BaseException) -> str:
+    return str(e) or type(e).__name__
+
+
+class Handlers:
+    """Event handlers bound to one loaded service (shared by all sessions; per-session data lives in gr.State)."""
+
+    def __init__(self, service: Any, stream_audio: bool = True):
+        self.service = service
+        self.stream_audio = stream_audio  # False without ffmpeg: Gradio cannot encode a stream, audio comes whole
+        self.engine = service.engine
+        self.frontend = service.frontend
+        self.device = service.models.device
+        self.backends = available_backends(self.device)
+
+    # ------------------------------------------------------------------------------------------ header
+    def backend_choices(self, stage: str) -> tuple[list[str], str]:
+        """Backends of ``stage`` that can run here, and a note naming the others with the reason."""
+        ok = [b.name for b in self.backends if b.stage == stage and b.available]
+        why: dict[str, list[str]] = {}
+        for b in self.backends:
+            if b.stage == stage and not b.available:
+                why.setdefault(b.reason, []).append(b.name)
+        off = "; ".join(f"{', '.join(names)}: {reason}" for reason, names in why.items())
+        return ok, f"unavailable here: {off}" if off else "all backends available"
+
+    def dtype_choices(self) -> tuple[list[str], str]:
+        if self.device.type == "cpu":
+            return ["fp32"], "fp16/bf16 need a CUDA GPU (this engine runs on CPU)"
+        return ["fp32", "bf16", "fp16"], "bf16/fp16 cast the LM and flow (HiFT stays fp32)"
+
+    def header_markdown(self) -> str:
+        svc = self.service
+        dtype = str(svc.models.dtype).replace("torch.", "")
+        fe = "yes" if self.frontend is not None else "no (prompt voices disabled)"
+        rows = "\n".join(f"| {b.stage} | `{b.name}` | {'✅' if b.available else '❌'} | {b.reason or ''} |"
+                         for b in self.backends)
+        no_ff = "" if self.stream_audio else (" · ⚠️ **ffmpeg not found**: audio plays when complete, not "
+                                              "streamed (install ffmpeg)")
+        return (f"## cosyvoice_fast · streaming CosyVoice2\n"
+                f"**model** `{svc.model_name}` · **device** `{self.device}` · **dtype** `{dtype}` · "
+                f"**frontend** {fe} · **sample rate** {self.engine.sample_rate} Hz{no_ff}\n\n"
+                f"<details><summary>backends on this machine</summary>\n\n| stage | backend | available | why not |\n"
+                f"|---|---|---|---|\n{rows}\n</details>")
+
+    # ------------------------------------------------------------------------------------------ requests
+    def request_from(self, voice: dict[str, Any], cfg: dict[str, Any]) -> SynthesisRequest:
+        """Check what the widgets hold and build the request; any problem is a gr.Error the user can act on."""
+        text = (voice.get("text") or "").strip()
+        if not text:
+            raise gr.Error("Text is empty: type something to synthesise.")
+        mode = voice.get("mode") or "zero_shot"
+        wav = voice.get("prompt_upload") or voice.get("prompt_mic")
+        if mode != "speaker" and wav is None:
+            raise gr.Error(f"Mode '{MODE_LABELS.get(mode, mode)}' needs a prompt voice: upload or record one "
+                           "(or pick the 'saved speaker' mode).")
+        if mode == "zero_shot" and not (voice.get("prompt_text") or "").strip():
+            raise gr.Error("Zero-shot needs the prompt's transcript (what is said in the prompt audio); "
+                           "without one use cross-lingual mode.")
+        if mode == "instruct2" and not (voice.get("instruct_text") or "").strip():
+            raise gr.Error("Instruct mode needs an instruction, e.g. 'Speak slowly and calmly.'")
+        if mode == "speaker" and not voice.get("speaker"):
+            raise gr.Error("Pick a saved speaker first (save one from a prompt voice under 'Saved voices').")
+        try:
+            seed = int(voice.get("seed") or 0)
+            max_tokens = int(cfg.get("max_tokens") or 0) or None
+            params = StreamParams(token_hop_len_first=int(cfg["token_hop_len_first"]),
+                                  token_hop_len=int(cfg["token_hop_len"]),
+                                  pre_lookahead_len=int(cfg["pre_lookahead_len"]),
+                                  stream_scale_factor=float(cfg["stream_scale_factor"]),
+                                  token_max_hop_len=max(100, int(cfg["token_hop_len"])))
+            backend = BackendConfig(llm=cfg["llm"], flow=cfg["flow"], vocoder=cfg["vocoder"], dtype=cfg["dtype"])
+            return SynthesisRequest(
+                text=text, mode=mode, prompt_wav=wav if mode != "speaker" else None,
+                prompt_text=(voice.get("prompt_text") or "").strip() if mode == "zero_shot" else "",
+                instruct_text=(voice.get("instruct_text") or "").strip() if mode == "instruct2" else "",
+                speaker=voice.get("speaker") if mode == "speaker" else None, seed=seed,
+                stream=bool(voice.get("stream")), stream_params=params, backend=backend,
+                speed=float(voice.get("speed") or 1.0), max_tokens=max_tokens)
+        except (ValueError, TypeError, KeyError) as e:
+            raise gr.Error(_message(e)) from e
+
+    def _open(self, req: SynthesisRequest) -> Iterator[Any]:
+        """Start the request: the frontend runs here, so prompt problems surface before any audio."""
+        try:
+            return self.engine.stream(req)
+        except (ValueError, RuntimeError) as e:  # frontend validation, ConfigError, BackendUnavailable, engine full
+            raise gr.Error(_message(e)) from e
+
+    @staticmethod
+    def _live(req: SynthesisRequest, t0: float, timings: list[Any], chunk: Any) -> RequestTelemetry:
+        """The engine's own record when the chunk carries it; else a partial one from the chunk timings so far."""
+        if getattr(chunk, "telemetry", None) is not None:
+            return chunk.telemetry
+        t = RequestTelemetry(req.request_id, received=t0)
+        t.chunks = list(timings)
+        return t
+
+    # ------------------------------------------------------------------------------------------ synthesis
+    def split(self, values: Sequence[Any], *groups: Sequence[str]) -> list[dict[str, Any]]:
+        out, i = [], 0
+        for names in groups:
+            out.append(dict(zip(names, values[i:i + len(names)])))
+            i += len(names)
+        return out + [list(values[i:])]
+
+    def synthesize(self, *values: Any) -> Iterator[tuple]:
+        """Stream one request: yields (audio chunk, full wav, TTFB fig, timeline fig, history fig, summary, status,
+        telemetry json, history state) with each chunk; the full wav, history and raw telemetry come at the end."""
+        voice, cfg, rest = self.split(values, VOICE_FIELDS, CONFIG_FIELDS)
+        history = list(rest[0] or []) if rest else []
+        req = self.request_from(voice, cfg)
+        sr = self.engine.sample_rate
+        t0 = now()
+        chunks = self._open(req)
+        parts: list[np.ndarray] = []
+        timings: list[Any] = []
+        tele: RequestTelemetry | None = None
+        skip = gr.skip()
+        try:
+            for ch in chunks:
+                parts.append(ch.samples)
+                timings.append(ch.timing)
+                tele = self._live(req, t0, timings, ch)
+                status = (f"streaming… chunk {ch.index + 1}, {sum(map(len, parts)) / sr:.2f} s of audio, "
+                          f"first audio after {tele.ttfb * 1e3:.0f} ms")
+                audio = (sr, pcm16(ch.samples)) if self.stream_audio else skip
+                yield (audio, skip, db.ttfb_figure(tele), db.chunk_timeline_figure(tele), skip,
+                       db.summary_rows(tele), status, skip, skip)
+        except gr.Error:
+            raise
+        except Exception as e:  # a failure inside the engine: report it, keep serving
+            log.exception("request %s failed", req.request_id)
+            raise gr.Error(f"synthesis failed: {_message(e)}") from e
+        finally:
+            chunks.close()  # cancels the engine request if the user pressed Stop or left
+        if tele is None:
+            raise gr.Error("the engine produced no audio for this request")
+        wav = np.concatenate(parts)
+        history = (history + [db.history_record(tele, len(history) + 1)])[-MAX_HISTORY:]
+        s = tele.summary()
+        status = (f"done: {s['chunks']} chunks, {s['audio_s']:.2f} s of audio, TTFB {s['ttfb_ms']:.0f} ms, "
+                  f"RTF {s['rtf']:.3f}, {s['underruns']} underruns")
+        yield (skip if self.stream_audio else (sr, pcm16(wav)), (sr, pcm16(wav)), db.ttfb_figure(tele),
+               db.chunk_timeline_figure(tele), db.history_figure(history), db.summary_rows(tele), status,
+               tele.to_dict(), history)
+
+    def clear_history(self) -> tuple:
+        return db.history_figure([]), []
+
+    def _whole(self, req: SynthesisRequest) -> tuple[np.ndarray, RequestTelemetry]:
+        chunks = self._open(req)
+        parts, tele = [], None
+        try:
+            for ch in chunks:
+                parts.append(ch.samples)
+                tele = ch.telemetry or tele
+        except Exception as e:
+            log.exception("request %s failed", req.request_id)
+            raise gr.Error(f"synthesis failed: {_message(e)}") from e
+        finally:
+            chunks.close()
+        if tele is None or not parts:
+            raise gr.Error("the engine produced no audio for this request")
+        return np.concatenate(parts), tele
+
+    def _warm_prompt(self, req: SynthesisRequest) -> None:
+        """Analyse the prompt voice once, so that the frontend's cache serves it to both A and B alike."""
+        if self.frontend is None or req.prompt_wav is None:
+            return
+        try:
+            self.frontend.prompt_features(req.prompt_wav, req.prompt_sr)
+        except (ValueError, RuntimeError, OSError) as e:
+            raise gr.Error(_message(e)) from e
+
+    def ab(self, *values: Any) -> Iterator[tuple]:
+        """Same text, voice and seed through configuration A, then B (one after the other, so neither steals the
+        other's GPU time).  Yields A's result as soon as it exists, then B's and the comparison."""
+        voice, cfg_a, cfg_b, _ = self.split(values, VOICE_FIELDS, CONFIG_FIELDS, CONFIG_FIELDS)
+        req_a, req_b = self.request_from(voice, cfg_a), self.request_from(voice, cfg_b)
+        sr, skip = self.engine.sample_rate, gr.skip()
+        self._warm_prompt(req_a)  # otherwise only A would pay for analysing the prompt voice
+        wav_a, tele_a = self._whole(req_a)
+        yield ((sr, pcm16(wav_a)), skip, db.ttfb_figure([tele_a], ["A"]), db.chunk_timeline_figure(tele_a, "A"),
+               skip, skip)
+        wav_b, tele_b = self._whole(req_b)
+        n = min(len(wav_a), len(wav_b))
+        rows = db.ab_difference_rows(tele_a, tele_b)
+        diff = float(np.max(np.abs(wav_a[:n] - wav_b[:n]))) if n else float("nan")
+        rows += [[f"audio max |B − A| (first {n} samples)", None, None, round(diff, 6), None],
+                 ["audio samples", len(wav_a), len(wav_b), len(wav_b) - len(wav_a),
+                  round(len(wav_b) / len(wav_a), 3) if len(wav_a) else None]]
+        yield ((sr, pcm16(wav_a)), (sr, pcm16(wav_b)), db.ttfb_figure([tele_a, tele_b], ["A", "B"]),
+               db.chunk_timeline_figure(tele_a, "A"), db.chunk_timeline_figure(tele_b, "B"), rows)
+
+    # ------------------------------------------------------------------------------------------ saved voices
+    def _frontend(self) -> Any:
+        if self.frontend is None:
+            raise gr.Error("this model directory has no frontend files, so voices cannot be saved")
+        return self.frontend
+
+    def speaker_names(self) -> list[str]:
+        return sorted(self.frontend.list_speakers()) if self.frontend is not None else []
+
+    def refresh_speakers(self) -> dict:
+        return gr.update(choices=self.speaker_names())
+
+    def save_speaker(self, name: str, upload: str | None, mic: str | None, transcript: str) -> dict:
+        fe = self._frontend()
+        name = (name or "").strip()
+        if not name:
+            raise gr.Error("Type a name for the voice first.")
+        path = upload or mic
+        if path is None:
+            raise gr.Error("Upload or record the prompt voice to save first.")
+        try:
+            wav, sr = read_audio(path)
+            fe.add_speaker(name, wav, sr, (transcript or "").strip())
+        except (ValueError, RuntimeError, OSError) as e:
+            raise gr.Error(_message(e)) from e
+        gr.Info(f"Saved voice '{name}'. Pick the 'saved speaker' mode to use it.")
+        return gr.update(choices=self.speaker_names(), value=name)
+
+    def delete_speaker(self, name: str | None) -> dict:
+        fe = self._frontend()
+        if not name:
+            raise gr.Error("Pick a saved speaker to delete.")
+        try:
+            fe.delete_speaker(name)
+        except (ValueError, KeyError, OSError) as e:
+            raise gr.Error(_message(e)) from e
+        gr.Info(f"Deleted voice '{name}'.")
+        return gr.update(choices=self.speaker_names(), value=None)
+
+
+def read_audio(path: str) -> tuple[np.ndarray, int]:
+    """Decode an uploaded or recorded file to mono float32; a file that is not audio is a ValueError."""
+    import soundfile as sf
+
+    try:
+        data, sr = sf.read(path, dtype="float32", always_2d=True)
+    except Exception as e:  # libsndfile raises its own error type for non-audio input
+        raise ValueError(f"the prompt file is not readable audio ({_message(e)}); use wav, flac, ogg or mp3") from e
+    return data.mean(axis=1), int(sr)
