@@ -1,0 +1,307 @@
+"""Chunk-by-chunk execution of the streaming flow (encoder and CFM estimator) with carried state.
+
+In streaming mode every sequence operation of the flow looks only left or into a bounded window:
+
+* attention (the encoder's two Conformer stacks and the estimator's transformer blocks) is chunk-causal with
+  every earlier chunk visible, chunks counted from the first prompt token;
+* convolutions are causal (left padding only), except the pre-look-ahead conv, which reaches
+  ``pre_lookahead_len`` tokens to the right;
+* everything else (LayerNorm, projections, feed-forwards, the CFG mix and the Euler update) is per frame, and
+  the CFM start noise is indexed by absolute frame.
+
+So the values of a *complete* chunk whose tokens all have their real look-ahead never change when more tokens
+arrive.  This module keeps, for such a committed prefix, exactly what later positions read from it: key/value
+tensors of every attention layer and the last ``kernel - 1`` input columns of every causal conv.  A chunk call
+then runs only the positions from the committed boundary (a chunk boundary) to the end of the input.  Frames
+of a partly filled chunk see each other, so they are recomputed until their chunk is complete; that is at most
+one chunk of extra work.
+
+State is kept as flat lists of tensors ("slots"), filled in the order the layers run, so one generic window
+object serves every stack and the state serialises to a ``dict[str, Tensor]`` trivially.
+
+Pure math on the modules of :class:`~cosyvoice_fast.models.flow.CausalMaskedDiffWithXvec`; no module is
+modified and no parameter is copied.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .cfm import euler_schedule
+from .flow_decoder import sinusoidal_embedding
+from .flow_encoder_layers import relative_position_table, shift_relative_scores
+
+
+def chunk_visible(start: int, n_query: int, chunk: int, device: torch.device) -> Tensor:
+    """bool (n_query, start + n_query): query at absolute position ``start + i`` may see key ``j``.
+
+    Chunk-causal with every left chunk visible (the same rule as the full-sequence masks); ``start`` must be a
+    chunk boundary so that all cached keys are in earlier chunks.
+    """
+    q = torch.arange(start, start + n_query, device=device)
+    ends = (torch.div(q, chunk, rounding_mode="floor") + 1) * chunk
+    keys = torch.arange(start + n_query, device=device)
+    return keys.unsqueeze(0) < ends.unsqueeze(1)
+
+
+class Window:
+    """One incremental pass of one stack over absolute positions ``[start, start + n)``.
+
+    ``slots`` is the committed state of positions ``[0, start)`` (read in layer order, or an empty list at the
+    very beginning); the pass collects ``new``: the same slots extended by the first ``commit`` positions of the
+    window.  ``start`` must be a multiple of ``chunk`` (committed prefixes always are).
+    """
+
+    def __init__(self, slots: list[Tensor], start: int, commit: int, chunk: int):
+        if chunk <= 0:
+            raise ValueError("incremental flow needs chunk-causal attention (static_chunk_size > 0)")
+        if start % chunk:
+            raise ValueError(f"window start {start} is not on a chunk boundary ({chunk})")
+        self.old = slots
+        self.new: list[Tensor] = []
+        self.start, self.commit, self.chunk = start, commit, chunk
+        self._visible: dict[int, Tensor] = {}
+
+    def _take(self) -> Tensor | None:
+        i = len(self.new)
+        if not self.old:
+            return None
+        if i >= len(self.old):
+            raise ValueError("flow state does not match the model (too few slots)")
+        return self.old[i]
+
+    def _keep(self, t: Tensor, full: bool) -> None:
+        # A slice that is not the whole tensor is copied so the state does not pin the uncommitted tail.
+        self.new.append(t if full else t.clone())
+
+    def conv(self, conv: nn.Conv1d, x: Tensor) -> Tensor:
+        """Causal (left-padded) stride-1 conv of ``x`` (B, C, n) with the carried left columns."""
+        if conv.stride[0] != 1 or conv.dilation[0] != 1 or conv.groups != 1 or conv.padding[0] != 0:
+            raise NotImplementedError("incremental conv supports stride 1, dilation 1, no padding only")
+        left = conv.kernel_size[0] - 1
+        ctx = self._take()
+        if ctx is None:
+            ctx = x.new_zeros(x.shape[0], x.shape[1], left)
+        xp = torch.cat((ctx.to(x.dtype), x), dim=2)
+        self._keep(xp[:, :, self.commit:self.commit + left], False)
+        return F.conv1d(xp, conv.weight, conv.bias)
+
+    def keys_values(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """(B, H, n, d) new keys/values -> all keys/values ``[0, start + n)``; commits the first ``commit``."""
+        old_k = self._take()
+        if old_k is not None:
+            old_v = self.old[len(self.new) + 1]
+            k = torch.cat((old_k.to(k.dtype), k), dim=2)
+            v = torch.cat((old_v.to(v.dtype), v), dim=2)
+        keep = self.start + self.commit
+        full = keep == k.shape[2]
+        self._keep(k[:, :, :keep], full)
+        self._keep(v[:, :, :keep], full)
+        return k, v
+
+    def visible(self, n_query: int, device: torch.device) -> Tensor:
+        if n_query not in self._visible:
+            self._visible[n_query] = chunk_visible(self.start, n_query, self.chunk, device)
+        return self._visible[n_query]
+
+
+def slots_nbytes(slots: list[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in slots)
+
+
+# ------------------------------------------------------------------------------------------------ encoder
+
+
+@dataclass
+class EncoderCache:
+    """Committed encoder state: ``n_tokens`` tokens (a multiple of the encoder chunk) and their frames."""
+
+    n_tokens: int = 0
+    tok_slots: list[Tensor] = field(default_factory=list)  # conv2 context, then (K, V) per token-level block
+    frame_slots: list[Tensor] = field(default_factory=list)  # upsample conv context, then (K, V) per up block
+
+    def nbytes(self) -> int:
+        return slots_nbytes(self.tok_slots) + slots_nbytes(self.frame_slots)
+
+
+def _relpos_attention(att: nn.Module, x: Tensor, win: Window) -> Tensor:
+    """The encoder's rel-pos self-attention for queries ``[start, start + n)`` against keys ``[0, start + n)``."""
+    b, t, d = x.shape
+    h, dk = att.n_heads, att.d_k
+    q = att.linear_q(x).view(b, t, h, dk)
+    k = att.linear_k(x).view(b, t, h, dk).transpose(1, 2)
+    v = att.linear_v(x).view(b, t, h, dk).transpose(1, 2)
+    k, v = win.keys_values(k, v)
+    n_key = k.shape[2]
+    table = relative_position_table(t, n_key, d, x.device, x.dtype)
+    p = att.linear_pos(table).view(1, -1, h, dk).transpose(1, 2)
+    q_content = (q + att.pos_bias_u).transpose(1, 2)
+    q_position = (q + att.pos_bias_v).transpose(1, 2)
+    scale = 1.0 / math.sqrt(dk)
+    bias = shift_relative_scores(torch.matmul(q_position, p.transpose(-2, -1)), n_key) * scale
+    bias = bias.masked_fill(~win.visible(t, x.device), float("-inf"))
+    out = F.scaled_dot_product_attention(q_content, k, v, attn_mask=bias, scale=scale)
+    return att.linear_out(out.transpose(1, 2).reshape(b, t, h * dk))
+
+
+def encoder_commit_point(flow: nn.Module, committed: int, n_body: int, n_final: int) -> int:
+    """Tokens committed after a call: the last chunk boundary at or before ``min(n_final, n_body)``."""
+    chunk = flow.encoder.cfg.static_chunk_size
+    return max(committed, (min(n_final, n_body) // chunk) * chunk)
+
+
+def encode_increment(flow: nn.Module, ids: Tensor, n_body: int, n_final: int, cache: EncoderCache
+                     ) -> tuple[Tensor, EncoderCache]:
+    """Encode tokens ``[cache.n_tokens, n_body)`` of ``ids`` (1, N) (prompt + target ids, N - n_body <= look-ahead
+    tokens used as context only; missing look-ahead is zero, as at an utterance end).
+
+    ``n_final``: tokens before it have their complete, real look-ahead (``N - pre_lookahead_len`` for a non-final
+    call, ``N`` at the end of the utterance); complete chunks below it are committed.
+    Returns ``mu`` (1, 80, stride * (n_body - cache.n_tokens)) for frames ``[stride * cache.n_tokens,
+    stride * n_body)`` and the new cache (the old one is not modified).
+    """
+    enc = flow.encoder
+    ct = cache.n_tokens
+    n = ids.shape[1]
+    pl = enc.pre_lookahead_layer
+    la, stride, chunk = pl.lookahead, enc.cfg.upsample_stride, enc.cfg.static_chunk_size
+    if not ct <= n_body <= n <= n_body + la:
+        raise ValueError(f"cannot encode tokens [{ct}, {n_body}) of {n} with look-ahead {la}")
+    new_ct = encoder_commit_point(flow, ct, n_body, n_final)
+    commit = new_ct - ct
+    if n_body == ct:
+        return ids.new_zeros(1, flow.encoder_proj.out_features, 0).float(), cache
+
+    win = Window(cache.tok_slots, ct, commit, chunk)
+    e = enc.embed(flow.input_embedding(ids[:, ct:].clamp(min=0).long()))  # (1, n - ct, D)
+    y = F.pad(e.transpose(1, 2), (0, n_body + la - n))
+    y = F.leaky_relu(pl.conv1(y))  # (1, D, n_body - ct): conv1 outputs of the body tokens
+    y = win.conv(pl.conv2, y)
+    x = y.transpose(1, 2) + e[:, :n_body - ct]
+    for blk in enc.encoders:
+        x = x + _relpos_attention(blk.self_attn, blk.norm_mha(x), win)
+        x = x + blk.feed_forward(blk.norm_ff(x))
+
+    fwin = Window(cache.frame_slots, stride * ct, stride * commit, chunk * stride)
+    y = torch.repeat_interleave(x.transpose(1, 2), enc.up_layer.stride, dim=2)
+    x = fwin.conv(enc.up_layer.conv, y).transpose(1, 2)
+    x = enc.up_embed(x)
+    for blk in enc.up_encoders:
+        x = x + _relpos_attention(blk.self_attn, blk.norm_mha(x), fwin)
+        x = x + blk.feed_forward(blk.norm_ff(x))
+    x = enc.after_norm(x)
+    mu = flow.encoder_proj(x).transpose(1, 2).contiguous()
+    return mu, EncoderCache(new_ct, win.new, fwin.new)
+
+
+# ------------------------------------------------------------------------------------------------ estimator
+
+
+@dataclass
+class DecoderCache:
+    """Committed estimator state: ``n_frames`` frames; one slot list per Euler step (CFG batch of 2 inside)."""
+
+    n_frames: int = 0
+    steps: list[list[Tensor]] = field(default_factory=list)
+
+    def nbytes(self) -> int:
+        return sum(slots_nbytes(s) for s in self.steps)
+
+
+def check_estimator(est: nn.Module) -> None:
+    """Only the released one-level U-Net is causal everywhere (stride-2 resampling would look ahead)."""
+    if len(est.down_blocks) != 1 or len(est.up_blocks) != 1:
+        raise NotImplementedError("incremental flow supports estimators with a single U-Net level "
+                                  f"(channels of length 1), got {len(est.down_blocks)} levels")
+
+
+def _causal_block(blk: nn.Module, x: Tensor, win: Window) -> Tensor:
+    """CausalBlock1D with an all-ones mask: causal conv, then the per-frame rest of its Sequential."""
+    return blk.block[1:](win.conv(blk.block[0], x))
+
+
+def _resnet(r: nn.Module, x: Tensor, temb: Tensor, win: Window) -> Tensor:
+    h = _causal_block(r.block1, x, win) + r.mlp(temb).unsqueeze(-1)
+    h = _causal_block(r.block2, h, win)
+    return h + r.res_conv(x)
+
+
+def _self_attention(a: nn.Module, x: Tensor, win: Window) -> Tensor:
+    b, t, _ = x.shape
+
+    def heads(z: Tensor) -> Tensor:
+        return z.view(b, t, a.heads, a.head_dim).transpose(1, 2)
+
+    q = heads(a.to_q(x))
+    k, v = win.keys_values(heads(a.to_k(x)), heads(a.to_v(x)))
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=win.visible(t, x.device))
+    return a.to_out[0](o.transpose(1, 2).reshape(b, t, -1))
+
+
+def _transformers(blocks: nn.ModuleList, x: Tensor, win: Window) -> Tensor:
+    h = x.transpose(1, 2)
+    for blk in blocks:
+        h = h + _self_attention(blk.attn1, blk.norm1(h), win)
+        h = h + blk.ff(blk.norm3(h))
+    return h.transpose(1, 2)
+
+
+def estimator_increment(est: nn.Module, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
+                        win: Window) -> Tensor:
+    """The estimator (batch B, all frames valid, streaming) on frames ``[win.start, win.start + n)``.
+
+    x, mu, cond: (B, 80, n); t: (B,); spks: (B, 80).  Returns the (B, 80, n) velocity.
+    """
+    temb = est.time_mlp(sinusoidal_embedding(t, est.cfg.in_channels).to(x.dtype))
+    h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.shape[-1]), cond], dim=1)
+    (resnet, tblks, down), = est.down_blocks
+    h = _transformers(tblks, _resnet(resnet, h, temb, win), win)
+    skip = h
+    h = win.conv(down, h)
+    for resnet, tblks in est.mid_blocks:
+        h = _transformers(tblks, _resnet(resnet, h, temb, win), win)
+    (resnet, tblks, up), = est.up_blocks
+    h = torch.cat([h, skip], dim=1)
+    h = _transformers(tblks, _resnet(resnet, h, temb, win), win)
+    h = win.conv(up, h)
+    h = _causal_block(est.final_block, h, win)
+    return est.final_proj(h)
+
+
+def decode_increment(flow: nn.Module, mu: Tensor, spks: Tensor, cond: Tensor, x0: Tensor, cache: DecoderCache,
+                     commit_end: int, n_timesteps: int | None = None) -> tuple[Tensor, DecoderCache]:
+    """Guided Euler solve on frames ``[cache.n_frames, cache.n_frames + n)``.
+
+    mu, cond, x0 (start noise): (1, 80, n) for those frames; spks (1, 80).  Frames before ``commit_end`` (rounded
+    down to the estimator chunk) are committed.  Returns the (1, 80, n) mel in fp32 and the new cache.
+    """
+    cfm = flow.decoder
+    est = cfm.estimator
+    check_estimator(est)
+    start, n = cache.n_frames, mu.shape[2]
+    chunk = est.cfg.static_chunk_size
+    new_start = max(start, (min(commit_end, start + n) // chunk) * chunk)
+    steps = cfm.cfg.n_timesteps if n_timesteps is None else n_timesteps
+    if cache.steps and len(cache.steps) != steps:
+        raise ValueError(f"flow state has {len(cache.steps)} Euler steps, the solve runs {steps}")
+    if n == 0:
+        return x0.float(), cache
+    dtype = mu.dtype
+    ts, dts = euler_schedule(steps, cfm.cfg.t_scheduler, mu.device, dtype)
+    g_mu = torch.cat([mu, torch.zeros_like(mu)])
+    g_spks = torch.cat([spks, torch.zeros_like(spks)]).to(dtype)
+    g_cond = torch.cat([cond, torch.zeros_like(cond)]).to(dtype)
+    w = cfm.cfg.inference_cfg_rate
+    x = x0.to(dtype)
+    new_steps = []
+    for i in range(steps):
+        win = Window(cache.steps[i] if cache.steps else [], start, new_start - start, chunk)
+        v = estimator_increment(est, torch.cat([x, x]), g_mu, ts[i].reshape(1).expand(2), g_spks, g_cond, win)
+        x = x + dts[i] * ((1.0 + w) * v[:1] - w * v[1:])
+        new_steps.append(win.new)
+    return x.float(), DecoderCache(new_start, new_steps)
