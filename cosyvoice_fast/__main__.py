@@ -1,4 +1,4 @@
-"""Command line: ``python -m cosyvoice_fast {synth,download,build-engines,synthetic,backends}``."""
+"""Command line: ``python -m cosyvoice_fast {synth,download,build-engines,synthetic,backends,soak}``."""
 
 from __future__ import annotations
 
@@ -95,6 +95,12 @@ def cmd_build_engines(a: argparse.Namespace) -> int:
     return build_engines_cli(a)
 
 
+def cmd_soak(a: argparse.Namespace) -> int:
+    from .soak import cmd_soak as run
+
+    return run(a)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     ap = argparse.ArgumentParser(prog="python -m cosyvoice_fast")
@@ -139,7 +145,17 @@ def main(argv: list[str] | None = None) -> int:
     _add_model_args(p)
     p.add_argument("--engines-dir", default="engines")
     p.add_argument("--onnx-only", action="store_true", help="stop after the ONNX export (no TensorRT needed)")
+    p.add_argument("--engine-dtype", default="fp16", choices=["fp32", "fp16", "bf16"],
+                   help="TensorRT engine precision (the ONNX export is fp32 unless TensorRT 11 needs it typed)")
+    p.add_argument("--max-frames", type=int, default=3000,
+                   help="longest estimator input the engine accepts (mel frames, 50 per second)")
     p.set_defaults(fn=cmd_build_engines)
+
+    p = sub.add_parser("soak", help="many requests with injected faults; prints memory / fd / queue growth")
+    from .soak import add_arguments as soak_arguments
+
+    soak_arguments(p)
+    p.set_defaults(fn=cmd_soak)
 
     a = ap.parse_args(argv)
     try:

@@ -10,8 +10,11 @@ Shape of the runtime:
   ready (first audio has priority), (4) advances every running LM by one token, (5) runs one ready later chunk,
   earliest playback deadline first.  A new request therefore waits at most one decode round, never behind
   another request's long tail.
-- Closing the iterator (or :meth:`Engine.cancel`) marks the request; the worker drops it before its next step,
-  so its LM stops within one decode step and its caches are freed.
+- Closing the iterator (or :meth:`Engine.cancel`, or dropping the iterator, even before its first chunk) marks
+  the request; the worker drops it before its next step, so its LM stops within one decode step and its caches
+  are freed.  A consumer blocked waiting for a chunk in another thread is woken (the stream just ends).
+- Observers (:meth:`Engine.add_observer`) see every request's telemetry once it is over, with its outcome
+  (``ok``, ``cancelled``, ``error`` or ``rejected`` at admission): metrics hang off this hook.
 - An error in one request goes to that request's consumer only; the others keep streaming.
 """
 
@@ -21,7 +24,7 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from typing import AsyncIterator, Callable, Iterator
+from typing import AsyncIterator, Callable
 
 import numpy as np
 import torch
@@ -38,6 +41,10 @@ from .telemetry import ChunkTiming, RequestTelemetry, now
 log = logging.getLogger(__name__)
 
 _DONE = object()
+
+#: ``observer(telemetry, outcome)``; outcome is one of :data:`OUTCOMES`.
+Observer = Callable[[RequestTelemetry, str], None]
+OUTCOMES = ("ok", "cancelled", "error", "rejected")
 
 
 class EngineClosed(RuntimeError):
@@ -59,6 +66,7 @@ class Engine:
         self._incoming: deque[RequestState] = deque()
         self._active: list[RequestState] = []
         self._closed = False
+        self._observers: list[Observer] = []
         self._thread = threading.Thread(target=self._run, name="cosyvoice-worker", daemon=True)
         self._thread.start()
         self.stages(self.default_backend)
@@ -78,10 +86,10 @@ class Engine:
                 self._stage_sets[config] = build_stage_set(self.models, config)
             return self._stage_sets[config]
 
-    def stream(self, request: SynthesisRequest) -> Iterator[AudioChunk]:
+    def stream(self, request: SynthesisRequest) -> "RequestStream":
         """Yield the request's audio chunks as they are produced; closing the iterator cancels the request."""
         state = self._admit(request)
-        return self._consume(state)
+        return RequestStream(self, state)
 
     def synthesize(self, request: SynthesisRequest) -> tuple[np.ndarray, RequestTelemetry]:
         """The whole utterance as one array (24 kHz float32) and its telemetry."""
@@ -93,16 +101,25 @@ class Engine:
 
     async def astream(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
         """asyncio-friendly :meth:`stream`: waits for chunks in a thread, cancels on ``aclose``/cancel."""
-        state = await asyncio.to_thread(self._admit, request)
-        it = self._consume(state)
+        admit = asyncio.ensure_future(asyncio.to_thread(self._admit, request))
+        try:
+            state = await asyncio.shield(admit)
+        except asyncio.CancelledError:
+            # cancelled while the frontend ran: the admission finishes in its thread, then is dropped at once
+            admit.add_done_callback(lambda f: None if f.cancelled() or f.exception() is not None
+                                    else RequestStream(self, f.result()).close())
+            raise
+        stream = RequestStream(self, state)
         try:
             while True:
-                chunk = await asyncio.to_thread(next, it, None)
+                chunk = await asyncio.to_thread(next, stream, None)
                 if chunk is None:
                     return
                 yield chunk
         finally:
-            it.close()
+            # Thread-safe, unlike closing a generator: a `next` still blocked in its thread (the task was cancelled
+            # while it waited) is woken by the worker with the end-of-stream marker, so no thread is left behind.
+            stream.close()
 
     def cancel(self, request_id: str) -> bool:
         with self._cv:
@@ -112,6 +129,22 @@ class Engine:
                     self._cv.notify_all()
                     return True
         return False
+
+    def add_observer(self, fn: Observer) -> None:
+        """Call ``fn(telemetry, outcome)`` once per request when it is over (in the consumer's thread; keep it
+        quick).  An observer that raises is logged and ignored."""
+        self._observers.append(fn)
+
+    def remove_observer(self, fn: Observer) -> None:
+        if fn in self._observers:
+            self._observers.remove(fn)
+
+    def _notify(self, tele: RequestTelemetry, outcome: str) -> None:
+        for fn in list(self._observers):
+            try:
+                fn(tele, outcome)
+            except Exception:  # metrics must never break synthesis
+                log.exception("telemetry observer %r failed", fn)
 
     def active_requests(self) -> int:
         with self._cv:
@@ -143,9 +176,17 @@ class Engine:
         return inputs
 
     def _admit(self, request: SynthesisRequest) -> RequestState:
+        tele = RequestTelemetry(request.request_id)
+        try:
+            return self._admit_checked(request, tele)
+        except Exception as e:  # refused before reaching the worker (bad prompt, backend, engine full): observed
+            tele.error = f"{type(e).__name__}: {e}"
+            self._notify(tele, "rejected")
+            raise
+
+    def _admit_checked(self, request: SynthesisRequest, tele: RequestTelemetry) -> RequestState:
         if self._closed:
             raise EngineClosed("the engine is shut down")
-        tele = RequestTelemetry(request.request_id)
         cfg = request.backend or self.default_backend
         tele.params = {"backend": f"{cfg.llm}/{cfg.flow}/{cfg.vocoder}", "dtype": cfg.dtype,
                        "stream": request.stream, "seed": request.seed,
@@ -159,31 +200,15 @@ class Engine:
         state = RequestState(request=request, inputs=inputs, telemetry=tele, stages=stages,
                              llm_generator=g_llm, vocoder_generator=g_voc)
         with self._cv:
+            # checked again under the lock: a request queued after the worker exited would never be answered
+            if self._closed:
+                raise EngineClosed("the engine is shut down")
             if len(self._incoming) + len(self._active) >= self.max_active:
                 raise RuntimeError(f"the engine is at its limit of {self.max_active} active requests; "
                                    "try again in a moment")
             self._incoming.append(state)
             self._cv.notify_all()
         return state
-
-    def _consume(self, state: RequestState) -> Iterator[AudioChunk]:
-        try:
-            while True:
-                item = state.out.get()
-                if item is _DONE:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                item.timing.delivered = now()
-                if item.is_last:
-                    state.telemetry.finished = item.timing.delivered
-                    item.telemetry = state.telemetry
-                yield item
-        finally:
-            if not state.done:
-                state.cancelled.set()
-                with self._cv:
-                    self._cv.notify_all()
 
     # ------------------------------------------------------------------------------------------- worker
     def _run(self) -> None:
@@ -209,6 +234,7 @@ class Engine:
         for st in list(self._active):
             if st.cancelled.is_set():
                 st.telemetry.cancelled = True
+                st.out.put(_DONE)  # wakes a consumer blocked on the queue in another thread
                 self._finish(st)
         for st in list(self._active):
             if st.segment is None:
@@ -315,6 +341,73 @@ class Engine:
         st.close()
         if st in self._active:
             self._active.remove(st)
+
+
+class RequestStream:
+    """The consumer side of one request: iterate for :class:`AudioChunk`s.
+
+    ``close()`` (also on ``with`` exit and when the object is garbage-collected, even before the first chunk)
+    cancels the request if it is still running.  Unlike a generator it may be closed from another thread while a
+    ``next`` is blocked waiting: that ``next`` then ends the iteration.
+    """
+
+    def __init__(self, engine: Engine, state: RequestState):
+        self._engine = engine
+        self._state = state
+        self._got_last = False
+        self._ended = False
+        self._lock = threading.Lock()
+
+    @property
+    def request_id(self) -> str:
+        return self._state.id
+
+    def __iter__(self) -> "RequestStream":
+        return self
+
+    def __next__(self) -> AudioChunk:
+        if self._ended:
+            raise StopIteration
+        item = self._state.out.get()
+        if item is _DONE:
+            self._end("ok" if self._got_last else "cancelled")
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._end("error")
+            raise item
+        item.timing.delivered = now()
+        if item.is_last:
+            self._got_last = True
+            self._state.telemetry.finished = item.timing.delivered
+            item.telemetry = self._state.telemetry
+        return item
+
+    def close(self) -> None:
+        self._end("ok" if self._got_last else "cancelled")
+
+    def _end(self, outcome: str) -> None:
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = True
+        st = self._state
+        if not st.done:
+            st.cancelled.set()
+            with self._engine._cv:
+                self._engine._cv.notify_all()
+        self._engine._notify(st.telemetry, outcome)
+
+    def __enter__(self) -> "RequestStream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
 
 def _sync(device: torch.device) -> None:

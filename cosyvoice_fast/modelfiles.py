@@ -65,6 +65,12 @@ def validate_model_dir(model_dir: str | Path) -> ModelFiles:
         raise ModelFileError(f"model directory {root.name or str(root)!r} does not exist or is not a directory; "
                              f"pass --model-dir pointing at CosyVoice2-0.5B, or {_HINT_DOWNLOAD}")
     missing = [f for f in REQUIRED_FILES if not (root / f).is_file()]
+    if "cosyvoice2.yaml" in missing:  # say so when it is another generation's directory, not a broken one
+        for other, family in (("cosyvoice.yaml", "CosyVoice1"), ("cosyvoice3.yaml", "CosyVoice3")):
+            if (root / other).is_file():
+                raise ModelFileError(f"model directory {root.name!r} holds {other}: it looks like a {family} "
+                                     "model; cosyvoice_fast runs CosyVoice2 only. Point --model-dir at a "
+                                     "CosyVoice2-0.5B directory.")
     if missing:
         raise ModelFileError(f"model directory {root.name!r} is missing {', '.join(missing)}; {_HINT_DOWNLOAD}")
     return ModelFiles(root)

@@ -14,6 +14,7 @@ import torch
 
 from .config import TORCH_DTYPES, BackendConfig
 from .engine import Engine
+from .metrics import EngineMetrics, health
 from .modelfiles import LoadedModels, find_model_dir, load_models
 from .synthetic import synthetic_model_dir
 
@@ -30,6 +31,11 @@ class Service:
     synthetic: bool
     banner: str
     model_name: str
+    metrics: EngineMetrics | None = None  # Prometheus counters of this service's engine (own registry)
+
+    def health(self) -> dict:
+        """Readiness: model, device, backends, whether the engine's worker runs (served as GET /health)."""
+        return health(self)
 
     def close(self) -> None:
         self.engine.close()
@@ -81,4 +87,5 @@ def load_service(model_dir: str | Path | None = None, synthetic: str | None = No
         banner += " Prompt-voice frontend unavailable (missing " + ", ".join(models.files.missing_frontend_files()) + ")."
     engine = Engine(models, frontend=frontend, backend=BackendConfig(dtype=dtype))
     return Service(engine=engine, frontend=frontend, models=models, synthetic=is_synth, banner=banner,
-                   model_name=("synthetic-" + (synthetic or "tiny")) if is_synth else path.name)
+                   model_name=("synthetic-" + (synthetic or "tiny")) if is_synth else path.name,
+                   metrics=EngineMetrics().attach(engine))

@@ -204,15 +204,22 @@ def build_demo(service: Any) -> gr.Blocks:
         stream.change(lambda s: gr.update(interactive=not s, value=1.0), stream, speed, queue=False,
                       api_visibility="private")
         demo.load(h.refresh_speakers, None, speaker, api_visibility="private")
+    demo.cosyvoice_service = service  # read by serve() to mount /health and /metrics
     return demo
 
 
 def serve(demo: gr.Blocks, *, host: str = "127.0.0.1", port: int | None = 7860, share: bool = False,
           auth: tuple[str, str] | None = None, concurrency: int = 4, max_queue: int = 32,
-          max_file_size: str | int = MAX_UPLOAD, prevent_thread_lock: bool = False, quiet: bool = False) -> Any:
+          max_file_size: str | int = MAX_UPLOAD, prevent_thread_lock: bool = False, quiet: bool = False,
+          service: Any = None) -> Any:
     """Queue with a concurrency limit and a bounded size (excess users are told the queue is full), an upload
-    size limit, and no extra served paths."""
+    size limit, and no extra served paths.  ``GET /health`` (readiness JSON) and ``GET /metrics`` (Prometheus) of
+    the service are mounted beside the UI (see :mod:`cosyvoice_fast.metrics`); they need no login."""
+    from .metrics import http_routes
+
+    service = service if service is not None else getattr(demo, "cosyvoice_service", None)
+    app_kwargs = {"routes": http_routes(service)} if service is not None else {}
     demo.queue(default_concurrency_limit=concurrency, max_size=max_queue)
     return demo.launch(server_name=host, server_port=port, share=share, auth=auth, max_file_size=max_file_size,
                        prevent_thread_lock=prevent_thread_lock, quiet=quiet, show_error=True, ssr_mode=False,
-                       theme=gr.themes.Soft(), css=CSS, footer_links=["api"])
+                       theme=gr.themes.Soft(), css=CSS, footer_links=["api"], app_kwargs=app_kwargs)

@@ -10,6 +10,7 @@ library's own message; the server keeps serving.
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 from typing import Any, Iterator, Sequence
 
@@ -42,8 +43,19 @@ def random_seed() -> int:
     return secrets.randbelow(2**31)
 
 
+# An absolute path inside a message: POSIX (/tmp/gradio/ab12/x.wav) or Windows (C:\\Users\\...\\x.wav), quoted or not.
+_ABS_PATH = re.compile(r"(?<![\w.:/\\])(?:[A-Za-z]:[\\/]|/)(?:[^\s'\"/\\]+[\\/])+([^\s'\"/\\]*)")
+
+
+def redact_paths(text: str) -> str:
+    """Replace every absolute path in ``text`` by its file name: messages shown to users must not reveal the
+    server's directories (Gradio's upload cache, the model directory, the home directory)."""
+    return _ABS_PATH.sub(lambda m: m.group(1) or "<path>", text)
+
+
 def _message(e: BaseException) -> str:
-    return str(e) or type(e).__name__
+    """The user-facing text of ``e`` (library messages are written for users), without server paths."""
+    return redact_paths(str(e)) or type(e).__name__
 
 
 class Handlers:
@@ -124,12 +136,25 @@ class Handlers:
         except (ValueError, TypeError, KeyError) as e:
             raise gr.Error(_message(e)) from e
 
+    def _checked_request(self, voice: dict[str, Any], cfg: dict[str, Any]) -> SynthesisRequest:
+        """:meth:`request_from`, counting a refusal in the service's metrics (the engine never sees it)."""
+        try:
+            return self.request_from(voice, cfg)
+        except gr.Error:
+            metrics = getattr(self.service, "metrics", None)
+            if metrics is not None:
+                metrics.count_rejected()
+            raise
+
     def _open(self, req: SynthesisRequest) -> Iterator[Any]:
         """Start the request: the frontend runs here, so prompt problems surface before any audio."""
         try:
             return self.engine.stream(req)
         except (ValueError, RuntimeError) as e:  # frontend validation, ConfigError, BackendUnavailable, engine full
             raise gr.Error(_message(e)) from e
+        except Exception as e:  # anything else (OSError, ...): a message without server paths, never a raw trace
+            log.exception("request %s failed before synthesis", req.request_id)
+            raise gr.Error(f"could not start synthesis: {_message(e)}") from e
 
     @staticmethod
     def _live(req: SynthesisRequest, t0: float, timings: list[Any], chunk: Any) -> RequestTelemetry:
@@ -153,7 +178,7 @@ class Handlers:
         telemetry json, history state) with each chunk; the full wav, history and raw telemetry come at the end."""
         voice, cfg, rest = self.split(values, VOICE_FIELDS, CONFIG_FIELDS)
         history = list(rest[0] or []) if rest else []
-        req = self.request_from(voice, cfg)
+        req = self._checked_request(voice, cfg)
         sr = self.engine.sample_rate
         t0 = now()
         chunks = self._open(req)
@@ -221,7 +246,7 @@ class Handlers:
         """Same text, voice and seed through configuration A, then B (one after the other, so neither steals the
         other's GPU time).  Yields A's result as soon as it exists, then B's and the comparison."""
         voice, cfg_a, cfg_b, _ = self.split(values, VOICE_FIELDS, CONFIG_FIELDS, CONFIG_FIELDS)
-        req_a, req_b = self.request_from(voice, cfg_a), self.request_from(voice, cfg_b)
+        req_a, req_b = self._checked_request(voice, cfg_a), self._checked_request(voice, cfg_b)
         sr, skip = self.engine.sample_rate, gr.skip()
         self._warm_prompt(req_a)  # otherwise only A would pay for analysing the prompt voice
         wav_a, tele_a = self._whole(req_a)
@@ -278,11 +303,10 @@ class Handlers:
 
 
 def read_audio(path: str) -> tuple[np.ndarray, int]:
-    """Decode an uploaded or recorded file to mono float32; a file that is not audio is a ValueError."""
-    import soundfile as sf
+    """Decode an uploaded or recorded file to mono float32 with the frontend's decoder (soundfile, then the
+    system decoder); a file that is not audio, or is empty, is a ``PromptAudioError`` (a ValueError) whose
+    message names the file only by its name."""
+    from .frontend.audio import load_audio
 
-    try:
-        data, sr = sf.read(path, dtype="float32", always_2d=True)
-    except Exception as e:  # libsndfile raises its own error type for non-audio input
-        raise ValueError(f"the prompt file is not readable audio ({_message(e)}); use wav, flac, ogg or mp3") from e
-    return data.mean(axis=1), int(sr)
+    # (this used soundfile alone, and its error text, shown to the user, held the upload's absolute path)
+    return load_audio(path)

@@ -40,6 +40,16 @@ def vocode_chunk(vocoder: VocoderFn, mel: torch.Tensor, cache: VocoderCache | No
     ``speed`` (non-streaming only) time-stretches the mel before vocoding, as upstream does.
     """
     overlap = MEL_CACHE_FRAMES * samples_per_frame
+    if cache is not None and cache.speech.shape[-1] == 0:
+        # frames held back from chunk(s) too short to vocode alone (see below): vocode them now, as a first chunk
+        mel = torch.cat([cache.mel.to(mel), mel], dim=2)
+        cache = None
+    if cache is None and not finalize and speed == 1.0 and mel.shape[2] < MEL_CACHE_FRAMES:
+        # A first chunk of under 8 mel frames (token_hop_len_first < 4) cannot leave the 3840-sample tail the
+        # next cross-fade needs (that raised "both waveforms need at least 3840 samples" on the second chunk).
+        # Keep its frames and emit nothing yet; the next chunk vocodes them with its own.  Totals are unchanged.
+        empty = mel.new_zeros(1, 0, dtype=torch.float32)
+        return empty, VocoderCache(mel=mel, source=mel.new_zeros(1, 1, 0, dtype=torch.float32), speech=empty)
     if cache is not None:
         mel = torch.cat([cache.mel.to(mel), mel], dim=2)
         cache_source = cache.source

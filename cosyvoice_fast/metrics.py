@@ -1,0 +1,114 @@
+"""Prometheus metrics and a readiness document for one loaded service, and the two HTTP routes serving them.
+
+Everything is fed by the engine's finished-request hook (:meth:`Engine.add_observer`): one observation per
+request, from the same telemetry the dashboard draws, so the numbers agree with what users see.  Each
+:class:`EngineMetrics` owns its own ``CollectorRegistry`` (nothing is registered in prometheus_client's global
+registry), so two services in one process, or tests that build many, never collide.
+
+``GET /health`` answers 200 with JSON when the model is loaded and the engine's worker is running, else 503
+(a readiness probe); ``GET /metrics`` is the Prometheus text exposition.  Both are mounted on the Gradio app by
+:func:`cosyvoice_fast.webui.serve` and need no login: they carry aggregate numbers only (no text, audio, names
+or paths).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .telemetry import RequestTelemetry
+
+TTFB_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0)
+RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+
+
+class EngineMetrics:
+    """Counters and histograms of one engine, in a registry of their own."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry if registry is not None else CollectorRegistry()
+        self.requests = Counter("cosyvoice_requests", "Synthesis requests by outcome (ok, cancelled, error, "
+                                "rejected = refused before synthesis, e.g. bad input)", ["outcome"], registry=r)
+        self.errors = Counter("cosyvoice_request_errors", "Failed or refused requests by error type", ["type"],
+                              registry=r)
+        self.ttfb = Histogram("cosyvoice_ttfb_seconds", "Time from request to first audio chunk delivered",
+                              buckets=TTFB_BUCKETS, registry=r)
+        self.rtf = Histogram("cosyvoice_rtf", "Real-time factor of completed requests (wall time / audio time)",
+                             buckets=RTF_BUCKETS, registry=r)
+        self.audio = Counter("cosyvoice_audio_seconds", "Seconds of audio delivered", registry=r)
+        self.chunks = Counter("cosyvoice_chunks", "Audio chunks delivered", registry=r)
+        self.underruns = Counter("cosyvoice_underruns", "Chunks delivered after their playback deadline",
+                                 registry=r)
+        self.active = Gauge("cosyvoice_active_requests", "Requests queued or running in the engine", registry=r)
+        for o in ("ok", "cancelled", "error", "rejected"):
+            self.requests.labels(o)  # present (at 0) from the start, so rates work before the first failure
+
+    def attach(self, engine: Any) -> "EngineMetrics":
+        """Observe ``engine``'s requests and read its active-request count at scrape time."""
+        engine.add_observer(self.observe)
+        self.active.set_function(engine.active_requests)
+        return self
+
+    def observe(self, tele: RequestTelemetry, outcome: str) -> None:
+        self.requests.labels(outcome).inc()
+        if tele.error:
+            self.errors.labels(tele.error.split(":", 1)[0] or "Error").inc()
+        delivered = [c for c in tele.chunks if math.isfinite(c.delivered)]
+        if delivered and math.isfinite(tele.ttfb):
+            self.ttfb.observe(max(0.0, tele.ttfb))
+        self.chunks.inc(len(delivered))
+        self.audio.inc(sum(c.audio_seconds for c in delivered))
+        if outcome == "ok":
+            if math.isfinite(tele.rtf):
+                self.rtf.observe(tele.rtf)
+            self.underruns.inc(sum(r["underrun"] for r in tele.chunk_report()))
+
+    def count_rejected(self, error_type: str = "InputError") -> None:
+        """A request refused before it reached the engine (e.g. the app's own input checks)."""
+        self.requests.labels("rejected").inc()
+        self.errors.labels(error_type).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def health(service: Any) -> dict[str, Any]:
+    """Readiness of ``service``: ``ready`` is True when the model is loaded and the engine accepts work."""
+    from .backends.base import available_backends
+
+    engine = service.engine
+    running = engine._thread.is_alive() and not engine._closed
+    models = service.models
+    backends: dict[str, list[str]] = {}
+    for b in available_backends(models.device):
+        if b.available:
+            backends.setdefault(b.stage, []).append(b.name)
+    return {"ready": bool(running), "status": "ok" if running else "engine stopped",
+            "model_loaded": models is not None, "model": service.model_name, "synthetic": bool(service.synthetic),
+            "device": str(models.device), "dtype": str(models.dtype).replace("torch.", ""),
+            "frontend": service.frontend is not None, "backends": backends,
+            "backends_built": sorted(f"{c.llm}/{c.flow}/{c.vocoder} {c.dtype}" for c in engine._stage_sets),
+            "active_requests": engine.active_requests(), "sample_rate": engine.sample_rate,
+            "time": time.time()}
+
+
+def http_routes(service: Any) -> list[Any]:
+    """Starlette routes ``GET /health`` and ``GET /metrics`` for ``service`` (mounted by ``webui.serve``)."""
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    async def health_endpoint(request: Request) -> Response:
+        h = health(service)
+        return JSONResponse(h, status_code=200 if h["ready"] else 503)
+
+    async def metrics_endpoint(request: Request) -> Response:
+        m = getattr(service, "metrics", None)
+        if m is None:
+            return Response("metrics are not enabled for this service\n", status_code=404, media_type="text/plain")
+        return Response(m.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    return [Route("/health", health_endpoint, methods=["GET"]), Route("/metrics", metrics_endpoint, methods=["GET"])]
