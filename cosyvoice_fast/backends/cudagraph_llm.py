@@ -4,8 +4,8 @@ Eager decoding of a 24-layer Qwen2 at batch 1 is launch-bound: ~900 small kernel
 CPU time to launch than GPU time to run.  Here every request borrows a *slot* (a pre-allocated KV cache of
 ``max_len`` positions plus a few static buffers) and each step is one graph replay.
 
-Per slot, one decode graph is captured for each *KV bucket* (e.g. 256, 512, 1024, 2048 positions): it attends
-over the first ``bucket`` cache positions, masked by position, so early tokens do not pay for a 2048-long
+One decode graph is captured for each *KV bucket* (e.g. 256, 512, 1024, 2048 positions; per slot when
+``batched=False``, once over all slots when batched, see below): it attends over the first ``bucket`` cache positions, masked by position, so early tokens do not pay for a 2048-long
 attention.  A decode graph computes: token embedding -> decoder -> fp32 log-probs (+ the step's eos mask) ->
 softmax -> stable sort -> nucleus cut -> the draw.  Prefill is captured per slot for a few padded input lengths
 (64..512 by default; zero rows after the real ones, causally invisible to them); a longer input runs the eager
@@ -24,6 +24,32 @@ Sampling is the eager RAS sampler's, draw for draw (same seed -> same tokens in 
   the only sync.  When the window check fires (the fallback full-distribution draw), :func:`random_sample`
   runs eagerly, as in eager mode, with its own syncs.  A CPU generator falls back to the eager sampler entirely.
 
+Batched decoding (``batched=True``, the default).  A decode step is GPU-bound by ~600 small kernels, so stepping
+16 requests one after another costs 16x one step.  Instead all slots share one KV allocation of shape
+(slots, Hkv, max_len, D) per layer (each slot's cache is a view of its row, so prefill still runs per slot at
+batch 1), and one decode graph per (KV bucket, row count) steps rows ``0 .. n-1`` each at its own position
+(``pos`` (n, 1)); row counts are 1, 2, 4, ... up to S, and a step uses the smallest that covers its rows.  Rounds are
+driven by the per-request iterators (:class:`..kv_pool.StepRounds`): when a request wants a token that is not
+buffered for it, one batched step runs over every request whose next input is known, and each row's token is
+buffered for its own consumer.  Per step: a few tiny eager kernels (one exponential draw per row from its own
+generator, an input copy), one replay, one ``.tolist()`` of the (S,) tokens.
+
+- Rows below ``n`` that are not in a step (free slots, requests whose token is still buffered or that are
+  done) still run in the graph, at position ``max_len - 1`` with their last inputs.  That is harmless: a row only writes its own cache
+  row, and writing at any position >= the row's next write position is overwritten before any query of that
+  row can attend to it (each step writes its position before attending, prefill rewrites 0..n-1), while
+  ``max_len - 1`` keeps the whole bucket visible so the garbage stays finite (no fully masked softmax).
+  Their outputs land in rows nobody reads until that row's next own step rewrites them.
+- Determinism: a row's token depends only on its own request.  Each graph has fixed shapes (so fixed
+  kernels), matmuls and attention never mix rows, softmax/sort/nucleus are per row, and the
+  exponential draw of row i comes from request i's generator, drawn in the same order as unbatched (the RAS
+  fallback draw of a step happens right after that step, before the row's next q).  Caveats: (1) the step's
+  KV bucket is the one for the largest position among the stepped rows, so a neighbour can lengthen a row's
+  attention; masked positions contribute exact zeros, but whether the kernel's reduction order changes with
+  the length is kernel-dependent (pass ``kv_buckets=(max_len,)`` for strict independence); (2) batch-n
+  matmul kernels may round differently for different n, so tokens equal the eager backend's up to
+  near-ties at rounding level (the GPU tests check equality on the tiny fp32 model).
+
 Both claims about torch internals are asserted by the GPU tests (tokens equal eager's, nucleus cut equal the
 host loop on boundary cases).  Log-probs differ from eager's only by the attention length (bucket instead of
 the filled prefix, the rest masked), a rounding-level difference.
@@ -35,6 +61,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -43,7 +70,7 @@ from ..config import ModelConfig
 from ..models.qwen2 import KVCache, KVCacheFullError
 from ..models.sampling import random_sample
 from .base import BackendUnavailable
-from .kv_pool import SlotPool
+from .kv_pool import SlotPool, StepRounds
 
 log = logging.getLogger(__name__)
 
@@ -136,16 +163,48 @@ def nucleus_pick(logp: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, limit:
     return logp, head_i.gather(0, score.argmax(dim=0, keepdim=True))
 
 
+def nucleus_keep_rows(head_p: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """:func:`nucleus_keep` for every row of (B, k) sorted top-k probabilities at once -> (B, k) bool.
+
+    The running sums are taken down the columns of a (k, B + 1) contiguous copy: on CUDA that is the same
+    one-thread-per-column sequential fp32 walk as :func:`nucleus_keep` (the extra column keeps B == 1 from
+    collapsing into an innermost-dimension scan).
+    """
+    b = head_p.shape[0]
+    cols = torch.cat((head_p, head_p[:1]), dim=0).t().contiguous()  # (k, B + 1)
+    run = cols.cumsum(dim=0)[:, :b].t()  # (B, k)
+    first = torch.ones(b, 1, dtype=torch.bool, device=head_p.device)
+    return torch.cat((first, run[:, :-1] < limit), dim=1)
+
+
+def nucleus_pick_rows(logp: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, limit: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`nucleus_pick` for every row: ``logp``/``bias`` (B, V), ``q`` (B, top_k) -> ((B, V) masked
+    log-probs, (B,) int64 tokens).  Row ``b``'s result is :func:`nucleus_pick` of row ``b``'s inputs: softmax,
+    the stable sort, the cut and the argmax all work along the row."""
+    logp = logp + bias
+    sorted_p, sorted_i = logp.softmax(dim=-1).sort(dim=-1, descending=True, stable=True)
+    k = q.shape[-1]
+    head_p, head_i = sorted_p[:, :k], sorted_i[:, :k]
+    score = torch.where(nucleus_keep_rows(head_p, limit), head_p / q, _NEG_INF)
+    return logp, head_i.gather(1, score.argmax(dim=1, keepdim=True))[:, 0]
+
+
 # ------------------------------------------------------------------------------------------ the backend
 
 
 @dataclass
 class _Slot:
-    """One request's static state: its cache, the graphs' inputs and outputs, and the graphs themselves."""
+    """One request's static state: its cache, the graphs' inputs and outputs, and the graphs themselves.
 
+    ``cache``, ``bias``, ``q``, ``logp`` and ``token`` are views of row ``index`` of the backend's batched
+    buffers, so per-slot graphs (prefill; decode when not batched) and the batched decode graphs share them.
+    """
+
+    index: int
     cache: KVCache
-    tok: torch.Tensor  # (1, 1) int64: the token fed this step
-    pos: torch.Tensor  # (1,) int64: the position it is written at
+    tok: torch.Tensor  # (1, 1) int64: the token fed this step (per-slot decode graphs only)
+    pos: torch.Tensor  # (1,) int64: the position it is written at (per-slot decode graphs only)
     bias: torch.Tensor  # (V,) fp32: 0 or -inf (the step's eos/stop mask)
     q: torch.Tensor  # (top_k,) fp32: exponential variates of this step's draw
     logp: torch.Tensor  # (V,) fp32 out: masked log-probs
@@ -153,6 +212,20 @@ class _Slot:
     mask_mode: str = ""
     graphs: dict[int, Any] = field(default_factory=dict)  # decode step per kv bucket
     prefill_graphs: dict[int, Any] = field(default_factory=dict)  # prefill per padded input length
+
+
+@dataclass(eq=False)
+class _Row:
+    """A running request's decode state between batched steps (host side)."""
+
+    slot: _Slot
+    gen: torch.Generator
+    history: list[int]
+    min_len: int
+    ignore_eos: bool
+    pos: int  # the cache position the next fed token is written at
+    step: int = 0  # index of the token the next step draws (selects the eos mask)
+    feed: int = 0  # the token fed at ``pos``
 
 
 class CudaGraphLLM:
@@ -163,11 +236,15 @@ class CudaGraphLLM:
     ``prefill_buckets`` are the padded input lengths whose prefill is captured too (eager prefill costs one
     kernel launch per op, tens of ms of CPU time at 0.5B); longer inputs prefill eagerly; ``()`` turns it off.
     Everything is allocated and captured here, so the first request pays nothing.
+
+    ``batched=True`` (default) steps all running requests in one graph replay per round (see the module
+    docstring); ``batched=False`` keeps per-slot decode graphs, one replay per request per token.
+    ``batched_steps`` / ``batched_rows`` count batched replays and the request-steps they carried.
     """
 
     def __init__(self, llm: torch.nn.Module, config: ModelConfig, *, slots: int = 16, max_len: int = 2048,
                  kv_buckets: Sequence[int] | None = None, prefill_buckets: Sequence[int] = (64, 128, 256, 512),
-                 progress: bool = True):
+                 progress: bool = True, batched: bool = True):
         reason = why_unavailable(llm)
         if reason is not None:
             raise BackendUnavailable(reason)
@@ -179,32 +256,60 @@ class CudaGraphLLM:
         self.buckets = choose_kv_buckets(max_len, kv_buckets)
         self.prefill_buckets = tuple(sorted(b for b in set(prefill_buckets) if 0 < b <= max_len))
         self.fallback_draws = 0  # how often the RAS repetition check replaced a nucleus draw
-        self._lock = threading.Lock()  # graphs share one scratch pool: one replay (and its reads) at a time
+        self.batched = batched
+        self.row_counts = tuple(sorted({min(slots, 2 ** i) for i in range(max(1, slots).bit_length() + 1)}))
+        # Graphs share one scratch pool: one replay (and its reads) at a time.  Re-entrant because a generator
+        # finalised by the garbage collector inside a locked region of the same thread takes it in its cleanup.
+        self._lock = threading.RLock()
+        self._rounds: StepRounds[_Row] = StepRounds(self._step_rows)
         vocab = llm.cfg.vocab_out
         self._k = min(self.sampler.top_k, vocab)
-        t0, mem0 = time.perf_counter(), torch.cuda.memory_allocated(self.device)
+        on_cuda = self.device.type == "cuda"
+        t0, mem0 = time.perf_counter(), torch.cuda.memory_allocated(self.device) if on_cuda else 0
         with torch.inference_mode():
-            dev, n_in = self.device, max(self.prefill_buckets, default=1)
-            self._limit = torch.full((), self.sampler.top_p, dtype=torch.float32, device=dev)
+            dev, n_in, f32 = self.device, max(self.prefill_buckets, default=1), torch.float32
+            self._limit = torch.full((), self.sampler.top_p, dtype=f32, device=dev)
             # prefill inputs, shared by all slots (prefills are serialised by the lock)
             self._emb = torch.zeros(1, n_in, llm.cfg.llm_input_size, dtype=llm.speech_embedding.weight.dtype,
                                     device=dev)
             self._ppos = torch.arange(n_in, device=dev)
             self._last = torch.zeros(1, dtype=torch.long, device=dev)
-            self.pool = SlotPool([self._new_slot(vocab) for _ in range(slots)], name="LLM slot")
+            # batched state: one row per slot; slots hold views of their row
+            self._cache = llm.new_cache(max_len, batch=slots)
+            self._bias = torch.zeros(slots, vocab, dtype=f32, device=dev)
+            self._q = torch.ones(slots, self._k, dtype=f32, device=dev)
+            self._logp = torch.zeros(slots, vocab, dtype=f32, device=dev)
+            self._token = torch.zeros(slots, dtype=torch.long, device=dev)
+            # batched step inputs: row 0 = fed tokens, row 1 = positions; idle rows sit at max_len - 1
+            self._step_in = torch.zeros(2, slots, dtype=torch.long, device=dev)
+            self._step_in[1].fill_(max_len - 1)
+            self._host_in = torch.zeros(2, slots, dtype=torch.long, pin_memory=on_cuda)
+            self._host_np = self._host_in.numpy()
+            self._copied = torch.cuda.Event() if on_cuda else None  # the last host -> device input copy
+            self._batch_graphs: dict[tuple[int, int], Any] = {}
+            self.pool = SlotPool([self._new_slot(i, vocab) for i in range(slots)], name="LLM slot")
             n = self._capture_all(progress)
-        log.info("cudagraph LLM: %d graphs (%d slots x kv buckets %s + prefill buckets %s) captured in %.1f s; "
-                 "%.0f MiB for caches and graphs", n, slots, list(self.buckets), list(self.prefill_buckets),
-                 time.perf_counter() - t0, (torch.cuda.memory_allocated(self.device) - mem0) / 2**20)
+        log.info("cudagraph LLM: %d graphs (%s x kv buckets %s + %d slots x prefill buckets %s) captured in %.1f s; "
+                 "%.0f MiB for caches and graphs", n, "batched" if batched else f"{slots} slots", list(self.buckets),
+                 slots, list(self.prefill_buckets), time.perf_counter() - t0,
+                 ((torch.cuda.memory_allocated(self.device) if on_cuda else 0) - mem0) / 2**20)
 
-    def _new_slot(self, vocab: int) -> _Slot:
-        dev, f32 = self.device, torch.float32
-        return _Slot(cache=self.llm.new_cache(self.max_len),
+    def _new_slot(self, i: int, vocab: int) -> _Slot:
+        dev = self.device
+        return _Slot(index=i, cache=self._cache.row(i),
                      tok=torch.zeros(1, 1, dtype=torch.long, device=dev),
                      pos=torch.zeros(1, dtype=torch.long, device=dev),
-                     bias=torch.zeros(vocab, dtype=f32, device=dev), q=torch.ones(self._k, dtype=f32, device=dev),
-                     logp=torch.zeros(vocab, dtype=f32, device=dev),
-                     token=torch.zeros(1, dtype=torch.long, device=dev))
+                     bias=self._bias[i], q=self._q[i], logp=self._logp[i], token=self._token[i:i + 1])
+
+    @property
+    def batched_steps(self) -> int:
+        """Batched decode replays so far (each carries every request that had its next input ready)."""
+        return self._rounds.steps
+
+    @property
+    def batched_rows(self) -> int:
+        """Request-steps carried by those replays (``batched_rows / batched_steps`` = mean batch)."""
+        return self._rounds.rows_stepped
 
     # -------------------------------------------------------------------------------------- capture
 
@@ -227,32 +332,59 @@ class CudaGraphLLM:
         hidden = self.llm.decoder(self._emb[:, :n], self._ppos[:n], s.cache, kv_len=n)
         self._pick_into(s, hidden[0].index_select(0, self._last))
 
+    def _batch_step_math(self, bucket: int, n: int) -> None:
+        """What a batched decode graph replays: the first ``n`` slot rows each fed one token at its own position,
+        attending over ``bucket`` positions, then the per-row masked nucleus draw.
+
+        Graphs exist for row counts 1, 2, 4, ... up to the slot count: slots are handed out lowest-first, so
+        ``n`` active requests usually sit in rows ``0 .. n-1`` and a lone request pays for one row, not all."""
+        tok, pos = self._step_in[0, :n].view(-1, 1), self._step_in[1, :n].view(-1, 1)
+        hidden = self.llm.decoder(self.llm.speech_embedding(tok), pos, self._cache.head(n), kv_len=bucket)
+        logp, token = nucleus_pick_rows(self.llm.log_probs(hidden[:, -1]), self._bias[:n], self._q[:n],
+                                        self._limit)
+        self._logp[:n].copy_(logp)
+        self._token[:n].copy_(token)
+
+    def _graph_jobs(self) -> list[tuple[dict[int, Any], int, Any]]:
+        """Every graph to capture: ``(where it goes, its key, the math it replays)``; warm-ups first per kind."""
+        slots = [self.pool.item(i) for i in range(self.pool.capacity)]
+        if self.batched:
+            jobs = [(self._batch_graphs, (b, n), partial(self._batch_step_math, b, n))
+                    for b in self.buckets for n in self.row_counts]
+        else:
+            jobs = [(s.graphs, b, partial(self._step_math, s, b)) for s in slots for b in self.buckets]
+        jobs += [(s.prefill_graphs, n, partial(self._prefill_math, s, n)) for s in slots for n in self.prefill_buckets]
+        return jobs
+
     def _capture_all(self, progress: bool) -> int:
         from tqdm.auto import tqdm
 
-        slots = [self.pool.item(i) for i in range(self.pool.capacity)]
-        jobs = [(s, b, False) for s in slots for b in self.buckets]
-        jobs += [(s, n, True) for s in slots for n in self.prefill_buckets]
+        jobs = self._graph_jobs()
+        s0 = self.pool.item(0)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up: library handles and kernel choices happen outside any capture
             for b in self.buckets:
-                self._step_math(slots[0], b)
+                if self.batched:
+                    for n in self.row_counts:
+                        self._batch_step_math(b, n)
+                else:
+                    self._step_math(s0, b)
             for n in self.prefill_buckets:
-                self._prefill_math(slots[0], n)
+                self._prefill_math(s0, n)
         torch.cuda.synchronize(self.device)
         scratch = torch.cuda.graph_pool_handle()
         # capture_begin/end rather than ``torch.cuda.graph``: that one runs gc.collect() and empty_cache() per graph.
         with torch.cuda.stream(side):
-            for s, n, prefill in tqdm(jobs, desc="capturing LLM graphs", unit="graph", disable=not progress,
-                                      leave=False):
+            for where, key, math in tqdm(jobs, desc="capturing LLM graphs", unit="graph", disable=not progress,
+                                         leave=False):
                 g = torch.cuda.CUDAGraph()
                 g.capture_begin(pool=scratch, capture_error_mode="thread_local")
                 try:
-                    (self._prefill_math if prefill else self._step_math)(s, n)
+                    math()
                 finally:
                     g.capture_end()
-                (s.prefill_graphs if prefill else s.graphs)[n] = g
+                where[key] = g
         torch.cuda.synchronize(self.device)
         return len(jobs)
 
@@ -298,11 +430,15 @@ class CudaGraphLLM:
             s.q.exponential_(1.0, generator=gen)
         s.graphs[bucket_for(self.buckets, pos)].replay()
 
-    def _take(self, s: _Slot, history: list[int], gen: torch.Generator) -> int:
-        """The step's token on the host, with the RAS repetition rule applied exactly as the eager sampler does."""
+    def _take(self, s: _Slot, history: list[int], gen: torch.Generator, token: int | None = None) -> int:
+        """The step's token on the host, with the RAS repetition rule applied exactly as the eager sampler does.
+
+        ``token``: the graph's draw when the caller already has it on the host (batched steps read all rows at
+        once); otherwise it is read from the slot."""
         if gen.device.type != "cuda":  # a CPU generator draws on the CPU: let the eager sampler do all of it
             return int(self.sampler(s.logp, history, gen))
-        token = int(s.token.item())  # the one sync per token
+        if token is None:
+            token = int(s.token.item())  # the one sync per token
         win, tau = self.sampler.win_size, self.sampler.tau_r
         window = history[-win:] if win > 0 else []
         if window.count(token) >= win * tau:
@@ -311,6 +447,40 @@ class CudaGraphLLM:
             token = random_sample(banned, gen)
             self.fallback_draws += 1
         return token
+
+    def _replay_rows(self, rows: Sequence[_Row]) -> None:
+        """Feed each row's token at its position and replay the batched graph (bucket: the largest position).
+
+        Rows not listed sit at ``max_len - 1`` (see the module docstring for why that is harmless)."""
+        if self._copied is not None:  # the pinned buffer is read by an async copy: wait for the last one
+            self._copied.synchronize()  # (normally long done: every step syncs on its tokens)
+        host = self._host_np
+        host[0, :] = 0
+        host[1, :] = self.max_len - 1
+        for r in rows:
+            r.slot.cache.check_room(r.pos, 1)
+            host[0, r.slot.index] = r.feed
+            host[1, r.slot.index] = r.pos
+        self._step_in.copy_(self._host_in, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        for r in rows:
+            self._set_mask(r.slot, r.step, r.min_len, r.ignore_eos)
+            if r.gen.device.type == "cuda":  # each row's draw from its own generator, in its own order
+                r.slot.q.exponential_(1.0, generator=r.gen)
+        n = next(c for c in self.row_counts if c > max(r.slot.index for r in rows))
+        self._batch_graphs[bucket_for(self.buckets, max(r.pos for r in rows)), n].replay()
+
+    def _step_rows(self, batch: list[tuple[int, _Row]]) -> list[int]:
+        """One batched decode step for ``batch`` (the :class:`StepRounds` step function): tokens per row."""
+        rows = [r for _, r in batch]
+        self._replay_rows(rows)
+        drawn = self._token.tolist()  # the one sync per batched step
+        out = []
+        for r in rows:  # RAS check (and any fallback draw) now, before the row's generator draws again
+            out.append(self._take(r.slot, r.history, r.gen, drawn[r.slot.index]))
+            r.pos += 1
+        return out
 
     def _check_generator(self, gen: torch.Generator) -> None:
         if gen.device.type == "cuda" and (gen.device.index or 0) != (self.device.index or 0):
@@ -322,8 +492,54 @@ class CudaGraphLLM:
                  ignore_eos: bool) -> Iterator[int]:
         """Yield speech tokens; the slot is taken at the first ``next`` (prefill) and freed when the iterator
         finishes, fails or is closed, so an iterator that is never started holds nothing."""
-        return self._stream(text, inputs.prompt_text, inputs.llm_prompt_speech_token, generator, max_tokens,
-                            ignore_eos)
+        stream = self._stream_batched if self.batched else self._stream
+        return stream(text, inputs.prompt_text, inputs.llm_prompt_speech_token, generator, max_tokens, ignore_eos)
+
+    def _stream_batched(self, text: torch.Tensor, prompt_text: torch.Tensor | None,
+                        prompt_speech: torch.Tensor | None, gen: torch.Generator, max_tokens: int | None,
+                        ignore_eos: bool) -> Iterator[int]:
+        """:meth:`_stream` with decode steps shared: after yielding a token that will be fed back, the slot is
+        submitted to the rounds, so the next consumer that needs a token steps it along with everyone else."""
+        llm = self.llm
+        min_len, max_len = llm.length_limits(int(text.shape[-1]))
+        if max_tokens is not None:
+            max_len = int(max_tokens) if ignore_eos else min(max_len, int(max_tokens))
+        if ignore_eos and max_tokens is None:
+            raise ValueError("ignore_eos needs max_tokens, otherwise generation would never end")
+        if max_len <= 0:
+            return
+        self._check_generator(gen)
+        stop = llm.cfg.speech_token_size
+        index, s = self.pool.acquire()
+        row: _Row | None = None
+        try:
+            history: list[int] = []
+            with torch.inference_mode(), self._lock:
+                self._set_mask(s, 0, min_len, ignore_eos)
+                lm_input = llm.build_lm_input(text, prompt_text, prompt_speech)
+                pos = lm_input.shape[1]  # the next cache position to write
+                max_len = token_budget(pos, max_len, self.max_len, ignore_eos)
+                self._prefill(s, lm_input, gen)
+                token = self._take(s, history, gen)
+            row = _Row(slot=s, gen=gen, history=history, min_len=min_len, ignore_eos=ignore_eos, pos=pos)
+            for step in range(1, max_len + 1):
+                if token >= stop:
+                    return
+                history.append(token)
+                if step < max_len:  # it will be fed back: this slot joins the next batched step
+                    row.feed, row.step = token, step
+                    with self._lock:
+                        self._rounds.submit(index, row)
+                yield token
+                if step == max_len:
+                    return
+                with torch.inference_mode(), self._lock:
+                    token = self._rounds.take(index, row)
+        finally:
+            if row is not None:
+                with self._lock:
+                    self._rounds.withdraw(index, row)
+            self.pool.release(index)
 
     def _stream(self, text: torch.Tensor, prompt_text: torch.Tensor | None, prompt_speech: torch.Tensor | None,
                 gen: torch.Generator, max_tokens: int | None, ignore_eos: bool) -> Iterator[int]:
@@ -373,8 +589,13 @@ class CudaGraphLLM:
                 token_budget(lm_input.shape[1], len(tokens) + 1, self.max_len, True)
                 self._prefill(s, lm_input, gen)
                 rows = [s.logp.clone()]
+                row = _Row(slot=s, gen=gen, history=[], min_len=0, ignore_eos=False, pos=lm_input.shape[1])
                 for i, tok in enumerate(tokens):
-                    self._decode(s, int(tok), lm_input.shape[1] + i, gen)
+                    if self.batched:  # the batched graph, this row alone (others idle at max_len - 1)
+                        row.feed, row.step, row.pos = int(tok), i + 1, lm_input.shape[1] + i
+                        self._replay_rows([row])
+                    else:
+                        self._decode(s, int(tok), lm_input.shape[1] + i, gen)
                     rows.append(s.logp.clone())
             return torch.stack(rows)
         finally:

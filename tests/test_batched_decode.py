@@ -1,0 +1,453 @@
+"""Batched decoding: per-row positions in the decoder, the per-row nucleus pick, the round bookkeeping, and the
+batched ``cudagraph`` LLM backend (on CPU through eager stand-ins for the graphs; on a GPU for real).
+
+GPU tests are marked ``gpu`` and skip without CUDA; run them with ``python -m pytest -m gpu tests/test_batched_decode.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from cosyvoice_fast.backends import cudagraph_llm
+from cosyvoice_fast.backends.cudagraph_llm import (CudaGraphLLM, nucleus_keep, nucleus_keep_rows, nucleus_pick,
+                                                   nucleus_pick_rows)
+from cosyvoice_fast.backends.eager import EagerLLM
+from cosyvoice_fast.backends.kv_pool import StepRounds
+from cosyvoice_fast.config import QwenConfig
+from cosyvoice_fast.models.qwen2 import KVCache, Qwen2Decoder
+from cosyvoice_fast.models.sampling import _nucleus_size
+from cosyvoice_fast.request import ModelInputs
+
+HAS_CUDA = torch.cuda.is_available()
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (run through the device tool)")]
+
+
+def _gpu(fn):
+    for mark in gpu:
+        fn = mark(fn)
+    return fn
+
+
+# ------------------------------------------------------------------------------------------ CPU: decoder maths
+
+
+def _tiny_decoder(seed: int = 0) -> Qwen2Decoder:
+    cfg = QwenConfig(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=96, vocab_size=50)
+    torch.manual_seed(seed)
+    dec = Qwen2Decoder(cfg)
+    with torch.no_grad():
+        for name, p in dec.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.2)
+    return dec.eval()
+
+
+def _clone_cache(c: KVCache) -> KVCache:
+    out = copy.copy(c)
+    out.k = [t.clone() for t in c.k]
+    out.v = [t.clone() for t in c.v]
+    return out
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("t", [1, 3])
+def test_forward_rows_equals_each_row_alone(t):
+    """Rows at very different positions (and an idle row parked at max_len - 1) stepped together equal each
+    row run alone through the ordinary shared-position path, in outputs and in what they write."""
+    dec = _tiny_decoder()
+    hidden, max_len, bucket = dec.cfg.hidden_size, 96, 96
+    lens = [5, 1, 80, 33]  # prefix length per row; row 4 is idle
+    n_rows = len(lens) + 1
+    cache = KVCache.for_config(dec.cfg, max_len, batch=n_rows)
+    g = torch.Generator().manual_seed(1)
+    for i, n in enumerate(lens):  # prefill each row through its row view (batch-1, shared positions)
+        dec(torch.randn(1, n, hidden, generator=g), torch.arange(n), cache.row(i), kv_len=n)
+    before = _clone_cache(cache)
+    x = torch.randn(n_rows, t, hidden, generator=g)
+    starts = lens + [max_len - t]
+    pos = torch.stack([torch.arange(p, p + t) for p in starts])
+    got = dec(x, pos, cache, kv_len=bucket)  # dispatches to forward_rows
+    assert got.shape == (n_rows, t, hidden)
+    for i, p in enumerate(starts):
+        alone = _clone_cache(before).row(i)
+        ref = dec(x[i:i + 1], torch.arange(p, p + t), alone, kv_len=bucket)
+        assert (got[i] - ref[0]).abs().max().item() <= 1e-5, f"row {i}"
+        for layer in range(dec.cfg.num_hidden_layers):  # same cache writes, nothing else in the row touched
+            assert (cache.k[layer][i] - alone.k[layer][0]).abs().max().item() <= 1e-5
+            assert (cache.v[layer][i] - alone.v[layer][0]).abs().max().item() <= 1e-5
+            assert torch.equal(cache.k[layer][i, :, :p], before.k[layer][i, :, :p])
+
+
+@torch.inference_mode()
+def test_forward_rows_without_cache_and_shape_checks():
+    dec = _tiny_decoder()
+    x = torch.randn(2, 4, dec.cfg.hidden_size)
+    pos = torch.tensor([[0, 1, 2, 3], [7, 8, 9, 10]])
+    got = dec(x, pos)
+    for i in range(2):
+        assert (got[i] - dec(x[i:i + 1], pos[i])[0]).abs().max().item() <= 1e-5
+    with pytest.raises(ValueError, match="do not match"):
+        dec(x, pos[:, :2])
+    cache = KVCache.for_config(dec.cfg, 16, batch=3)
+    with pytest.raises(ValueError, match="per-row positions for 2 rows"):
+        dec(x, pos, cache)
+    with pytest.raises(IndexError):
+        cache.row(3)
+
+
+def test_row_views_share_storage():
+    cache = KVCache(2, 3, 2, 8, 4)
+    view = cache.row(1)
+    assert view.batch == 1 and view.max_len == 8 and view.k[0].shape == (1, 2, 8, 4)
+    view.update(0, torch.tensor([2]), torch.ones(1, 2, 1, 4), torch.full((1, 2, 1, 4), 2.0))
+    assert cache.k[0][1, :, 2].eq(1).all() and cache.v[0][1, :, 2].eq(2).all()
+    assert cache.k[0].sum() == 8 and cache.k[1].sum() == 0
+
+
+# ------------------------------------------------------------------------------------------ CPU: sampling
+
+
+def test_nucleus_pick_rows_equals_per_row_pick():
+    g = torch.Generator().manual_seed(3)
+    vocab, k = 300, 25
+    for b in (1, 2, 7):
+        logp = (torch.randn(b, vocab, generator=g) * torch.tensor([0.5, 2.0, 6.0]).repeat(3)[:b, None]).log_softmax(-1)
+        bias = torch.zeros(b, vocab)
+        bias[0, 5] = -float("inf")  # per-row masks: eos on row 0, all stop ids on the last row
+        bias[-1, 290:] = -float("inf")
+        q = torch.empty(b, k).exponential_(1.0, generator=g)
+        limit = torch.tensor(0.8)
+        masked, tokens = nucleus_pick_rows(logp, bias, q, limit)
+        assert tokens.shape == (b,) and tokens.dtype == torch.long
+        for i in range(b):
+            m1, t1 = nucleus_pick(logp[i], bias[i], q[i], limit)
+            assert torch.equal(masked[i], m1) and tokens[i].item() == t1.item()
+        assert tokens[-1].item() < 290
+
+
+def test_nucleus_keep_rows_is_nucleus_keep_per_row():
+    g = torch.Generator().manual_seed(0)
+    limit = torch.tensor(0.8)
+    rows = torch.stack([(torch.randn(2000, generator=g) * t).softmax(0).sort(descending=True).values[:25]
+                        for t in (0.3, 1.0, 3.0, 10.0) for _ in range(5)])
+    keep = nucleus_keep_rows(rows, limit)
+    for i in range(rows.shape[0]):
+        assert torch.equal(keep[i], nucleus_keep(rows[i], limit))
+        assert int(keep[i].sum()) == _nucleus_size(rows[i].numpy(), 0.8)
+    assert torch.equal(nucleus_keep_rows(rows[:1], limit)[0], nucleus_keep(rows[0], limit))
+
+
+# ------------------------------------------------------------------------------------------ CPU: rounds
+
+
+class _Fake:
+    def __init__(self, name: str):
+        self.name = name
+        self.n = 0
+
+
+def _fake_step(log: list[list[str]]):
+    def step(batch):
+        log.append([r.name for _, r in batch])
+        out = []
+        for _, r in batch:
+            r.n += 1
+            out.append(r.n)
+        return out
+    return step
+
+
+def test_rounds_share_one_step_per_turn():
+    log: list[list[str]] = []
+    rounds = StepRounds(_fake_step(log))
+    rows = {i: _Fake(c) for i, c in enumerate("abcd")}
+    for i, r in rows.items():
+        rounds.submit(i, r)
+    for turn in range(1, 21):  # round-robin consumers, like the engine's turns
+        for i, r in rows.items():
+            assert rounds.take(i, r) == turn
+            rounds.submit(i, r)
+    assert rounds.steps == 20 and rounds.rows_stepped == 80
+    assert all(b == ["a", "b", "c", "d"] for b in log)
+
+
+def test_rounds_joiners_leavers_and_slow_consumers():
+    log: list[list[str]] = []
+    rounds = StepRounds(_fake_step(log))
+    a, b, c = _Fake("a"), _Fake("b"), _Fake("c")
+    rounds.submit(0, a)
+    rounds.submit(2, b)
+    assert rounds.take(2, b) == 1  # b asks first: a is stepped along
+    rounds.submit(2, b)
+    assert rounds.take(2, b) == 2  # a has not taken its token: it is not stepped ahead
+    assert log == [["a", "b"], ["b"]]
+    assert rounds.take(0, a) == 1  # buffered
+    rounds.submit(0, a)
+    rounds.submit(1, c)  # a late joiner
+    rounds.withdraw(0, a)  # a closes: never stepped again
+    assert rounds.take(1, c) == 1 and log[-1] == ["c"]
+    with pytest.raises(ValueError, match="never submitted"):
+        rounds.take(0, a)
+    rounds.withdraw(0, a)  # idempotent
+    # a result left behind by a closed row does not leak into the next holder of the slot
+    rounds.submit(1, c)
+    rounds.submit(0, a)
+    assert rounds.take(1, c) == 2  # steps a too
+    rounds.withdraw(0, a)
+    d = _Fake("d")
+    rounds.submit(0, d)
+    assert rounds.take(0, d) == 1 and rounds.waiting == 0
+    e = _Fake("e")
+    rounds.submit(0, d)
+    rounds.submit(1, e)
+    assert rounds.take(1, e) == 1  # d's result is now buffered
+    with pytest.raises(ValueError, match="submitted again"):
+        rounds.submit(0, d)
+    assert rounds.take(0, d) == 2
+
+
+def test_rounds_failed_step_fails_every_row_in_it():
+    def step(batch):
+        raise RuntimeError("boom")
+    rounds = StepRounds(step)
+    a, b = _Fake("a"), _Fake("b")
+    rounds.submit(0, a)
+    rounds.submit(1, b)
+    with pytest.raises(RuntimeError, match="boom"):
+        rounds.take(0, a)
+    with pytest.raises(RuntimeError, match="boom"):
+        rounds.take(1, b)
+    assert rounds.waiting == 0
+
+
+# ------------------------------------------------------------------------------------------ CPU: the backend
+
+
+class _EagerReplay:
+    """Stands in for a captured graph: replaying runs the same maths eagerly (CPU tests of the bookkeeping)."""
+
+    def __init__(self, fn):
+        self.replay = fn
+
+
+class _CpuGraphLLM(CudaGraphLLM):
+    def _capture_all(self, progress: bool) -> int:
+        jobs = self._graph_jobs()
+        for where, key, math in jobs:
+            where[key] = _EagerReplay(math)
+        return len(jobs)
+
+
+def _inputs(case: dict) -> ModelInputs:
+    return ModelInputs(text_segments=[case["text"]], prompt_text=case["prompt_text"],
+                       llm_prompt_speech_token=case["prompt_speech_token"])
+
+
+@pytest.fixture(scope="module")
+def case(load_case) -> dict:
+    return load_case("case_llm")
+
+
+@pytest.fixture
+def cpu_stage(tiny_models, monkeypatch):
+    monkeypatch.setattr(cudagraph_llm, "why_unavailable", lambda llm: None)
+
+    def make(**kw):
+        return _CpuGraphLLM(tiny_models.llm, tiny_models.config, progress=False, **kw)
+    return make
+
+
+def _gen(seed: int, device: str = "cpu") -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _round_robin(its: list, starts: list[int] | None = None) -> list[list[int]]:
+    """Drive iterators like the engine: one ``next`` each per turn; iterator i starts at turn ``starts[i]``."""
+    starts = starts or [0] * len(its)
+    out: list[list[int]] = [[] for _ in its]
+    live = set(range(len(its)))
+    turn = 0
+    while live:
+        for i in sorted(live):
+            if turn < starts[i]:
+                continue
+            tok = next(its[i], None)
+            if tok is None:
+                live.discard(i)
+            else:
+                out[i].append(tok)
+        turn += 1
+    return out
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_cpu_backend_tokens_equal_eager_solo_and_interleaved(cpu_stage, tiny_models, case, batched):
+    """CPU generators: the eager sampler draws from the batched graph maths' log-probs; tokens must be eager's."""
+    stage = cpu_stage(slots=5, max_len=512, kv_buckets=(64, 128, 256), prefill_buckets=(64,), batched=batched)
+    eager = EagerLLM(tiny_models.llm, tiny_models.config)
+    inputs, text = _inputs(case), case["text"]
+    seeds, n = (3, 4, 5, 6), (30, 45, 12, 60)
+    ref = [list(eager.generate(inputs, text, _gen(s), m, True)) for s, m in zip(seeds, n)]
+    natural = list(eager.generate(inputs, text, _gen(9), None, False))
+    assert list(stage.generate(inputs, text, _gen(9), None, False)) == natural
+    assert list(stage.generate(inputs, text, _gen(3), 30, True)) == ref[0]
+    steps0, rows0 = stage.batched_steps, stage.batched_rows
+    its = [stage.generate(inputs, text, _gen(s), m, True) for s, m in zip(seeds, n)]
+    starts = [0, 0, 7, 2]
+    got = _round_robin(its, starts)  # staggered joins, different lengths: leavers mid-way
+    assert got == ref
+    assert stage.slots_in_use == 0 and stage._rounds.waiting == 0
+    if batched:
+        # request i draws decode tokens in turns start+1 .. start+n-1; one batched step per such turn
+        turns = set().union(*(range(s0 + 1, s0 + m) for s0, m in zip(starts, n)))
+        assert stage.batched_steps - steps0 == len(turns) == 61
+        assert stage.batched_rows - rows0 == sum(m - 1 for m in n)
+    else:
+        assert stage.batched_steps == 0
+
+
+def test_cpu_backend_close_mid_way_and_teacher_forcing(cpu_stage, tiny_models, case):
+    stage = cpu_stage(slots=3, max_len=256, kv_buckets=(64, 128), prefill_buckets=(64,))
+    eager = EagerLLM(tiny_models.llm, tiny_models.config)
+    inputs, text = _inputs(case), case["text"]
+    a = stage.generate(inputs, text, _gen(1), 40, True)
+    b = stage.generate(inputs, text, _gen(2), 40, True)
+    got_a = [next(a), next(a)]
+    got_b = [next(b), next(b)]
+    # b's second token came from a step that also drew a's third (buffered); b is now waiting for a step
+    assert stage._rounds.waiting == 1
+    b.close()  # it must leave the rounds and free its slot
+    assert stage.slots_in_use == 1 and stage._rounds.waiting == 0
+    rows0 = stage.batched_rows
+    c = stage.generate(inputs, text, _gen(7), 40, True)  # not started: holds nothing yet
+    got_a += [next(a) for _ in range(10)]  # one buffered, then 9 steps of a alone: b is never stepped again
+    assert stage.batched_rows - rows0 == 9
+    got_c = list(c)
+    got_a += list(a)
+    assert got_a == list(eager.generate(inputs, text, _gen(1), 40, True))
+    assert got_b == list(eager.generate(inputs, text, _gen(2), 40, True))[:2]
+    assert got_c == list(eager.generate(inputs, text, _gen(7), 40, True))
+    assert stage.slots_in_use == 0 and stage._rounds.waiting == 0
+    with torch.inference_mode():
+        x = tiny_models.llm.build_lm_input(case["text"], case["prompt_text"], case["prompt_speech_token"])
+    busy = stage.generate(inputs, text, _gen(1), 40, True)
+    next(busy)  # another request holds a row while teacher forcing replays the batched step
+    rows = stage.teacher_forced_logp(x, case["forced_tokens"].tolist())
+    ref = torch.cat([case["logp_first"][None], case["forced_logp"]])
+    assert (rows - ref).abs().max().item() <= 1e-4
+    assert next(busy) == list(eager.generate(inputs, text, _gen(1), 40, True))[1]
+    busy.close()
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+
+@pytest.fixture(scope="module")
+def llm_cuda(tiny_models):
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA GPU")
+    return copy.deepcopy(tiny_models.llm).cuda()
+
+
+@pytest.fixture(scope="module")
+def batched(llm_cuda, tiny_models):
+    return CudaGraphLLM(llm_cuda, tiny_models.config, slots=5, max_len=512, kv_buckets=(64, 128, 256),
+                        progress=False)
+
+
+def _run(stage, inputs, text, seed, n=None, ignore_eos=False, device="cuda"):
+    return list(stage.generate(inputs, text, _gen(seed, device), n, ignore_eos))
+
+
+@_gpu
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gpu_batched_tokens_equal_eager_fp32_solo(batched, llm_cuda, tiny_models, case, seed):
+    eager = EagerLLM(llm_cuda, tiny_models.config)
+    inputs, text = _inputs(case), case["text"]
+    assert _run(batched, inputs, text, seed) == _run(eager, inputs, text, seed)
+    assert _run(batched, inputs, text, seed, 400, True) == _run(eager, inputs, text, seed, 400, True)
+    assert batched.slots_in_use == 0
+
+
+@_gpu
+def test_gpu_batched_interleaved_equal_eager_and_share_steps(batched, llm_cuda, tiny_models, case):
+    eager = EagerLLM(llm_cuda, tiny_models.config)
+    inputs, text = _inputs(case), case["text"]
+    seeds = (21, 22, 23, 24)
+    ref = [_run(eager, inputs, text, s, 20, True) for s in seeds]
+    steps0, rows0, fb0 = batched.batched_steps, batched.batched_rows, batched.fallback_draws
+    its = [batched.generate(inputs, text, _gen(s, "cuda"), 20, True) for s in seeds]
+    assert _round_robin(its) == ref
+    assert batched.batched_steps - steps0 == 19  # not 4 x 19
+    assert batched.batched_rows - rows0 == 4 * 19
+    # staggered joins, mixed lengths, natural eos, a CPU-generator row among CUDA ones
+    ref = [_run(eager, inputs, text, 31, 300, True), _run(eager, inputs, text, 32),
+           _run(eager, inputs, text, 33, 150, True, "cpu"), _run(eager, inputs, text, 34, 380, True)]
+    its = [batched.generate(inputs, text, _gen(31, "cuda"), 300, True),
+           batched.generate(inputs, text, _gen(32, "cuda"), None, False),
+           batched.generate(inputs, text, _gen(33, "cpu"), 150, True),
+           batched.generate(inputs, text, _gen(34, "cuda"), 380, True)]
+    assert _round_robin(its, starts=[0, 5, 40, 90]) == ref
+    assert batched.fallback_draws > fb0 and batched.slots_in_use == 0
+
+
+@_gpu
+def test_gpu_batched_teacher_forcing_with_a_busy_neighbour(batched, llm_cuda, case):
+    inputs, text = _inputs(case), case["text"]
+    busy = batched.generate(inputs, text, _gen(5, "cuda"), 100, True)
+    first = [next(busy) for _ in range(3)]
+    with torch.inference_mode():
+        x = llm_cuda.build_lm_input(case["text"], case["prompt_text"], case["prompt_speech_token"])
+    rows = batched.teacher_forced_logp(x, case["forced_tokens"].tolist()).cpu()
+    ref = torch.cat([case["logp_first"][None], case["forced_logp"]])
+    assert (rows - ref).abs().max().item() <= 1e-4
+    rest = list(busy)  # the neighbour's idle replays did not disturb it
+    assert first + rest == _run(batched, inputs, text, 5, 100, True)
+
+
+@_gpu
+def test_gpu_unbatched_mode_still_equals_eager(llm_cuda, tiny_models, case):
+    stage = CudaGraphLLM(llm_cuda, tiny_models.config, slots=2, max_len=256, kv_buckets=(64, 128),
+                         progress=False, batched=False)
+    eager = EagerLLM(llm_cuda, tiny_models.config)
+    inputs, text = _inputs(case), case["text"]
+    its = [stage.generate(inputs, text, _gen(s, "cuda"), 100, True) for s in (1, 2)]
+    assert _round_robin(its) == [_run(eager, inputs, text, s, 100, True) for s in (1, 2)]
+    assert stage.batched_steps == 0
+
+
+@_gpu
+def test_gpu_nucleus_keep_rows_is_the_host_loop_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    limit = torch.tensor(0.8, device="cuda")
+    cases = [(torch.randn(6564, generator=g) * t).softmax(0).sort(descending=True).values[:25]
+             for t in (0.5, 1.0, 2.0, 4.0, 8.0) for _ in range(40)]
+    for base in (0.1, 0.05, 0.04, 0.032, 0.0333333):
+        p = torch.full((25,), base) * (1 + 1e-7 * torch.randn(25, generator=g))
+        cases.append(p.sort(descending=True).values)
+    rows = torch.stack(cases)
+    for b in (1, 16, rows.shape[0]):
+        keep = nucleus_keep_rows(rows[:b].cuda(), limit).cpu()
+        for i in range(b):
+            assert int(keep[i].sum()) == _nucleus_size(rows[i].numpy().astype(np.float32), 0.8)
+            assert torch.equal(keep[i], nucleus_keep(rows[i].cuda(), limit).cpu())
+
+
+@_gpu
+def test_gpu_nucleus_pick_rows_equals_per_row_pick():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, vocab = 16, 6564
+    logp = (torch.randn(b, vocab, device="cuda", generator=g) * 3).log_softmax(-1)
+    bias = torch.zeros(b, vocab, device="cuda")
+    bias[::2, 6561] = -float("inf")
+    q = torch.empty(b, 25, device="cuda").exponential_(1.0, generator=g)
+    limit = torch.tensor(0.8, device="cuda")
+    masked, tokens = nucleus_pick_rows(logp, bias, q, limit)
+    for i in range(b):
+        m1, t1 = nucleus_pick(logp[i], bias[i], q[i], limit)
+        assert torch.equal(masked[i], m1) and tokens[i].item() == t1.item()
