@@ -385,7 +385,8 @@ class BackendConfig:
     dtype: str = "fp32"
 
     def __post_init__(self) -> None:
-        allowed = {"llm": ("eager", "cudagraph", "trtllm"), "flow": ("eager", "cudagraph", "tensorrt"),
+        allowed = {"llm": ("eager", "cudagraph", "trtllm"),
+                   "flow": ("eager", "incremental", "cudagraph", "tensorrt"),
                    "vocoder": ("eager", "cudagraph")}
         for stage, ok in allowed.items():
             v = getattr(self, stage)

@@ -32,6 +32,10 @@ def build_stage_set(models, config: BackendConfig) -> StageSet:  # noqa: ANN001 
         llm_stage = TrtLlmLLM(llm, models.config)
     if config.flow == "eager":
         flow_stage = eager.EagerFlow(flow, models.config)
+    elif config.flow == "incremental":
+        from ..runtime.flow_state import IncrementalFlow
+
+        flow_stage = IncrementalFlow(flow, models.config)
     elif config.flow == "cudagraph":
         from .cudagraph_flow import CudaGraphFlow
 

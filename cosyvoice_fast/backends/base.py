@@ -67,6 +67,7 @@ def available_backends(device: torch.device | str, engines_dir: str | Path = "en
     no_cuda = "needs a CUDA GPU (this engine runs on %s)" % dev.type
     engines = Path(engines_dir)
     out = [BackendInfo(s, "eager", True) for s in ("llm", "flow", "vocoder")]
+    out.append(BackendInfo("flow", "incremental", True))  # eager math, any device
     for s in ("llm", "flow", "vocoder"):
         out.append(BackendInfo(s, "cudagraph", cuda, "" if cuda else no_cuda))
     if not cuda:
