@@ -228,3 +228,33 @@ def test_half_precision_runs(lm, case, dtype):
     assert logp.dtype == torch.float32
     assert _max_err(logp, case["logp_first"]) < 0.15
     assert abs(logp.exp().sum().item() - 1.0) < 1e-4
+
+
+def test_fused_projections_keep_values_state_dict_and_outputs(tiny_models):
+    """``fuse_projections`` (one GEMM for q/k/v and for gate/up) changes storage, not the model."""
+    import copy
+
+    llm = copy.deepcopy(tiny_models.llm)
+    before = {k: v.clone() for k, v in llm.state_dict().items()}
+    x = torch.randn(1, 7, llm.cfg.llm_input_size, generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(7)
+    with torch.inference_mode():
+        ref = llm.decoder(x, pos, llm.new_cache(16), kv_len=7)
+        llm.decoder.fuse_projections().fuse_projections()  # idempotent
+        got = llm.decoder(x, pos, llm.new_cache(16), kv_len=7)
+        plain = llm.decoder(x, pos)  # the cache-free path too
+    after = llm.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    attn = llm.decoder.layers[0].self_attn
+    assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()  # views, no second copy
+    assert (got - ref).abs().max().item() <= 1e-5
+    assert (plain - ref).abs().max().item() <= 1e-5
+    # a copy loses the aliasing: it runs unfused (never stale after a load), until fused again
+    clone = copy.deepcopy(llm)
+    assert not clone.decoder.layers[0].self_attn._fused() and not clone.decoder.layers[0].mlp._fused()
+    with torch.no_grad():
+        clone.decoder.layers[0].self_attn.q_proj.weight.mul_(2.0)  # e.g. another checkpoint loaded into it
+    clone.decoder.fuse_projections()
+    assert clone.decoder.layers[0].self_attn._fused()
+    attn2 = clone.decoder.layers[0].self_attn
+    assert torch.equal(attn2.qkv_weight[:attn2.q_proj.weight.shape[0]], attn2.q_proj.weight)

@@ -249,6 +249,7 @@ class CudaGraphLLM:
         if reason is not None:
             raise BackendUnavailable(reason)
         self.llm = llm
+        llm.decoder.fuse_projections()  # q/k/v and gate/up as single GEMMs: same values, fewer kernels per step
         self.config = config
         self.device = next(llm.parameters()).device
         self.sampler = llm.default_sampler()

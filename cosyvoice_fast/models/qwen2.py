@@ -203,21 +203,72 @@ class Attention(nn.Module):
         b, hk, s, d = t.shape
         return t[:, :, None].expand(b, hk, rep, s, d).reshape(b, hk * rep, s, d)
 
+    def fuse(self) -> None:
+        """Put q/k/v weights (and biases) in one tensor and make the three projections views of it, so a step
+        runs one GEMM instead of three.  Same values, same state dict (the fused tensors are non-persistent
+        buffers; the parameters keep their names and now share storage with them); idempotent."""
+        if self._fused():
+            return
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        weight = torch.cat([p.weight.detach() for p in projs])
+        bias = torch.cat([p.bias.detach() for p in projs])
+        start = 0
+        for p in projs:
+            n = p.weight.shape[0]
+            p.weight.data = weight[start:start + n]
+            p.bias.data = bias[start:start + n]
+            start += n
+        self.register_buffer("qkv_weight", weight, persistent=False)
+        self.register_buffer("qkv_bias", bias, persistent=False)
+
+    def _fused(self) -> bool:
+        """Whether the fused tensor is live: the projections must still be views of it.  A deep copy or a
+        ``.to(dtype)`` gives the parameters their own storage, and a later ``load_state_dict`` would then update
+        them alone; the fused path is only taken while it cannot be stale (``fuse()`` re-establishes it)."""
+        w = getattr(self, "qkv_weight", None)
+        return w is not None and self.q_proj.weight.data_ptr() == w.data_ptr()
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated q (B, H, T, D) and k (B, Hkv, T, D), and v (B, Hkv, T, D)."""
+        b, t, _ = x.shape
+        if not self._fused():
+            q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+            k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+            v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+            return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+        heads = F.linear(x, self.qkv_weight, self.qkv_bias).view(b, t, self.n_heads + 2 * self.n_kv, self.head_dim)
+        heads = heads.transpose(1, 2)
+        qk = _rotate(heads[:, :self.n_heads + self.n_kv], cos, sin)  # q and k heads are adjacent: one pass
+        return qk[:, :self.n_heads], qk[:, self.n_heads:], heads[:, self.n_heads + self.n_kv:]
+
+    def group_mask(self, allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Boolean (T, S) or (B, 1, T, S) attention permission -> the additive mask :meth:`forward` takes with a
+        cache: rows repeated once per query head sharing a kv head, ``0`` / ``-inf`` in ``dtype``.
+
+        Built once per decoder call, not once per layer (the bool-to-bias conversion and the repeat would
+        otherwise be 2 kernels x 24 layers per decode step, which is kernel-count bound on a GPU)."""
+        rep = self.n_heads // self.n_kv
+        m = allowed if allowed.dim() == 4 else allowed[None, None]
+        b, _, t, s = m.shape
+        m = m[:, :, None].expand(b, 1, rep, t, s).reshape(b, 1, rep * t, s)
+        return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
                 layer: int, cache: KVCache | None, mask: torch.Tensor | None) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k, v = self._qkv(x, cos, sin)
         if cache is None:
             out = F.scaled_dot_product_attention(q, self._expand_kv(k), self._expand_kv(v), is_causal=t > 1)
         else:
             assert mask is not None
             kb, vb = cache.update(layer, pos, k, v)
             s = mask.shape[-1]
-            out = F.scaled_dot_product_attention(q, self._expand_kv(kb[:, :, :s]), self._expand_kv(vb[:, :, :s]),
-                                                 attn_mask=mask)
+            # Grouped-query attention without copying K/V per head: the ``rep`` query heads that share a kv
+            # head become ``rep * t`` query rows of that head (mask rows repeated alike, see group_mask).
+            qg = q.reshape(b, self.n_kv, (self.n_heads // self.n_kv) * t, self.head_dim)
+            out = F.scaled_dot_product_attention(qg, kb[:, :, :s], vb[:, :, :s], attn_mask=mask)
+            out = out.reshape(b, self.n_heads, t, self.head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 
@@ -230,7 +281,24 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
+    def fuse(self) -> None:
+        """One GEMM for gate and up (see :meth:`Attention.fuse`); same values and state dict; idempotent."""
+        if self._fused():
+            return
+        weight = torch.cat([self.gate_proj.weight.detach(), self.up_proj.weight.detach()])
+        n = self.gate_proj.weight.shape[0]
+        self.gate_proj.weight.data, self.up_proj.weight.data = weight[:n], weight[n:]
+        self.register_buffer("gate_up_weight", weight, persistent=False)
+
+    def _fused(self) -> bool:
+        """As :meth:`Attention._fused`: the fused tensor is used only while the projections are views of it."""
+        w = getattr(self, "gate_up_weight", None)
+        return w is not None and self.gate_proj.weight.data_ptr() == w.data_ptr()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused():
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -286,10 +354,19 @@ class Qwen2Decoder(nn.Module):
             s = cache.max_len if kv_len is None else kv_len
             # (T, S): causal by absolute position; also hides stale slots beyond the written prefix.
             mask = torch.arange(s, device=pos.device)[None, :] <= pos[:, None]
+            mask = self.layers[0].self_attn.group_mask(mask, inputs_embeds.dtype) if len(self.layers) else mask
         x = inputs_embeds
         for layer in self.layers:
             x = layer(x, cos, sin, pos, cache, mask)
         return self.norm(x)
+
+    def fuse_projections(self) -> "Qwen2Decoder":
+        """Fuse q/k/v and gate/up into single GEMMs in every layer (GPU decode is kernel-count bound); the
+        parameters become views of the fused tensors, so values, memory and the state dict are unchanged."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
 
     def forward_rows(self, inputs_embeds: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None,
                      kv_len: int | None = None) -> torch.Tensor:
@@ -308,6 +385,7 @@ class Qwen2Decoder(nn.Module):
         if cache is not None:
             s = cache.max_len if kv_len is None else kv_len
             mask = torch.arange(s, device=pos.device)[None, None, None, :] <= pos[:, None, :, None]
+            mask = self.layers[0].self_attn.group_mask(mask, inputs_embeds.dtype) if len(self.layers) else mask
         x = inputs_embeds
         for layer in self.layers:
             x = layer(x, cos, sin, pos, cache, mask)
