@@ -6,10 +6,11 @@ Shape of the runtime:
   worker), hands a :class:`RequestState` to the worker and yields :class:`AudioChunk`s from the request's own
   queue (blocking ``get``: no polling, a chunk is handed over the moment it is queued).
 - One worker thread owns all model work and interleaves requests step by step.  Each turn it
-  (1) drops cancelled requests, (2) starts LMs of new segments (prefill), (3) runs any *first* chunk that is
-  ready (first audio has priority), (4) advances every running LM by one token, (5) runs one ready later chunk,
-  earliest playback deadline first.  A new request therefore waits at most one decode round, never behind
-  another request's long tail.
+  (1) drops cancelled requests, (2) starts LMs of new segments (prefill), (3) runs every *first* chunk that
+  is ready (first audio has priority) as one batched flow call where the backend offers ``chunk_batch``,
+  (4) advances every running LM by one token (the ``cudagraph`` LLM turns these into one batched decode
+  step), (5) runs one ready later chunk, earliest playback deadline first.  A new request therefore waits at
+  most one decode round, never behind another request's long tail.
 - Closing the iterator (or :meth:`Engine.cancel`, or dropping the iterator, even before its first chunk) marks
   the request; the worker drops it before its next step, so its LM stops within one decode step and its caches
   are freed.  A consumer blocked waiting for a chunk in another thread is woken (the stream just ends).
@@ -240,8 +241,7 @@ class Engine:
             if st.segment is None:
                 self._guard(st, self._start_segment)
         first = [st for st in self._active if st.segment and st.segment.pending and st.chunks_emitted == 0]
-        for st in first:
-            self._guard(st, self._run_chunk)
+        self._run_chunks(first)
         for st in list(self._active):
             seg = st.segment
             if seg is not None and not seg.llm_done and not st.cancelled.is_set():
@@ -250,7 +250,10 @@ class Engine:
         if ready:
             ready.sort(key=lambda s: (s.chunks_emitted > 0, s.audio_samples_emitted / self.sample_rate
                                       + s.telemetry.received))
-            self._guard(ready[0], self._run_chunk)
+            if ready[0].chunks_emitted == 0:  # first chunks that became ready during this turn: all at once
+                self._run_chunks([st for st in ready if st.chunks_emitted == 0])
+            else:
+                self._guard(ready[0], self._run_chunk)
 
     def _guard(self, st: RequestState, fn: Callable[[RequestState], None]) -> None:
         if st not in self._active:
@@ -301,16 +304,71 @@ class Engine:
             seg.pending.append((ChunkCall(0, 0, n, n, 0, finalize=True), now()))
 
     def _run_chunk(self, st: RequestState) -> None:
+        call, timing = self._take_call(st)
+        mel = self._flow_one(st, call, timing)
+        self._emit(st, call, timing, mel)
+
+    def _run_chunks(self, states: list[RequestState]) -> None:
+        """Run the next pending chunk of each of ``states``.  Requests on the same stage set whose flow stage
+        has ``chunk_batch`` share one batched flow computation; every other chunk runs alone.  Vocoding and
+        emission stay per request.  A failing batched call is retried item by item, so that only the culprit's
+        request fails."""
+        groups: dict[int, list[RequestState]] = {}
+        for st in states:
+            groups.setdefault(id(st.stages), []).append(st)
+        for group in groups.values():
+            flow = group[0].stages.flow
+            batch = getattr(flow, "chunk_batch", None)
+            if len(group) == 1 or batch is None or getattr(flow, "max_batch", 2) <= 1:
+                for st in group:
+                    self._guard(st, self._run_chunk)
+                continue
+            taken: list[tuple[RequestState, ChunkCall, ChunkTiming]] = []
+            for st in group:
+                if st in self._active:
+                    call, timing = self._take_call(st)
+                    taken.append((st, call, timing))
+            start = now()
+            items = [(st.segment, st.inputs, self._call_tokens(st, call), call) for st, call, _ in taken]
+            try:
+                mels = batch(items)
+                _sync(self.models.device)
+                if len(mels) != len(items):
+                    raise RuntimeError(f"chunk_batch returned {len(mels)} mels for {len(items)} items")
+            except Exception:  # noqa: BLE001 - isolate the culprit: each request alone, failures stay its own
+                log.exception("batched flow call for %d requests failed; retrying them one by one", len(items))
+                for st, call, timing in taken:
+                    self._guard(st, lambda s, c=call, t=timing: self._emit(s, c, t, self._flow_one(s, c, t)))
+                continue
+            end = now()
+            for (st, call, timing), mel in zip(taken, mels):
+                timing.flow_start, timing.flow_end = start, end  # the mel existed when the whole batch did
+                self._guard(st, lambda s, c=call, t=timing, m=mel: self._emit(s, c, t, m))
+
+    def _take_call(self, st: RequestState) -> tuple[ChunkCall, ChunkTiming]:
         seg = st.segment
         assert seg is not None
         call, ready_at = seg.pending.pop(0)
         timing = ChunkTiming(index=st.chunks_emitted, segment=seg.index, n_tokens=call.hop,
                              sample_rate=self.sample_rate, tokens_ready=ready_at, finalize=call.finalize)
+        return call, timing
+
+    @staticmethod
+    def _call_tokens(st: RequestState, call: ChunkCall) -> torch.Tensor:
+        assert st.segment is not None
+        return torch.tensor([st.segment.tokens[:call.n_tokens]], dtype=torch.int32)
+
+    def _flow_one(self, st: RequestState, call: ChunkCall, timing: ChunkTiming) -> torch.Tensor:
         timing.flow_start = now()
-        tokens = torch.tensor([seg.tokens[:call.n_tokens]], dtype=torch.int32)
-        mel = st.stages.flow.chunk(seg, st.inputs, tokens, call)
+        mel = st.stages.flow.chunk(st.segment, st.inputs, self._call_tokens(st, call), call)
         _sync(self.models.device)
         timing.flow_end = now()
+        return mel
+
+    def _emit(self, st: RequestState, call: ChunkCall, timing: ChunkTiming, mel: torch.Tensor) -> None:
+        """Vocode one chunk's mel and hand the audio to the request's consumer."""
+        seg = st.segment
+        assert seg is not None
         speed = st.request.speed if not st.request.stream else 1.0
         voc = st.stages.vocoder
         wav, seg.voc_cache = vocode_chunk(lambda m, cs: voc.vocode(m, cs, st.vocoder_generator), mel,

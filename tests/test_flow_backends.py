@@ -330,6 +330,10 @@ def test_gpu_cudagraph_chunks_equal_eager_fp32(flow_cuda, case):
         assert [a.shape for a in out] == [b.shape for b in ref]
         assert max(errs) <= 1e-4, errs
     assert stage.estimator.eager_calls == 0
+    # the encoder ran as graphs too: one capture per distinct call shape, then replays only
+    assert stage.encoder.disabled is None and stage.encoder.eager_calls == 0
+    assert sum(c.captures for c in stage.encoder.caches.values()) == len(ref)  # every call of one stream differs
+    assert sum(c.replays for c in stage.encoder.caches.values()) == 2 * len(ref)
     # each distinct (bucket, mode) captured once, every Euler step replayed
     buckets = {(bucket_frames(f), s) for f, s in schedule_frames(20, 90)}
     assert stage.estimator.captures == len(buckets)

@@ -4,7 +4,12 @@ Each stage has one small interface so the engine does not care which implementat
 
 - LLM: ``generate(inputs, text, generator, max_tokens, ignore_eos) -> Iterator[int]`` (prefill happens on the
   first ``next``; closing the iterator frees the KV cache);
-- flow: ``chunk(segment_state, inputs, tokens, call) -> mel (1, 80, new frames)``;
+- flow: ``chunk(segment_state, inputs, tokens, call) -> mel (1, 80, new frames)``; optionally
+  ``chunk_batch(items) -> list of mels`` for several requests' calls at once (``items`` are
+  ``(segment_state, inputs, tokens, call)`` tuples; each mel must equal that item's ``chunk`` up to float
+  rounding) and ``max_batch`` (items it will share; <= 1 means "do not batch").  The engine batches
+  pending chunks of requests on the same stage set through ``chunk_batch`` when present and loops ``chunk``
+  otherwise (:func:`~cosyvoice_fast.backends.eager.chunk_batch_loop` is that loop);
 - vocoder: ``vocode(mel, cache_source, generator) -> (wav, source)``.
 """
 
@@ -13,7 +18,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 
@@ -27,6 +32,14 @@ class LLMStage(Protocol):
 
 class FlowStage(Protocol):
     def chunk(self, seg: Any, inputs: Any, tokens: torch.Tensor, call: Any) -> torch.Tensor: ...
+
+
+class BatchedFlowStage(FlowStage, Protocol):
+    """A flow stage that can share one computation between several requests' chunks (optional extension)."""
+
+    max_batch: int
+
+    def chunk_batch(self, items: Sequence[tuple[Any, Any, torch.Tensor, Any]]) -> list[torch.Tensor]: ...
 
 
 class VocoderStage(Protocol):

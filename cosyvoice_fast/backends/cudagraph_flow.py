@@ -16,6 +16,12 @@ inputs run the eager estimator (counted in :attr:`GraphEstimator.eager_calls`). 
 (bucket, dtype) separately for chunk-causal (streaming) and full attention, captured on first use (or ahead
 of time with :meth:`CudaGraphFlow.warmup`) and LRU-capped by ``max_graphs`` per mode.
 
+Batched solves (:meth:`CudaGraphFlow.chunk_batch`): B requests' chunks share one guided Euler solve, so each
+estimator call has 2B rows (B conditional, B unconditional).  Graphs are keyed by (bucket, rows, dtype) with
+the rows padded up to :data:`ROW_SIZES` (2, 4, 8, 16, 32) by all-zero rows whose mask is 0 (their output is
+zero and, rows being independent, they touch no real row).  A solve is capped at 16 requests and at the
+attention memory of the largest single call (``rows · bucket² <= 2 · max_frames²``); bigger batches are split.
+
 Why padding is exact: every time-mixing op of the estimator looks only left (causal convolutions, per-frame
 LayerNorm, 1x1 convs) or is masked (attention keys must be valid frames; chunk-causal limits depend only on
 the absolute position), and each block multiplies its input by the mask, so zero-mask frames appended on the
@@ -35,11 +41,14 @@ from torch import Tensor
 from ..config import ModelConfig, StreamParams
 from ..schedule import ChunkCall, plan
 from .base import BackendUnavailable
-from .eager import flow_chunk_mel
+from .eager import flow_chunk_mel, flow_chunk_mel_batch
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_FRAMES = 3000  # 60 s of mel at 50 Hz; longer estimator inputs run eagerly
+#: Captured batch-row counts.  One request is the CFG pair (2 rows); a batched solve of B requests has 2B rows,
+#: padded up to the next size here with all-zero, mask-0 rows so that few graphs exist.
+ROW_SIZES = (2, 4, 8, 16, 32)
 
 
 # --------------------------------------------------------------------------------------------- shape policy
@@ -53,6 +62,14 @@ def bucket_frames(frames: int, granularity: int = 50) -> int:
     if granularity < 1:
         raise ValueError(f"bucket granularity must be >= 1, got {granularity}")
     return max(1, math.ceil(frames / granularity)) * granularity
+
+
+def bucket_rows(rows: int, sizes: Sequence[int] = ROW_SIZES) -> int | None:
+    """The captured batch-row count serving ``rows`` estimator rows (the smallest size >= rows), or None when
+    ``rows`` exceeds the largest size."""
+    if rows < 1:
+        raise ValueError(f"an estimator call needs at least one row, got {rows}")
+    return next((r for r in sorted(sizes) if r >= rows), None)
 
 
 def call_frames(call: ChunkCall, prompt_tokens: int, token_mel_ratio: int = 2) -> int:
@@ -98,10 +115,11 @@ def why_unavailable(flow: torch.nn.Module) -> str | None:
 
 class GraphEstimator:
     """Callable with the estimator's signature ``(x, mask, mu, t, spks, cond, streaming) -> velocity`` that
-    pads to the length bucket and replays a captured graph of ``estimator`` (batch 2, the CFG pair)."""
+    pads to the length bucket and to the row bucket (:data:`ROW_SIZES`; 2 = one request's CFG pair) and
+    replays a captured graph of ``estimator``."""
 
     def __init__(self, estimator: torch.nn.Module, device: torch.device, granularity: int = 50,
-                 max_frames: int = DEFAULT_MAX_FRAMES, max_graphs: int = 64):
+                 max_frames: int = DEFAULT_MAX_FRAMES, max_graphs: int = 128):
         from .graphs import GraphCache
 
         self.estimator = estimator
@@ -131,37 +149,48 @@ class GraphEstimator:
     def replays(self) -> int:
         return sum(c.replays for c in self.caches.values())
 
-    def _example(self, frames: int, dtype: torch.dtype) -> tuple[Tensor, ...]:
-        b, c = 2, self.estimator.cfg.out_channels
+    def row_frames_budget(self) -> int:
+        """``rows · bucket²`` of the largest graph (2 rows at ``max_frames``): batched calls stay within it."""
+        return 2 * self.max_frames ** 2
+
+    def _fits(self, rows: int, bucket: int) -> bool:
+        return bucket <= self.max_frames and rows * bucket ** 2 <= self.row_frames_budget()
+
+    def _example(self, frames: int, dtype: torch.dtype, rows: int = 2) -> tuple[Tensor, ...]:
+        b, c = rows, self.estimator.cfg.out_channels
         z = torch.zeros(b, c, frames, device=self.device, dtype=dtype)
         return (z, torch.ones(b, 1, frames, device=self.device, dtype=dtype), z.clone(),
                 torch.zeros(b, device=self.device, dtype=dtype), torch.zeros(b, c, device=self.device, dtype=dtype),
                 z.clone())
 
-    def capture(self, frames: int, streaming: bool, dtype: torch.dtype) -> int:
-        """Capture (if not yet) the graph serving ``frames``; returns its bucket length."""
+    def capture(self, frames: int, streaming: bool, dtype: torch.dtype, rows: int = 2) -> int:
+        """Capture (if not yet) the graph serving ``frames`` x ``rows``; returns its bucket length."""
         bucket = bucket_frames(frames, self.granularity)
         if bucket > self.max_frames:
             raise ValueError(f"{frames} frames exceed the largest bucket ({self.max_frames}); they run eagerly")
+        prows = bucket_rows(rows)
+        if prows is None or not self._fits(prows, bucket):
+            raise ValueError(f"{rows} rows x {bucket} frames exceed the graph budget; they run eagerly")
         with self.lock:
-            self.caches[bool(streaming)].get((bucket, dtype), self._example(bucket, dtype))
+            self.caches[bool(streaming)].get((bucket, prows, dtype), self._example(bucket, dtype, prows))
         return bucket
 
     def __call__(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
                  streaming: bool = False) -> Tensor:
-        frames = x.shape[-1]
+        frames, rows = x.shape[-1], x.shape[0]
         bucket = bucket_frames(frames, self.granularity)
-        if (bucket > self.max_frames or x.shape[0] != 2 or x.device.type != self.device.type
+        prows = bucket_rows(rows)
+        if (prows is None or not self._fits(prows, bucket) or x.device.type != self.device.type
                 or (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
             self.eager_calls += 1
             with torch.inference_mode():
                 return self.estimator(x, mask, mu, t, spks, cond, streaming)
         cache = self.caches[bool(streaming)]
-        key = (bucket, x.dtype)
+        key = (bucket, prows, x.dtype)
         with self.lock, torch.inference_mode():
             g = cache.graphs.get(key)
             if g is None:
-                g = cache.get(key, self._example(bucket, x.dtype))
+                g = cache.get(key, self._example(bucket, x.dtype, prows))
             else:
                 cache.graphs.move_to_end(key)
             on_gpu = x.device.type == "cuda"
@@ -170,25 +199,88 @@ class GraphEstimator:
                 torch.cuda.current_stream(x.device).wait_event(self._last_replay)
             xs, ms, mus, ts, ss, cs = g.inputs
             for dst, src in ((xs, x), (ms, mask), (mus, mu), (cs, cond)):
-                dst[..., :frames].copy_(src)
+                dst[:rows, ..., :frames].copy_(src)
                 if frames < bucket:
-                    dst[..., frames:].zero_()  # masked anyway; zeros keep stale values (and NaN*0) out
-            ts.copy_(t.reshape(-1).expand(2))
-            ss.copy_(spks)
+                    dst[:rows, ..., frames:].zero_()  # masked anyway; zeros keep stale values (and NaN*0) out
+            ts[:rows].copy_(t.reshape(-1).expand(rows))
+            ss[:rows].copy_(spks)
+            if rows < prows:  # padding rows: all zero, mask 0 (output 0); stale rows of a bigger batch cleared
+                for buf in (xs, ms, mus, ts, ss, cs):
+                    buf[rows:].zero_()
             g.graph.replay()
             cache.replays += 1
-            out = g.outputs[0][..., :frames].clone()
+            out = g.outputs[0][:rows, ..., :frames].clone()
             if on_gpu:
                 self._last_replay = torch.cuda.Event()
                 self._last_replay.record(torch.cuda.current_stream(x.device))
             return out
 
 
+class GraphEncoder:
+    """``flow.encode`` replayed as a CUDA graph per exact input shape (prompt tokens, tokens, dtype) and flags.
+
+    The encoder is ~12 ms of launch-bound eager work per chunk at full size.  Its convolutions look ahead and
+    its attention is chunked by absolute position, so padding to a bucket would need its own proof; exact
+    shapes need none, and the streaming schedule repeats them: for one prompt length every request's chunks
+    have the same lengths, so after the first request (or a warm-up) every encoder call is a replay.  A new
+    shape costs one capture (a few eager runs).  If a capture ever fails, the encoder runs eagerly from then on
+    (logged once), so correctness never depends on it.
+    """
+
+    def __init__(self, flow: torch.nn.Module, device: torch.device, max_graphs: int = 64):
+        self.flow = flow
+        self.device = device
+        self.max_graphs = max_graphs
+        self.caches: dict[tuple[bool, bool, int | None], Any] = {}
+        self.disabled: str | None = None
+        self.eager_calls = 0
+
+    def _cache(self, flags: tuple[bool, bool, int | None]) -> Any:
+        from .graphs import GraphCache
+
+        cache = self.caches.get(flags)
+        if cache is None:
+            streaming, finalize, n_lookahead = flags
+            flow = self.flow
+
+            def run(tokens: Tensor, tlen: Tensor, ptok: Tensor, plen: Tensor, emb: Tensor) -> tuple[Tensor, ...]:
+                enc = flow.encode(tokens, tlen, ptok, plen, emb, streaming=streaming, finalize=finalize,
+                                  n_lookahead=n_lookahead)
+                return enc.mu, enc.spks
+
+            cache = self.caches[flags] = GraphCache(run, self.device, self.max_graphs, "flow-encoder")
+        return cache
+
+    def __call__(self, tokens: Tensor, tlen: Tensor, ptok: Tensor, plen: Tensor, emb: Tensor, *,
+                 streaming: bool, finalize: bool, n_lookahead: int | None) -> Any:
+        from ..models.flow import FlowEncoding
+
+        if self.disabled is not None or tokens.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            self.eager_calls += 1
+            return self.flow.encode(tokens, tlen, ptok, plen, emb, streaming=streaming, finalize=finalize,
+                                    n_lookahead=n_lookahead)
+        cache = self._cache((bool(streaming), bool(finalize), n_lookahead))
+        key = (tokens.shape[1], ptok.shape[1], emb.dtype)
+        try:
+            mu, spks = cache.run(key, tokens, tlen, ptok, plen, emb)
+        except RuntimeError as e:  # e.g. an op that cannot be captured: stay correct, lose the speed-up
+            self.disabled = f"{type(e).__name__}: {e}"
+            log.warning("flow encoder capture failed, running it eagerly from now on: %s", self.disabled)
+            torch.cuda.synchronize(self.device)
+            return self.__call__(tokens, tlen, ptok, plen, emb, streaming=streaming, finalize=finalize,
+                                 n_lookahead=n_lookahead)
+        # outputs live in the graph pool, which other shapes' graphs reuse: copy before the next replay
+        return FlowEncoding(mu.clone(), spks.clone())
+
+
 class CudaGraphFlow:
-    """Flow stage: eager encoder, graph-replayed estimator (see the module docstring for the bucket policy)."""
+    """Flow stage: graph-replayed encoder (exact shapes) and estimator (length buckets; see the module
+    docstring for the bucket policy)."""
+
+    max_batch = ROW_SIZES[-1] // 2  # requests per batched solve (2 CFG rows each)
 
     def __init__(self, flow: torch.nn.Module, config: ModelConfig, granularity: int | None = None,
-                 max_frames: int = DEFAULT_MAX_FRAMES, max_graphs: int = 64):
+                 max_frames: int = DEFAULT_MAX_FRAMES, max_graphs: int = 128):
         reason = why_unavailable(flow)
         if reason is not None:
             raise BackendUnavailable(reason)
@@ -197,14 +289,31 @@ class CudaGraphFlow:
         est = flow.decoder.estimator
         gran = granularity or est.cfg.static_chunk_size or 50
         self.estimator = GraphEstimator(est, next(flow.parameters()).device, gran, max_frames, max_graphs)
+        self.encoder = GraphEncoder(flow, next(flow.parameters()).device)
 
     def chunk(self, seg: Any, inputs: Any, tokens: Tensor, call: ChunkCall, stream: bool = True) -> Tensor:
-        return flow_chunk_mel(self.flow, inputs, tokens, call, stream, self.estimator)
+        return flow_chunk_mel(self.flow, inputs, tokens, call, stream, self.estimator, self.encoder)
+
+    def solve_cost(self, n_items: int, frames: int) -> float:
+        """``rows · bucket²`` of a solve of ``n_items`` requests whose longest input has ``frames`` frames."""
+        rows = bucket_rows(2 * n_items) or 2 * n_items
+        return rows * bucket_frames(frames, self.estimator.granularity) ** 2
+
+    def chunk_batch(self, items: Sequence[Any], stream: bool = True) -> list[Tensor]:
+        """Several requests' chunks: eager encoders, then one graph-replayed guided solve per attention mode
+        (split to stay within :data:`ROW_SIZES` and the memory budget).  One mel per item, in order."""
+        if len(items) == 1:
+            return [self.chunk(*items[0], stream=stream)]
+        return flow_chunk_mel_batch(self.flow, items, stream, self.estimator, max_items=self.max_batch,
+                                    cost=self.solve_cost, budget=self.estimator.row_frames_budget(),
+                                    encode=self.encoder)
 
     def warmup(self, prompt_tokens: Iterable[int] = (0, 25, 50, 75, 100), total_tokens: int = 300,
-               params: StreamParams | None = None, extra: Sequence[tuple[int, bool]] = ()) -> list[tuple[int, bool]]:
+               params: StreamParams | None = None, extra: Sequence[tuple[int, bool]] = (),
+               batch_sizes: Sequence[int] = (1,)) -> list[tuple[int, bool]]:
         """Capture ahead of time the buckets the streamed schedule uses for these prompt lengths (plus
-        ``extra`` ``(frames, streaming)`` pairs); returns the ``(bucket, streaming)`` pairs captured."""
+        ``extra`` ``(frames, streaming)`` pairs), for batched solves of each of ``batch_sizes`` requests (the
+        row bucket of ``2 * size`` rows); returns the ``(bucket, streaming)`` pairs captured."""
         dtype = next(self.flow.parameters()).dtype
         want: set[tuple[int, bool]] = set()
         for p in prompt_tokens:
@@ -213,8 +322,11 @@ class CudaGraphFlow:
                 want.add((bucket_frames(frames, self.estimator.granularity), streaming))
         want.update((bucket_frames(f, self.estimator.granularity), s) for f, s in extra)
         done = []
+        rows = sorted({bucket_rows(2 * b) or ROW_SIZES[-1] for b in batch_sizes})
         for frames, streaming in sorted(want):
             if frames <= self.estimator.max_frames:
-                self.estimator.capture(frames, streaming, dtype)
+                for r in rows:
+                    if self.estimator._fits(r, frames):
+                        self.estimator.capture(frames, streaming, dtype, r)
                 done.append((frames, streaming))
         return done

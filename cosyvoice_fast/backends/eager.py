@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -31,37 +31,128 @@ def fold_to_flow_vocab(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.remainder(tokens, vocab)
 
 
-def flow_chunk_mel(flow: torch.nn.Module, inputs: Any, tokens: torch.Tensor, call: ChunkCall,
-                   stream: bool = True, estimator: Any = None) -> torch.Tensor:
-    """Upstream's per-chunk flow call: the whole prefix is recomputed and the new frames are kept.
+def _encode_call(flow: torch.nn.Module, inputs: Any, tokens: torch.Tensor, call: ChunkCall, streaming: bool,
+                 encode: Any = None):
+    """The encoder half of one flow call (per request): ``FlowEncoding`` over prompt + tokens.
 
-    Non-final streaming chunks run chunk-causal attention with ``call.lookahead`` trailing context tokens;
-    the final chunk runs full attention, as upstream does.  ``estimator`` replaces the CFM estimator (a
-    captured graph or TensorRT engine with the same calling convention); the encoder always runs eagerly.
-    """
+    ``encode`` replaces ``flow.encode`` (same signature, e.g. a graph-replaying runner)."""
     dev = inputs.embedding.device
     tokens = fold_to_flow_vocab(tokens.to(dev), flow.cfg.vocab_size)
     tlen = torch.tensor([tokens.shape[1]], dtype=torch.int32, device=dev)
     ptok = inputs.flow_prompt_speech_token
     plen = torch.tensor([ptok.shape[1]], dtype=torch.int32, device=dev)
+    return (encode or flow.encode)(tokens, tlen, ptok, plen, inputs.embedding, streaming=streaming,
+                                   finalize=call.finalize, n_lookahead=call.lookahead)
+
+
+def flow_chunk_mel(flow: torch.nn.Module, inputs: Any, tokens: torch.Tensor, call: ChunkCall,
+                   stream: bool = True, estimator: Any = None, encode: Any = None) -> torch.Tensor:
+    """Upstream's per-chunk flow call: the whole prefix is recomputed and the new frames are kept.
+
+    Non-final streaming chunks run chunk-causal attention with ``call.lookahead`` trailing context tokens;
+    the final chunk runs full attention, as upstream does.  ``estimator`` replaces the CFM estimator (a
+    captured graph or TensorRT engine with the same calling convention), ``encode`` the encoder.
+    """
     streaming = stream and not call.finalize
     with torch.inference_mode():
-        enc = flow.encode(tokens, tlen, ptok, plen, inputs.embedding, streaming=streaming,
-                          finalize=call.finalize, n_lookahead=call.lookahead)
+        enc = _encode_call(flow, inputs, tokens, call, streaming, encode)
         mel = flow.decode(enc.mu, enc.spks, inputs.prompt_feat, streaming=streaming, estimator=estimator)
     return mel[:, :, call.token_offset * flow.cfg.token_mel_ratio:]
 
 
+#: ``(seg, inputs, tokens, call)``: one request's pending flow call, as passed to ``FlowStage.chunk``.
+ChunkItem = tuple[Any, Any, torch.Tensor, ChunkCall]
+
+
+def plan_solves(frames: list[int], max_items: int, cost: Callable[[int, int], float] | None = None,
+                budget: float | None = None, same_length: bool = False) -> list[list[int]]:
+    """Split item indices (with estimator lengths ``frames``) into batched solves.
+
+    Items are taken shortest first (similar lengths share a solve: less padding), at most ``max_items`` per
+    solve, and while ``cost(n_items, longest_frames) <= budget`` when both are given (a solve that would
+    exceed the budget starts a new one; a single item always fits).  ``same_length`` lets only equal lengths
+    share a solve (no padding at all)."""
+    order = sorted(range(len(frames)), key=lambda i: frames[i])
+    groups: list[list[int]] = []
+    for i in order:  # ascending, so item i is the longest of the solve it joins
+        g = groups[-1] if groups else None
+        if g is not None and len(g) < max_items and (not same_length or frames[g[0]] == frames[i]) and (
+                cost is None or budget is None or cost(len(g) + 1, frames[i]) <= budget):
+            g.append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def flow_chunk_mel_batch(flow: torch.nn.Module, items: Sequence[ChunkItem], stream: bool = True,
+                         estimator: Any = None, max_items: int = 16,
+                         cost: Callable[[int, int], float] | None = None, budget: float | None = None,
+                         same_length: bool = False, encode: Any = None) -> list[torch.Tensor]:
+    """:func:`flow_chunk_mel` for several requests' calls, with the CFM solves shared.
+
+    Every item is encoded on its own (prompt, length, look-ahead and finalize differ per request), then the
+    items with the same attention mode (non-final streaming calls chunk-causal, final calls full) run ONE
+    guided Euler solve over their right-padded ``mu`` (:meth:`decode_batch`; split by :func:`plan_solves`).
+    Returns one mel per item, in order, each equal to that item's :func:`flow_chunk_mel`.
+    """
+    out: list[torch.Tensor | None] = [None] * len(items)
+    ratio = flow.cfg.token_mel_ratio
+    with torch.inference_mode():
+        encs, modes = [], []
+        for seg, inputs, tokens, call in items:
+            streaming = stream and not call.finalize
+            modes.append(streaming)
+            encs.append(_encode_call(flow, inputs, tokens, call, streaming, encode))
+        for streaming in (True, False):
+            idx = [i for i, m in enumerate(modes) if m == streaming]
+            if not idx:
+                continue
+            for group in plan_solves([int(encs[i].mu.shape[2]) for i in idx], max_items, cost, budget,
+                                     same_length):
+                sel = [idx[j] for j in group]
+                mels = flow.decode_batch([encs[i].mu for i in sel], [encs[i].spks for i in sel],
+                                         [items[i][1].prompt_feat for i in sel], streaming=streaming,
+                                         estimator=estimator)
+                for i, mel in zip(sel, mels):
+                    out[i] = mel[:, :, items[i][3].token_offset * ratio:]
+    return out  # type: ignore[return-value]
+
+
 class EagerFlow:
-    """Full-prefix recomputation per chunk (upstream's behaviour)."""
+    """Full-prefix recomputation per chunk (upstream's behaviour).
+
+    :meth:`chunk_batch` shares the CFM solve between up to ``max_batch`` items.  By default only items whose
+    estimator inputs have the same length share one (no padding); with ``share_padded = True`` any lengths
+    share a right-padded solve.  Either way each item equals its own :meth:`chunk` to float rounding (~1e-6 in
+    fp32), but not always bit for bit: padded attention reduces over more keys, and BLAS may block a bigger
+    batch differently (on CPU, 8 items already differ in the last bits, 4 do not).  Bit-for-bit equality with
+    a solo run is this reference backend's contract on CPU, where batching buys nothing (compute-bound), so
+    there ``max_batch`` defaults to 1 (``chunk_batch`` is then a loop of :meth:`chunk`); on a GPU, where each
+    chunk is launch-bound, it defaults to 16."""
+
+    share_padded = False
 
     def __init__(self, flow: torch.nn.Module, config: ModelConfig):
         self.flow = flow
         self.config = config
+        on_gpu = next(flow.parameters()).device.type == "cuda"
+        self.max_batch = 16 if on_gpu else 1  # items per batched CFM solve
 
     def chunk(self, seg: Any, inputs: Any, tokens: torch.Tensor, call: ChunkCall, stream: bool = True
               ) -> torch.Tensor:
         return flow_chunk_mel(self.flow, inputs, tokens, call, stream)
+
+    def chunk_batch(self, items: Sequence[ChunkItem], stream: bool = True) -> list[torch.Tensor]:
+        """Several requests' chunks with shared CFM solves; one mel per item, each equal to its :meth:`chunk`."""
+        if len(items) == 1 or self.max_batch <= 1:
+            return [self.chunk(*item, stream=stream) for item in items]
+        return flow_chunk_mel_batch(self.flow, items, stream, max_items=self.max_batch,
+                                    same_length=not self.share_padded)
+
+
+def chunk_batch_loop(stage: Any, items: Sequence[ChunkItem]) -> list[torch.Tensor]:
+    """The default ``chunk_batch`` for a flow stage without a batched path: one ``chunk`` per item."""
+    return [stage.chunk(*item) for item in items]
 
 
 class EagerVocoder:

@@ -64,7 +64,8 @@ def euler_schedule(n_steps: int, scheduler: str, device: torch.device | str = "c
 
 
 class GuidanceBatch(NamedTuple):
-    """The parts of the batch-2 estimator input that do not change between Euler steps."""
+    """The parts of the batch-2 (batch-2B for B utterances) estimator input that do not change between Euler
+    steps; rows B..2B-1 are the unconditional copies of rows 0..B-1."""
 
     mask: Tensor  # (2, 1, T)
     mu: Tensor  # (2, 80, T), row 1 zero
@@ -85,7 +86,7 @@ class CausalCFM(nn.Module):
 
     @staticmethod
     def guidance_batch(mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor) -> GuidanceBatch:
-        """Stack the conditional row and the all-zero unconditional row (batch-1 inputs -> batch 2)."""
+        """Stack the conditional rows and the all-zero unconditional rows (batch B inputs -> batch 2B)."""
         return GuidanceBatch(mask=torch.cat([mask, mask]).to(mu.dtype),
                              mu=torch.cat([mu, torch.zeros_like(mu)]),
                              spks=torch.cat([spks, torch.zeros_like(spks)]).to(mu.dtype),
@@ -98,9 +99,10 @@ class CausalCFM(nn.Module):
         ``estimator`` replaces ``self.estimator`` (e.g. a CUDA-graph runner with the same signature).
         """
         est = self.estimator if estimator is None else estimator
-        v = est(torch.cat([x, x]), g.mask, g.mu, t.reshape(1).expand(2), g.spks, g.cond, streaming)
+        b = x.shape[0]  # 1 for one utterance; B for a batched solve (rows: B conditional, then B zero rows)
+        v = est(torch.cat([x, x]), g.mask, g.mu, t.reshape(1).expand(2 * b), g.spks, g.cond, streaming)
         w = self.cfg.inference_cfg_rate
-        return (1.0 + w) * v[:1] - w * v[1:]
+        return (1.0 + w) * v[:b] - w * v[b:]
 
     def euler_step(self, x: Tensor, t: Tensor, dt: Tensor, g: GuidanceBatch, streaming: bool,
                    estimator: Estimator | None = None) -> Tensor:
@@ -124,8 +126,27 @@ class CausalCFM(nn.Module):
         Computed in mu's dtype, returned in fp32.
         """
         if mu.shape[0] != 1:
-            raise ValueError("the CFM runs one utterance at a time (batch 1, CFG doubles it)")
+            raise ValueError("the CFM runs one utterance at a time (batch 1, CFG doubles it); "
+                             "use solve_batch for several right-padded utterances")
+        return self.solve_batch(mu, mask, spks, cond, n_timesteps, streaming, noise, estimator=estimator)
+
+    def solve_batch(self, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, n_timesteps: int = 10,
+                    streaming: bool = False, noise: Tensor | None = None, *,
+                    estimator: Estimator | None = None) -> Tensor:
+        """The guided Euler solve for B utterances at once: (B, 80, T) mu, (B, 1, T) mask, (B, 80) speakers,
+        (B, 80, T) conditions -> (B, 80, T) mel in fp32.
+
+        Each row is one utterance right-padded to the common ``T`` (mask 0 on its padding, mu/cond zero there).
+        The estimator sees ``2B`` rows: the B conditional rows, then the B unconditional (all-zero) rows, and
+        row ``i`` is mixed with row ``B + i``.  Every row starts from the same fixed noise ``noise[:, :, :T]``,
+        which on its valid frames is exactly what the utterance gets alone (the noise is indexed by frame
+        position); right padding never reaches valid frames (see ``backends/cudagraph_flow.py``), so each row
+        equals its own batch-1 solve.
+        """
+        b = mu.shape[0]
         x = self.start_noise(mu.shape[2], mu.device, mu.dtype, noise)
+        if b != 1:
+            x = x.expand(b, -1, -1).contiguous()
         ts, dts = euler_schedule(n_timesteps, self.cfg.t_scheduler, mu.device, mu.dtype)
         g = self.guidance_batch(mu, mask, spks, cond)
         for i in range(n_timesteps):

@@ -100,6 +100,41 @@ class CausalMaskedDiffWithXvec(nn.Module):
                             estimator=estimator)
         return feat[:, :, n_prompt:].float()
 
+    def decode_batch(self, mus: list[Tensor], spks: list[Tensor], prompt_feats: list[Tensor],
+                     streaming: bool = False, n_timesteps: int | None = None, noise: Tensor | None = None, *,
+                     estimator: Estimator | None = None) -> list[Tensor]:
+        """:meth:`decode` for several utterances in ONE guided solve.
+
+        ``mus[i]`` is (1, 80, T_i), ``spks[i]`` (1, 80), ``prompt_feats[i]`` (1, T_p_i, 80); all must share the
+        attention mode (``streaming``).  Each ``mu`` is zero-padded on the right to ``T = max T_i`` with a mask
+        of ones on its own ``T_i`` frames, its prompt mel fills its first ``T_p_i`` condition frames, and the
+        CFM runs the 2B-row guided batch (:meth:`CausalCFM.solve_batch`).  Returns, per item, its
+        (1, 80, T_i - T_p_i) generated frames in fp32 — what :meth:`decode` gives for that item alone.
+        """
+        if not (len(mus) == len(spks) == len(prompt_feats)) or not mus:
+            raise ValueError("decode_batch needs one spks and one prompt_feat per mu (and at least one item)")
+        lens = [int(m.shape[2]) for m in mus]
+        n_prompts = [int(p.shape[1]) for p in prompt_feats]
+        for i, (n, p) in enumerate(zip(lens, n_prompts)):
+            if mus[i].shape[0] != 1:
+                raise ValueError("decode_batch items are single utterances (batch 1 each)")
+            if p > n:
+                raise ValueError(f"item {i}: prompt mel has {p} frames but the tokens give only {n}")
+        ref = mus[0]
+        b, c, total = len(mus), ref.shape[1], max(lens)
+        mu = torch.zeros(b, c, total, device=ref.device, dtype=ref.dtype)
+        cond = torch.zeros_like(mu)
+        mask = torch.zeros(b, 1, total, device=ref.device, dtype=ref.dtype)
+        for i, (m, p, n, n_p) in enumerate(zip(mus, prompt_feats, lens, n_prompts)):
+            mu[i, :, :n] = m[0]
+            cond[i, :, :n_p] = p[0].transpose(0, 1).to(ref.dtype)
+            mask[i, :, :n] = 1
+        spk = torch.cat([s.reshape(1, -1) for s in spks]).to(ref.dtype)
+        steps = self.cfg.cfm.n_timesteps if n_timesteps is None else n_timesteps
+        feat = self.decoder.solve_batch(mu, mask, spk, cond, n_timesteps=steps, streaming=streaming, noise=noise,
+                                        estimator=estimator)
+        return [feat[i:i + 1, :, n_p:n].float() for i, (n, n_p) in enumerate(zip(lens, n_prompts))]
+
     @torch.inference_mode()
     def inference(self, token: Tensor, token_len: Tensor, prompt_token: Tensor, prompt_token_len: Tensor,
                   prompt_feat: Tensor, prompt_feat_len: Tensor, embedding: Tensor, streaming: bool = False,
