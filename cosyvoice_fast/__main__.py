@@ -18,6 +18,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
 
 
+DEFAULT_PROMPT = Path(__file__).resolve().parent.parent / "assets" / "cross_lingual_prompt.wav"
+
+
 def cmd_synth(a: argparse.Namespace) -> int:
     import soundfile as sf
 
@@ -29,6 +32,9 @@ def cmd_synth(a: argparse.Namespace) -> int:
     svc = load_service(a.model_dir, a.synthetic, a.device, a.dtype, speaker_cache_dir=a.speaker_cache)
     try:
         mode = a.mode or ("speaker" if a.speaker else "zero_shot" if a.prompt_text else "cross_lingual")
+        if a.prompt_wav is None and mode != "speaker":
+            a.prompt_wav = str(DEFAULT_PROMPT)  # a voice is required; the bundled example keeps a quick try short
+            log.info("no --prompt-wav given: using the example voice %s", DEFAULT_PROMPT)
         req = SynthesisRequest(
             text=a.text, mode=mode, prompt_wav=a.prompt_wav, prompt_text=a.prompt_text or "",
             instruct_text=a.instruct or "", speaker=a.speaker, seed=a.seed, stream=a.stream,
@@ -85,7 +91,7 @@ def cmd_backends(a: argparse.Namespace) -> int:
     from .service import pick_device
 
     for b in available_backends(pick_device(a.device)):
-        print(f"{b.stage:<8}{b.name:<11}{'yes' if b.available else 'no':<5}{b.reason}")
+        print(f"{b.stage:<8}{b.name:<13}{'yes' if b.available else 'no':<5}{b.reason}")
     return 0
 
 

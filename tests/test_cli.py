@@ -1,0 +1,25 @@
+"""The command line a new user tries first: synth on the synthetic model, with and without a prompt voice."""
+
+from __future__ import annotations
+
+import soundfile as sf
+
+from cosyvoice_fast.__main__ import main
+
+
+def test_synth_streams_to_a_wav_and_prints_the_breakdown(tmp_path, capsys):
+    out = tmp_path / "out.wav"
+    assert main(["synth", "--synthetic", "tiny", "--text", "Hello there.", "--stream", "--out", str(out),
+                 "--speaker-cache", str(tmp_path / "spk")]) == 0  # no --prompt-wav: the bundled example voice
+    printed = capsys.readouterr().out
+    for stage in ("frontend", "llm_prefill", "flow", "vocoder", "TTFB"):
+        assert stage in printed
+    wav, sr = sf.read(out)
+    assert sr == 24000 and len(wav) > 0 and len(wav) % 960 == 0  # whole tokens of audio
+
+
+def test_backends_lists_every_stage(capsys):
+    assert main(["backends", "--device", "cpu"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert any(r.split()[:3] == ["flow", "cudagraph", "no"] and "needs a CUDA GPU" in r for r in rows)
+    assert any(r.split() == ["flow", "incremental", "yes"] for r in rows)
