@@ -502,11 +502,7 @@ class CudaGraphLLM:
         """:meth:`_stream` with decode steps shared: after yielding a token that will be fed back, the slot is
         submitted to the rounds, so the next consumer that needs a token steps it along with everyone else."""
         llm = self.llm
-        min_len, max_len = llm.length_limits(int(text.shape[-1]))
-        if max_tokens is not None:
-            max_len = int(max_tokens) if ignore_eos else min(max_len, int(max_tokens))
-        if ignore_eos and max_tokens is None:
-            raise ValueError("ignore_eos needs max_tokens, otherwise generation would never end")
+        min_len, max_len = llm.length_limits(int(text.shape[-1]), max_tokens, ignore_eos)
         if max_len <= 0:
             return
         self._check_generator(gen)
@@ -545,11 +541,7 @@ class CudaGraphLLM:
     def _stream(self, text: torch.Tensor, prompt_text: torch.Tensor | None, prompt_speech: torch.Tensor | None,
                 gen: torch.Generator, max_tokens: int | None, ignore_eos: bool) -> Iterator[int]:
         llm = self.llm
-        min_len, max_len = llm.length_limits(int(text.shape[-1]))
-        if max_tokens is not None:
-            max_len = int(max_tokens) if ignore_eos else min(max_len, int(max_tokens))
-        if ignore_eos and max_tokens is None:
-            raise ValueError("ignore_eos needs max_tokens, otherwise generation would never end")
+        min_len, max_len = llm.length_limits(int(text.shape[-1]), max_tokens, ignore_eos)
         if max_len <= 0:
             return
         self._check_generator(gen)

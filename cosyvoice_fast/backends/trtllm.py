@@ -70,13 +70,9 @@ class TrtLlmLLM:
 
         vocab = ExtendedVocab(self.offset, self.rows)
         ids = vocab.lm_input_ids(text.cpu(), inputs.prompt_text.cpu(), inputs.llm_prompt_speech_token.cpu())
-        n_text = text.shape[1]
-        min_len = int(n_text * self.config.llm.min_token_text_ratio)
-        max_len = int(n_text * self.config.llm.max_token_text_ratio)
-        if max_tokens is not None:
-            max_len = max_tokens if ignore_eos else min(max_len, max_tokens)
-            if ignore_eos:
-                min_len = max_len
+        min_len, max_len = self.llm.length_limits(text.shape[1], max_tokens, ignore_eos)
+        if ignore_eos:
+            min_len = max_len  # TensorRT-LLM cannot mask the stop ids per step: forbid stopping early instead
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device).item())
         stream = self.runner.generate(
             [torch.tensor(ids, dtype=torch.int32)], max_new_tokens=max_len, end_id=self.offset + self.eos,

@@ -84,10 +84,18 @@ class Qwen2LM(nn.Module):
             parts.append(self.speech_embedding(speech))
         return torch.cat(parts, dim=1)
 
-    def length_limits(self, n_text_tokens: int) -> tuple[int, int]:
-        """(min_len, max_len) speech tokens for ``n_text_tokens`` target-text tokens (prompt text not counted)."""
-        return (int(n_text_tokens * self.cfg.min_token_text_ratio),
-                int(n_text_tokens * self.cfg.max_token_text_ratio))
+    def length_limits(self, n_text_tokens: int, max_tokens: int | None = None,
+                      ignore_eos: bool = False) -> tuple[int, int]:
+        """(min_len, max_len) speech tokens for ``n_text_tokens`` target-text tokens (prompt text not counted).
+
+        ``max_tokens`` caps max_len; with ``ignore_eos`` it *is* max_len (and is then required)."""
+        if ignore_eos and max_tokens is None:
+            raise ValueError("ignore_eos needs max_tokens, otherwise generation would never end")
+        min_len = int(n_text_tokens * self.cfg.min_token_text_ratio)
+        max_len = int(n_text_tokens * self.cfg.max_token_text_ratio)
+        if max_tokens is not None:
+            max_len = int(max_tokens) if ignore_eos else min(max_len, int(max_tokens))
+        return min_len, max_len
 
     # ------------------------------------------------------------------------------------------ math
 
@@ -144,11 +152,7 @@ class Qwen2LM(nn.Module):
         leaves the caller's autograd state untouched.
         """
         n_text = int(text.shape[-1])
-        min_len, max_len = self.length_limits(n_text)
-        if max_tokens is not None:
-            max_len = int(max_tokens) if ignore_eos else min(max_len, int(max_tokens))
-        if ignore_eos and max_tokens is None:
-            raise ValueError("ignore_eos needs max_tokens, otherwise generation would never end")
+        min_len, max_len = self.length_limits(n_text, max_tokens, ignore_eos)
         sample = sampler if sampler is not None else self.default_sampler()
         stop = self.cfg.speech_token_size
         history: list[int] = []
