@@ -74,7 +74,9 @@ def config_panel(h: Handlers, *, hop_first: int = 25, lookahead: int = 3, max_to
             comps.append(gr.Dropdown(choices, value=value, label=f"{stage} backend", info=note,
                                      elem_id=f"{key}{stage}-backend" if key else None))
         dtypes, note = h.dtype_choices()
-        comps.append(gr.Dropdown(dtypes, value=dtypes[0], label="dtype", info=note))
+        # the fast backends are meant to run in bf16; the eager reference keeps the first choice (fp32)
+        dtype = "bf16" if backend and backend != "eager" and "bf16" in dtypes else dtypes[0]
+        comps.append(gr.Dropdown(dtypes, value=dtype, label="dtype", info=note))
     return comps
 
 
@@ -138,7 +140,7 @@ def build_demo(service: Any) -> gr.Blocks:
                                           interactive=False, scale=3)
                 with gr.Column(scale=2):
                     with gr.Accordion("Tuning: chunking, backends, dtype", open=True):
-                        cfg = config_panel(h, max_tokens=default_cap)
+                        cfg = config_panel(h, max_tokens=default_cap, backend=fast)  # GPU: fastest by default
             with gr.Row():
                 run_btn = gr.Button("Synthesize", variant="primary", elem_id="synthesize-btn", scale=3)
                 stop_btn = gr.Button("Stop", variant="stop", scale=1)
