@@ -323,3 +323,31 @@ def test_text_path_does_not_import_torch():
     code = ("import sys; import cosyvoice_fast.frontend.text, cosyvoice_fast.frontend.text_normalize; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT)
+
+
+# ------------------------------------------------------------------------------------- optional external TN
+
+
+def test_external_tn_runs_first_and_never_sees_markup():
+    from cosyvoice_fast.frontend.text_normalize import normalize
+
+    seen = []
+
+    def tn(text: str, zh: bool) -> str:
+        seen.append((text, zh))
+        return text.replace("42", "forty-two")
+
+    out = normalize("I said 42 [laughter] times", tn=tn)
+    assert out == "I said forty-two [laughter] times"
+    assert len(seen) == 1 and "[laughter]" not in seen[0][0] and seen[0][1] is False
+    assert normalize("我有3个苹果", tn=lambda t, zh: t.replace("3", "三") if zh else t) == "我有三个苹果"
+
+
+def test_wetext_when_installed():
+    pytest.importorskip("wetext")
+    from cosyvoice_fast.frontend.text_normalize import WetextTN, normalize
+
+    tn = WetextTN.load()
+    assert tn is not None
+    assert normalize("温度25.5度", tn=tn) == "温度二十五点五度"
+    assert "thirty dollars" in normalize("It costs $30.", tn=tn)

@@ -33,6 +33,7 @@ from .audio import DEFAULT_LIMITS, AudioSource, PromptAudioError, PromptLimits
 from .speaker import (OnnxSpeakerEmbedder, OnnxSpeechTokenizer, PromptFeatures, SpeakerCache, SpeakerCacheError,
                       extract_prompt, validate_speaker_name)
 from .text import DEFAULT_MAX_CHARS, TextTokenizer, normalize, normalize_and_split
+from .text_normalize import WetextTN
 
 END_OF_PROMPT = "<|endofprompt|>"
 PROMPT_SAMPLE_RATE = 24000  # the prompt mel's rate; CosyVoice2's flow and HiFT run at 24 kHz
@@ -47,6 +48,7 @@ class FrontendConfig:
     split_min_tokens: int = 60
     split_merge_len: int = 20
     text_frontend: bool = True  # False: text is only cleaned, not normalised or split (pre-normalised input)
+    normalizer: str = "auto"  # "auto": wetext when installed and working, else the built-in rules; "builtin"
     prompt_lru_size: int = 16
     onnx_device: str = "auto"
     token_mel_ratio: int = 2
@@ -83,6 +85,9 @@ class Frontend:
         self.embedder = embedder
         self.speakers = speakers
         self.config = config or FrontendConfig()
+        if self.config.normalizer not in ("auto", "builtin"):
+            raise ValueError(f"normalizer={self.config.normalizer!r}: use 'auto' or 'builtin'")
+        self.tn = WetextTN.load() if self.config.normalizer == "auto" else None
         self._lru: OrderedDict[str, PromptFeatures] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -106,14 +111,16 @@ class Frontend:
         """Normalise and split ``text``; one (1, n) int32 id tensor per segment."""
         c = self.config
         pieces = normalize_and_split(text, self.tokenizer.encode, text_frontend=c.text_frontend,
-                                     max_chars=c.max_chars, max_tokens=c.split_max_tokens,
+                                     max_chars=c.max_chars, tn=self.tn, max_tokens=c.split_max_tokens,
                                      min_tokens=c.split_min_tokens, merge_len=c.split_merge_len)
         return [self._ids(p) for p in pieces]
 
     def encode_prompt_text(self, text: str) -> torch.Tensor:
         """A transcript or instruction: normalised as one piece (never split), then tokenised."""
         text = text.strip()
-        return self._ids(normalize(text, max_chars=self.config.max_chars) if self.config.text_frontend else text)
+        if self.config.text_frontend:
+            text = normalize(text, max_chars=self.config.max_chars, tn=self.tn)
+        return self._ids(text)
 
     def _ids(self, text: str) -> torch.Tensor:
         return torch.tensor([self.tokenizer.encode(text)], dtype=torch.int32)

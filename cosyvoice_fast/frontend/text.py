@@ -138,7 +138,8 @@ def split_text(text: str, tokenize_fn: Callable[[str], Sequence[int]] | None, ma
 
 
 def normalize_and_split(text: str, tokenize_fn: Callable[[str], Sequence[int]] | None, *,
-                        text_frontend: bool = True, max_chars: int = DEFAULT_MAX_CHARS, **split_kw) -> list[str]:
+                        text_frontend: bool = True, max_chars: int = DEFAULT_MAX_CHARS,
+                        tn: Callable[[str, bool], str] | None = None, **split_kw) -> list[str]:
     """The whole text path for a synthesis request: ``normalize`` then ``split_text``.
 
     With ``text_frontend=False`` the text is only cleaned and limit-checked and comes back as one piece (the
@@ -146,7 +147,7 @@ def normalize_and_split(text: str, tokenize_fn: Callable[[str], Sequence[int]] |
     """
     if not text_frontend:
         return [clean_text(text, max_chars=max_chars)]
-    return split_text(normalize(text, max_chars=max_chars), tokenize_fn, **split_kw)
+    return split_text(normalize(text, max_chars=max_chars, tn=tn), tokenize_fn, **split_kw)
 
 
 # ------------------------------------------------------------------------------------------------ tokenizer

@@ -19,8 +19,12 @@ Everything is pure functions of the input: no model files, no network, no torch.
 
 from __future__ import annotations
 
+import logging
 import re
 import unicodedata
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CHARS = 5000
 
@@ -350,10 +354,13 @@ def _punctuation_en(text: str) -> str:
 
 # ------------------------------------------------------------------------------------------ entry point
 
-def normalize(text: str, *, max_chars: int = DEFAULT_MAX_CHARS, lang: str | None = None) -> str:
+def normalize(text: str, *, max_chars: int = DEFAULT_MAX_CHARS, lang: str | None = None,
+              tn: Callable[[str, bool], str] | None = None) -> str:
     """User text -> spoken-form text for the tokenizer (one string; see ``split_text`` for splitting).
 
-    ``lang`` is ``"zh"`` or ``"en"``; by default Chinese rules apply iff the text contains Chinese.
+    ``lang`` is ``"zh"`` or ``"en"``; by default Chinese rules apply iff the text contains Chinese.  ``tn``
+    (``tn(text, is_chinese) -> text``, e.g. :class:`WetextTN`) verbalises first, with markup tokens hidden from
+    it; the built-in number rules then only see what it left.
     Raises ``EmptyTextError`` / ``TextTooLongError`` (``ValueError``s with messages meant for the user).
     """
     text = clean_text(text, max_chars=max_chars)
@@ -366,6 +373,8 @@ def normalize(text: str, *, max_chars: int = DEFAULT_MAX_CHARS, lang: str | None
     text = _MARKUP.sub(protect, text)
     zh = is_chinese(text) if lang is None else lang == "zh"
     text = _newlines_to_breaks(text, zh)
+    if tn is not None:
+        text = tn(text, zh)
     text = _THOUSANDS.sub(lambda m: m.group(0).replace(",", ""), text)
     text = _dates_and_times(text, zh)
     text = _spell_numbers_zh(text) if zh else _spell_numbers_en(text)
@@ -374,3 +383,29 @@ def normalize(text: str, *, max_chars: int = DEFAULT_MAX_CHARS, lang: str | None
     if not has_speech(text):
         raise EmptyTextError(NOTHING_TO_SAY)
     return text
+
+
+class WetextTN:
+    """Text normalisation by ``wetext`` (the FST runtime of WeTextProcessing, the normaliser the reference
+    frontend uses) when it is installed: its grammars ship inside the wheel, so it works offline.  Optional:
+    :meth:`load` returns None (and the built-in rules do all the work) when the package is missing or fails."""
+
+    def __init__(self, zh: Any, en: Any) -> None:
+        self.zh, self.en = zh, en
+
+    @classmethod
+    def load(cls) -> "WetextTN | None":
+        try:
+            from wetext import Normalizer
+        except ImportError:
+            return None
+        try:
+            tn = cls(Normalizer(lang="zh", operator="tn", remove_erhua=False), Normalizer(lang="en", operator="tn"))
+            tn("1", True), tn("1", False)  # the grammars load lazily: fail here, not on a user's request
+        except Exception as e:  # noqa: BLE001 - any failure means: use the built-in rules
+            log.warning("wetext is installed but unusable (%s: %s); using the built-in text rules", type(e).__name__, e)
+            return None
+        return tn
+
+    def __call__(self, text: str, zh: bool) -> str:
+        return (self.zh if zh else self.en).normalize(text)
