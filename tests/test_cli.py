@@ -23,3 +23,15 @@ def test_backends_lists_every_stage(capsys):
     rows = capsys.readouterr().out.splitlines()
     assert any(r.split()[:3] == ["flow", "cudagraph", "no"] and "needs a CUDA GPU" in r for r in rows)
     assert any(r.split() == ["flow", "incremental", "yes"] for r in rows)
+
+
+def test_gpu_only_tools_say_so_without_a_gpu():
+    import pytest
+    import torch
+
+    from cosyvoice_fast import profile_stages
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        profile_stages.main([])
