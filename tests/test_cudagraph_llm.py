@@ -25,13 +25,7 @@ from cosyvoice_fast.models.sampling import _nucleus_size
 from cosyvoice_fast.request import ModelInputs
 
 HAS_CUDA = torch.cuda.is_available()
-gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (run through the device tool)")]
-
-
-def _gpu(fn):
-    for mark in gpu:
-        fn = mark(fn)
-    return fn
+_gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 
 # ------------------------------------------------------------------------------------------ CPU: pool and helpers

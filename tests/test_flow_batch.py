@@ -27,9 +27,7 @@ HAS_CUDA = torch.cuda.is_available()
 TOL = 1e-5
 
 
-def _gpu(fn):
-    skip = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (run through the device tool)")
-    return pytest.mark.gpu(skip(fn))
+_gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
