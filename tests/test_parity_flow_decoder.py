@@ -109,3 +109,24 @@ def test_zero_padding_after_valid_frames_is_exact(cfm, load_case):
             out = cfm.estimator(padded(ei["x"]), padded(ei["mask"]), padded(ei["mu"]), ei["t"], ei["spks"],
                                 padded(ei["cond"]), streaming=streaming)
             assert (out[..., :t_valid] - ref).abs().max().item() <= 1e-5
+
+
+def test_fused_qkv_keeps_values_and_state_dict(tiny_models):
+    import copy
+
+    from cosyvoice_fast.backends.onnx_export import example_inputs
+
+    est = copy.deepcopy(tiny_models.flow.decoder.estimator)
+    before = {k: v.clone() for k, v in est.state_dict().items()}
+    args = example_inputs(120, seed=3)
+    with torch.inference_mode():
+        ref = [est(*args, streaming) for streaming in (True, False)]
+        est.fuse_projections().fuse_projections()  # idempotent
+        got = [est(*args, streaming) for streaming in (True, False)]
+    after = est.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    blk = est.mid_blocks[0][1][0].attn1
+    assert blk.to_q.weight.data_ptr() == blk.qkv_weight.data_ptr()
+    for a, b in zip(got, ref):
+        assert (a - b).abs().max().item() <= 1e-5
+    assert not copy.deepcopy(est).mid_blocks[0][1][0].attn1._fused()  # a copy runs unfused until fused again

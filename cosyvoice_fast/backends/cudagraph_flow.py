@@ -287,6 +287,7 @@ class CudaGraphFlow:
         self.flow = flow
         self.config = config
         est = flow.decoder.estimator
+        est.fuse_projections()  # q/k/v as one GEMM per attention block: same values, fewer kernels per step
         gran = granularity or est.cfg.static_chunk_size or 50
         self.estimator = GraphEstimator(est, next(flow.parameters()).device, gran, max_frames, max_graphs)
         self.encoder = GraphEncoder(flow, next(flow.parameters()).device)

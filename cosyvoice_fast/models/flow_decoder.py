@@ -80,15 +80,37 @@ class SelfAttention(nn.Module):
         self.to_v = nn.Linear(dim, inner, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim), nn.Dropout(0.0)])
 
+    def fuse(self) -> None:
+        """One GEMM for q/k/v: the three weights move into one tensor and the projections become views of it
+        (same values and state dict; the fused tensor is a non-persistent buffer).  Idempotent."""
+        if self._fused():
+            return
+        weight = torch.cat([self.to_q.weight.detach(), self.to_k.weight.detach(), self.to_v.weight.detach()])
+        n = self.to_q.weight.shape[0]
+        self.to_q.weight.data, self.to_k.weight.data = weight[:n], weight[n:2 * n]
+        self.to_v.weight.data = weight[2 * n:]
+        self.register_buffer("qkv_weight", weight, persistent=False)
+
+    def _fused(self) -> bool:
+        """The fused tensor is used only while the projections are still views of it (a copy or a dtype cast
+        gives them their own storage; :meth:`fuse` re-establishes it)."""
+        w = getattr(self, "qkv_weight", None)
+        return w is not None and self.to_q.weight.data_ptr() == w.data_ptr()
+
     def forward(self, x: Tensor, allowed: Tensor) -> Tensor:
-        """``x`` (B, T, C); ``allowed`` (B, 1|T, T) bool, True where query i may attend key j."""
+        """``x`` (B, T, C); ``allowed`` (B, 1|T, T) bool, True where query i may attend key j — or the additive
+        (B, 1, 1|T, T) float mask :func:`attention_bias` builds once for many blocks."""
         b, t, _ = x.shape
 
         def heads(z: Tensor) -> Tensor:
             return z.view(b, t, self.heads, self.head_dim).transpose(1, 2)
 
-        q, k, v = heads(self.to_q(x)), heads(self.to_k(x)), heads(self.to_v(x))
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.unsqueeze(1))
+        if self._fused():
+            q, k, v = F.linear(x, self.qkv_weight).view(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        else:
+            q, k, v = heads(self.to_q(x)), heads(self.to_k(x)), heads(self.to_v(x))
+        mask = allowed.unsqueeze(1) if allowed.dtype == torch.bool else allowed
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.to_out[0](o.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -178,6 +200,14 @@ def attention_allowed(mask: Tensor, chunk: int) -> Tensor:
     return allowed | ~allowed.any(dim=-1, keepdim=True)
 
 
+def attention_bias(mask: Tensor, chunk: int, dtype: torch.dtype) -> Tensor:
+    """:func:`attention_allowed` as the additive (B, 1, 1|T, T) mask SDPA takes, ``0`` / ``-inf`` in ``dtype``:
+    built once per U-Net level instead of converted from bool inside each of its attention blocks (the
+    estimator is kernel-count bound on a GPU)."""
+    allowed = attention_allowed(mask, chunk).unsqueeze(1)
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
 class CausalConditionalDecoder(nn.Module):
     """``forward(x, mask, mu, t, spks, cond, streaming) -> (B, 80, T)`` velocity, as upstream's estimator."""
 
@@ -212,6 +242,13 @@ class CausalConditionalDecoder(nn.Module):
         self.final_block = CausalBlock1D(ups[-1], ups[-1])
         self.final_proj = nn.Conv1d(ups[-1], cfg.out_channels, 1)
 
+    def fuse_projections(self) -> "CausalConditionalDecoder":
+        """Fuse q/k/v into one GEMM in every attention block (values and state dict unchanged)."""
+        for module in self.modules():
+            if isinstance(module, SelfAttention):
+                module.fuse()
+        return self
+
     @staticmethod
     def _attend(blocks: nn.ModuleList, x: Tensor, allowed: Tensor) -> Tensor:
         h = x.transpose(1, 2)
@@ -227,20 +264,20 @@ class CausalConditionalDecoder(nn.Module):
         skips, masks = [], [mask]
         for resnet, tblks, down in self.down_blocks:
             m = masks[-1]
-            h = self._attend(tblks, resnet(h, m, temb), attention_allowed(m, chunk))
+            h = self._attend(tblks, resnet(h, m, temb), attention_bias(m, chunk, h.dtype))
             skips.append(h)
             h = down(h * m)
             masks.append(m[:, :, ::2])
         masks.pop()
         m = masks[-1]
-        allowed = attention_allowed(m, chunk)
+        allowed = attention_bias(m, chunk, h.dtype)
         for resnet, tblks in self.mid_blocks:
             h = self._attend(tblks, resnet(h, m, temb), allowed)
         for resnet, tblks, up in self.up_blocks:
             m = masks.pop()
             skip = skips.pop()
             h = torch.cat([h[:, :, :skip.shape[-1]], skip], dim=1)
-            h = self._attend(tblks, resnet(h, m, temb), attention_allowed(m, chunk))
+            h = self._attend(tblks, resnet(h, m, temb), attention_bias(m, chunk, h.dtype))
             h = up(h * m)
         h = self.final_block(h, m)
         return self.final_proj(h * m) * mask
