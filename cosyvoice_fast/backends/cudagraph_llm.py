@@ -496,6 +496,18 @@ class CudaGraphLLM:
         stream = self._stream_batched if self.batched else self._stream
         return stream(text, inputs.prompt_text, inputs.llm_prompt_speech_token, generator, max_tokens, ignore_eos)
 
+    def _start(self, s: _Slot, text: torch.Tensor, prompt_text: torch.Tensor | None,
+               prompt_speech: torch.Tensor | None, gen: torch.Generator, min_len: int, max_len: int,
+               ignore_eos: bool, history: list[int]) -> tuple[int, int, int]:
+        """Prefill slot ``s`` and draw the first token: ``(next cache position, token budget, token)``."""
+        with torch.inference_mode(), self._lock:
+            self._set_mask(s, 0, min_len, ignore_eos)
+            lm_input = self.llm.build_lm_input(text, prompt_text, prompt_speech)
+            pos = lm_input.shape[1]  # the next cache position to write
+            max_len = token_budget(pos, max_len, self.max_len, ignore_eos)
+            self._prefill(s, lm_input, gen)
+            return pos, max_len, self._take(s, history, gen)
+
     def _stream_batched(self, text: torch.Tensor, prompt_text: torch.Tensor | None,
                         prompt_speech: torch.Tensor | None, gen: torch.Generator, max_tokens: int | None,
                         ignore_eos: bool) -> Iterator[int]:
@@ -511,13 +523,8 @@ class CudaGraphLLM:
         row: _Row | None = None
         try:
             history: list[int] = []
-            with torch.inference_mode(), self._lock:
-                self._set_mask(s, 0, min_len, ignore_eos)
-                lm_input = llm.build_lm_input(text, prompt_text, prompt_speech)
-                pos = lm_input.shape[1]  # the next cache position to write
-                max_len = token_budget(pos, max_len, self.max_len, ignore_eos)
-                self._prefill(s, lm_input, gen)
-                token = self._take(s, history, gen)
+            pos, max_len, token = self._start(s, text, prompt_text, prompt_speech, gen, min_len, max_len,
+                                              ignore_eos, history)
             row = _Row(slot=s, gen=gen, history=history, min_len=min_len, ignore_eos=ignore_eos, pos=pos)
             for step in range(1, max_len + 1):
                 if token >= stop:
@@ -549,13 +556,8 @@ class CudaGraphLLM:
         index, s = self.pool.acquire()
         try:
             history: list[int] = []
-            with torch.inference_mode(), self._lock:
-                self._set_mask(s, 0, min_len, ignore_eos)
-                lm_input = llm.build_lm_input(text, prompt_text, prompt_speech)
-                pos = lm_input.shape[1]  # the next cache position to write
-                max_len = token_budget(pos, max_len, self.max_len, ignore_eos)
-                self._prefill(s, lm_input, gen)
-                token = self._take(s, history, gen)
+            pos, max_len, token = self._start(s, text, prompt_text, prompt_speech, gen, min_len, max_len,
+                                              ignore_eos, history)
             for step in range(1, max_len + 1):
                 if token >= stop:
                     return
