@@ -46,3 +46,41 @@ def pytest_collection_modifyitems(config, items):  # noqa: ANN001 - pytest hook
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+class _FakeGraph:
+    """Stands in for ``torch.cuda.CUDAGraph``: replay re-runs the function on the static inputs."""
+
+    def __init__(self, fn, inputs, outputs):  # noqa: ANN001
+        self.fn, self.inputs, self.outputs = fn, inputs, outputs
+
+    def replay(self) -> None:
+        for dst, src in zip(self.outputs, self.fn(*self.inputs)):
+            dst.copy_(src)
+
+
+class _FakeGraphCache:
+    """``backends.graphs.GraphCache`` without CUDA: same keys, static buffers and counters, eager replays."""
+
+    def __init__(self, fn, device, max_graphs=64, name="graph"):  # noqa: ANN001
+        from collections import OrderedDict
+
+        self.fn, self.graphs, self.captures, self.replays = fn, OrderedDict(), 0, 0
+
+    def get(self, key, example):  # noqa: ANN001
+        from cosyvoice_fast.backends.graphs import CapturedGraph
+
+        if key not in self.graphs:
+            static = tuple(t.detach().clone() for t in example)
+            outs = tuple(o.clone() for o in self.fn(*static))
+            self.graphs[key] = CapturedGraph(_FakeGraph(self.fn, static, outs), static, outs)
+            self.captures += 1
+        return self.graphs[key]
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    """Graph-captured backends' bookkeeping (padding, keys, buffers) testable on CPU."""
+    import cosyvoice_fast.backends.graphs as graphs
+
+    monkeypatch.setattr(graphs, "GraphCache", _FakeGraphCache)

@@ -368,40 +368,9 @@ def test_gpu_graph_estimator_pads_and_falls_back(flow_cuda):
 # ------------------------------------------------------------------ graph runner bookkeeping (CPU, fake graphs)
 
 
-class _FakeGraph:
-    """Stands in for ``torch.cuda.CUDAGraph``: replay re-runs the function on the static inputs."""
-
-    def __init__(self, fn, inputs, outputs):
-        self.fn, self.inputs, self.outputs = fn, inputs, outputs
-
-    def replay(self):
-        for dst, src in zip(self.outputs, self.fn(*self.inputs)):
-            dst.copy_(src)
-
-
-class _FakeGraphCache:
-    def __init__(self, fn, device, max_graphs=64, name="graph"):
-        from collections import OrderedDict
-
-        self.fn, self.graphs, self.captures, self.replays = fn, OrderedDict(), 0, 0
-
-    def get(self, key, example):
-        from cosyvoice_fast.backends.graphs import CapturedGraph
-
-        if key not in self.graphs:
-            static = tuple(t.detach().clone() for t in example)
-            outs = tuple(o.clone() for o in self.fn(*static))
-            g = _FakeGraph(self.fn, static, outs)
-            self.graphs[key] = CapturedGraph(g, static, outs)
-            self.captures += 1
-        return self.graphs[key]
-
-
-def test_graph_estimator_pads_slices_and_keys_by_bucket(flow, monkeypatch):
-    import cosyvoice_fast.backends.graphs as graphs
+def test_graph_estimator_pads_slices_and_keys_by_bucket(flow, fake_graphs):
     from cosyvoice_fast.backends.cudagraph_flow import GraphEstimator
 
-    monkeypatch.setattr(graphs, "GraphCache", _FakeGraphCache)
     est = flow.decoder.estimator
     runner = GraphEstimator(est, torch.device("cpu"), granularity=50, max_frames=150)
     # long first so that shorter calls reuse a buffer with stale real data in their padded tail

@@ -121,39 +121,6 @@ def test_plan_solves():
 # ------------------------------------------------------------------ graph runner with batch rows (CPU, fake graphs)
 
 
-class _FakeGraph:
-    def __init__(self, fn, inputs, outputs):
-        self.fn, self.inputs, self.outputs = fn, inputs, outputs
-
-    def replay(self):
-        for dst, src in zip(self.outputs, self.fn(*self.inputs)):
-            dst.copy_(src)
-
-
-class _FakeGraphCache:
-    def __init__(self, fn, device, max_graphs=64, name="graph"):
-        from collections import OrderedDict
-
-        self.fn, self.graphs, self.captures, self.replays = fn, OrderedDict(), 0, 0
-
-    def get(self, key, example):
-        from cosyvoice_fast.backends.graphs import CapturedGraph
-
-        if key not in self.graphs:
-            static = tuple(t.detach().clone() for t in example)
-            outs = tuple(o.clone() for o in self.fn(*static))
-            self.graphs[key] = CapturedGraph(_FakeGraph(self.fn, static, outs), static, outs)
-            self.captures += 1
-        return self.graphs[key]
-
-
-@pytest.fixture
-def fake_graphs(monkeypatch):
-    import cosyvoice_fast.backends.graphs as graphs
-
-    monkeypatch.setattr(graphs, "GraphCache", _FakeGraphCache)
-
-
 def _rows(frames: int, rows: int, seed: int):
     """Estimator inputs with ``rows`` rows of different valid lengths (row r keeps frames - 7r)."""
     parts = [example_inputs(frames, seed=seed + r) for r in range(rows // 2)]
