@@ -5,6 +5,7 @@ voices, bad inputs answered with messages while the server keeps serving, no hos
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 from pathlib import Path
 
@@ -54,7 +55,7 @@ def args(**over):
              prompt_upload=handle_file(str(PROMPT)),
              prompt_mic=None, prompt_text="", instruct_text="", speaker=None, seed=7, stream=True, speed=1.0,
              token_hop_len_first=10, token_hop_len=10, pre_lookahead_len=3, stream_scale_factor=2.0,
-             max_tokens=60, llm="eager", flow="eager", vocoder="eager", dtype="fp32")
+             max_tokens=60, llm="eager", flow="eager", vocoder="eager", dtype="fp32", incremental_flow=True)
     a.update(over)
     return a
 
@@ -62,7 +63,7 @@ def args(**over):
 def ab_args(**over):
     a = args()
     cfg = ("token_hop_len_first", "token_hop_len", "pre_lookahead_len", "stream_scale_factor", "max_tokens",
-           "llm", "flow", "vocoder", "dtype")
+           "llm", "flow", "vocoder", "dtype", "incremental_flow")
     out = {k: v for k, v in a.items() if k not in cfg}
     out.update({f"a_{k}": a[k] for k in cfg})
     out.update({f"b_{k}": a[k] for k in cfg})
@@ -85,6 +86,9 @@ def _unchanged(x) -> bool:
 
 
 def test_streaming_synthesis_yields_several_chunks_and_a_final_wav(streamed):
+    # Gradio encodes streamed audio with the ffmpeg program; without it the app sends the audio whole at the end
+    assert shutil.which("ffmpeg"), \
+        "no ffmpeg on PATH, so the app cannot stream audio: install ffmpeg (Debian package)"
     outputs, final = streamed
     # the gr.State output (per-session history) is not part of the API: 8 values come back
     assert len(final) == 8
@@ -108,6 +112,23 @@ def test_streaming_synthesis_yields_several_chunks_and_a_final_wav(streamed):
     assert tele["params"]["token_hop_len_first"] == 10
     runs = json.loads(hist["plot"])["data"]  # the session history (gr.State) drawn: one run so far
     assert runs[0]["x"] == [1] and runs[0]["y"][0] == pytest.approx(tele["derived"]["ttfb_ms"])
+
+
+def test_without_ffmpeg_the_audio_comes_whole_at_the_end(app):
+    """No ffmpeg: each chunk leaves the streaming player alone, the last update gives it the whole utterance, and
+    the header says why."""
+    from cosyvoice_fast.webui_handlers import CONFIG_FIELDS, VOICE_FIELDS, Handlers
+
+    h = Handlers(app[2], stream_audio=False)
+    assert "ffmpeg not found" in h.header_markdown()
+    a = args(prompt_upload=str(PROMPT))
+    outs = list(h.synthesize(*[a[k] for k in VOICE_FIELDS + CONFIG_FIELDS], []))
+    assert len(outs) >= 4  # 3 chunks, then the final update
+    for o in outs[:-1]:
+        assert _unchanged(o[0]) and o[6].startswith("streaming")
+    (sr, whole), (_, full) = outs[-1][0], outs[-1][1]
+    assert sr == 24000 and whole.dtype == np.int16 and len(whole) > 24000 * 1.5
+    assert np.array_equal(whole, full) and np.abs(whole).max() > 0
 
 
 def test_dashboard_figures_carry_telemetry_values(streamed):
