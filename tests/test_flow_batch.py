@@ -78,15 +78,16 @@ def test_eager_chunk_batch_policies(flow, case):
     ref = [flow_chunk_mel(flow, inp, tok, call) for _, inp, tok, call in items]
     stage = EagerFlow(flow, tiny_config())
     assert stage.max_batch == 1  # CPU: the reference stays a plain loop
-    assert all(torch.equal(a, b) for a, b in zip(stage.chunk_batch(items), ref))
+    assert all(torch.equal(a, b) for a, b in zip(stage.chunk_batch(items), ref))  # a loop of chunk(): exact
     stage.max_batch, stage.share_padded = 4, True
     assert all((a - b).abs().max().item() <= TOL for a, b in zip(stage.chunk_batch(items), ref))
-    # same-length items (same prompt, same call, different text and speaker) share an unpadded solve: exact
+    # same-length items (same prompt, same call, different text and speaker) share an unpadded solve; equal to
+    # float rounding (bit-exact on some CPUs, not on all: BLAS may block a batch of 4 differently)
     same = [(None, _inputs(case, 20, i), case["token"][:, i:i + 40], plan(20, 90, StreamParams())[0])
             for i in range(4)]
     stage.share_padded = False
     solo = [stage.chunk(*it) for it in same]
-    assert all(torch.equal(a, b) for a, b in zip(stage.chunk_batch(same), solo))
+    assert all((a - b).abs().max().item() <= 1e-5 for a, b in zip(stage.chunk_batch(same), solo))
 
 
 def test_solver_feeds_the_estimator_2b_rows(flow, case):
@@ -210,14 +211,14 @@ def _request(case: dict, i: int, tag: str | None = None) -> SynthesisRequest:
                          prompt_feat=case["prompt_feat"][:, :2 * n_prompt],
                          embedding=case["embedding"] + 0.05 * torch.randn(1, 192, generator=g), speaker=tag)
     return SynthesisRequest(inputs=inputs, seed=7 * i + 1, max_tokens=12, ignore_eos=True, stream_params=PARAMS,
-                            request_id=f"req{i}")
+                            request_id=f"req{i}", backend=BackendConfig(incremental=False))
 
 
 @pytest.fixture(scope="module")
 def batch_engine(tiny_models):
     eng = Engine(tiny_models)
-    stages = eng.stages(BackendConfig())
-    stages.flow.max_batch = 4  # CPU defaults to 1 (no batching); 4 same-length items are bit-exact here
+    stages = eng.stages(BackendConfig(incremental=False))
+    stages.flow.max_batch = 4  # CPU defaults to 1 (no batching)
     stages.flow = SpyBatchFlow(stages.flow)
     yield eng
     eng.close()
@@ -245,7 +246,7 @@ def _together(eng: Engine, reqs: list[SynthesisRequest]) -> dict[int, object]:
 
 
 def test_engine_batches_first_chunks_and_keeps_solo_audio(batch_engine, case):
-    spy = batch_engine.stages(BackendConfig()).flow
+    spy = batch_engine.stages(BackendConfig(incremental=False)).flow
     solo = [[c.samples for c in batch_engine.stream(_request(case, i))] for i in range(4)]
     assert spy.batches == []  # one request at a time: nothing to batch
     out = _together(batch_engine, [_request(case, i) for i in range(4)])
@@ -254,7 +255,7 @@ def test_engine_batches_first_chunks_and_keeps_solo_audio(batch_engine, case):
         assert isinstance(out[i], list), out[i]
         assert len(out[i]) == len(solo[i]) >= 2
         for k, (a, b) in enumerate(zip(out[i], solo[i])):
-            assert np.array_equal(a, b), f"request {i}, chunk {k}"
+            assert a.shape == b.shape and np.abs(a - b).max() <= 1e-4, f"request {i}, chunk {k}"
     assert len({np.concatenate(s).tobytes() for s in solo}) == 4  # different requests, different audio
 
 
@@ -274,7 +275,7 @@ def test_engine_batch_telemetry_spans_the_batch(batch_engine, case):
 def test_a_failing_batch_fails_only_the_culprit(tiny_models, case):
     eng = Engine(tiny_models)
     try:
-        stages = eng.stages(BackendConfig())
+        stages = eng.stages(BackendConfig(incremental=False))
         solo = [[c.samples for c in eng.stream(_request(case, i))] for i in range(4)]
         stages.flow.max_batch = 4
         stages.flow = SpyBatchFlow(stages.flow, fault="bad")
@@ -283,7 +284,8 @@ def test_a_failing_batch_fails_only_the_culprit(tiny_models, case):
         assert isinstance(out[2], RuntimeError) and "flow fault injected" in str(out[2])
         for i in (0, 1, 3):
             assert isinstance(out[i], list), out[i]
-            assert len(out[i]) == len(solo[i]) and all(np.array_equal(a, b) for a, b in zip(out[i], solo[i]))
+            assert len(out[i]) == len(solo[i])
+            assert all(a.shape == b.shape and np.abs(a - b).max() <= 1e-4 for a, b in zip(out[i], solo[i]))
         assert eng.active_requests() == 0
     finally:
         eng.close()
