@@ -377,12 +377,21 @@ TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bflo
 
 @dataclass(frozen=True, slots=True)
 class BackendConfig:
-    """Which implementation runs each stage, and in which dtype."""
+    """Which implementation runs each stage, and in which dtype.
+
+    ``incremental``: streaming chunks of the ``eager`` and ``cudagraph`` flows reuse the segment's flow state
+    (keys/values and conv context of the frames already made, and of the prompt, cached per voice) and compute
+    only their new frames; off, every chunk recomputes the whole prefix as upstream does.  Both give the same
+    streaming chunks (within float rounding); final chunks are upstream's full-attention pass either way.  The
+    ``tensorrt`` flow always recomputes (its engine has no state inputs); ``incremental`` as a flow name is the
+    eager flow with the flag on.
+    """
 
     llm: str = "eager"
     flow: str = "eager"
     vocoder: str = "eager"
     dtype: str = "fp32"
+    incremental: bool = True
 
     def __post_init__(self) -> None:
         allowed = {"llm": ("eager", "cudagraph", "trtllm"),

@@ -7,6 +7,7 @@ this module is plain data and validation, shared by the engine, the CLI, the app
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,10 @@ class ModelInputs:
     prompt_feat: torch.Tensor = field(default_factory=lambda: torch.zeros(1, 0, 80))
     embedding: torch.Tensor = field(default_factory=lambda: torch.zeros(1, 192))
     speaker: str | None = None
+    #: digest of the flow prompt (tokens, mel, embedding): the key of the flow's per-voice prompt state cache
+    prompt_key: str | None = None
+    #: a stored flow prompt state (``flow.`` entries of a cached speaker's ``extra``), used when it matches
+    flow_prompt_state: dict[str, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         self.text_segments = [_i32(t) for t in self.text_segments]
@@ -59,6 +64,8 @@ class ModelInputs:
             raise ConfigError(f"prompt_feat must be (1, frames, 80), got {tuple(self.prompt_feat.shape)}")
         if self.embedding.dim() != 2 or self.embedding.shape[0] != 1:
             raise ConfigError(f"embedding must be (1, dim), got {tuple(self.embedding.shape)}")
+        if self.prompt_key is None and self.flow_prompt_speech_token.shape[1] > 0:
+            self.prompt_key = prompt_digest(self.flow_prompt_speech_token, self.prompt_feat, self.embedding)
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "ModelInputs":
         """A copy on ``device``; float tensors cast to ``dtype`` when given (token ids stay int32)."""
@@ -69,7 +76,19 @@ class ModelInputs:
                            prompt_text=self.prompt_text.to(device),
                            llm_prompt_speech_token=self.llm_prompt_speech_token.to(device),
                            flow_prompt_speech_token=self.flow_prompt_speech_token.to(device),
-                           prompt_feat=f(self.prompt_feat), embedding=f(self.embedding), speaker=self.speaker)
+                           prompt_feat=f(self.prompt_feat), embedding=f(self.embedding), speaker=self.speaker,
+                           prompt_key=self.prompt_key, flow_prompt_state=self.flow_prompt_state)
+
+
+def prompt_digest(*tensors: torch.Tensor) -> str:
+    """sha256 of the tensors' shapes and float32/int values (CPU copies; a prompt is a few hundred KB)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().to("cpu")
+        t = t.float() if t.is_floating_point() else t.long()
+        h.update(repr(tuple(t.shape)).encode())
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 @dataclass

@@ -8,6 +8,7 @@ import asyncio
 import gc
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import torch
 from cosyvoice_fast.config import StreamParams
 from cosyvoice_fast.engine import Engine
 from cosyvoice_fast.request import ModelInputs, SynthesisRequest
+from cosyvoice_fast.runtime.flow_state import FlowState
 
 FAST = StreamParams(token_hop_len_first=3, token_hop_len=3, pre_lookahead_len=0)
 
@@ -73,10 +75,14 @@ def test_close_mid_stream(engine, case):
     it = engine.stream(req)
     next(it), next(it)
     st = _state(engine, req.request_id)
+    flow_state = weakref.ref(st.segment.flow_state)  # the incremental flow's per-request state (the default)
+    assert isinstance(flow_state(), FlowState) and flow_state().nbytes() > 0
     it.close()
     steps = st.decode_steps
     _drained(engine)
     _assert_freed(engine, st, steps)
+    gc.collect()
+    assert flow_state() is None, "the cancelled request's flow state is still referenced"
     assert st.telemetry.cancelled and (req.request_id, "cancelled") in engine.outcomes
     assert list(it) == []  # a closed stream just ends
 
@@ -246,7 +252,7 @@ def app(tmp_path_factory):
 def _endless(prompt_file):
     """/synthesize inputs: cross-lingual, 3-token chunks, 2000 tokens (far longer than any test waits)."""
     return ["hello there", "cross_lingual", prompt_file, None, "", "", None, 1, True, 1.0, 3, 3, 0, 1.0, 2000,
-            "eager", "eager", "eager", "fp32"]
+            "eager", "eager", "eager", "fp32", True]
 
 
 def test_app_client_cancel_frees_the_engine(app):

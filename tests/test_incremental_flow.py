@@ -146,9 +146,8 @@ def test_default_schedule_computes_only_new_frames(flow):
     calls, _, _, states = _run_stream(flow, inputs, _tokens(130, 3), StreamParams())
     first = states[1]
     assert states[0] is None and first is not None
-    prompt_frames = 2 * ((n_prompt - 3) // 25 * 25)  # the prompt's committed share
     body_end = n_prompt + calls[0].token_offset + calls[0].hop
-    assert first.frames_computed == 2 * body_end - prompt_frames
+    assert first.frames_computed == 2 * body_end  # a new voice: prompt and first chunk in one solve
     for st, prev_call in zip(states[2:], calls[1:]):
         body_end = n_prompt + prev_call.token_offset + prev_call.hop
         assert st.dec.n_frames == 2 * body_end  # everything before the next chunk is committed
@@ -179,7 +178,7 @@ def test_prompt_state_dict_roundtrip(flow):
     inc = IncrementalFlow(flow)
     seg = types.SimpleNamespace(flow_state=None)
     for call, ref in zip(ref_calls, ref_outs):
-        assert torch.equal(inc.chunk(seg, cached, tokens[:, :call.n_tokens], call), ref)
+        assert (inc.chunk(seg, cached, tokens[:, :call.n_tokens], call) - ref).abs().max().item() <= 1e-5
 
 
 def test_state_bytes_grow_per_committed_frame(flow):

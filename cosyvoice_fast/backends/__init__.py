@@ -30,16 +30,16 @@ def build_stage_set(models, config: BackendConfig) -> StageSet:  # noqa: ANN001 
         from .trtllm import TrtLlmLLM
 
         llm_stage = TrtLlmLLM(llm, models.config)
-    if config.flow == "eager":
+    if config.flow == "eager" and not config.incremental:
         flow_stage = eager.EagerFlow(flow, models.config)
-    elif config.flow == "incremental":
+    elif config.flow in ("eager", "incremental"):
         from ..runtime.flow_state import IncrementalFlow
 
         flow_stage = IncrementalFlow(flow, models.config)
     elif config.flow == "cudagraph":
         from .cudagraph_flow import CudaGraphFlow
 
-        flow_stage = CudaGraphFlow(flow, models.config)
+        flow_stage = CudaGraphFlow(flow, models.config, incremental=config.incremental)
     else:
         from .tensorrt_flow import TensorRTFlow
 

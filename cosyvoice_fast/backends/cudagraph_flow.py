@@ -280,7 +280,8 @@ class CudaGraphFlow:
     max_batch = ROW_SIZES[-1] // 2  # requests per batched solve (2 CFG rows each)
 
     def __init__(self, flow: torch.nn.Module, config: ModelConfig, granularity: int | None = None,
-                 max_frames: int = DEFAULT_MAX_FRAMES, max_graphs: int = 128):
+                 max_frames: int = DEFAULT_MAX_FRAMES, max_graphs: int = 128, incremental: bool = True,
+                 state_frames: int | None = None):
         reason = why_unavailable(flow)
         if reason is not None:
             raise BackendUnavailable(reason)
@@ -291,9 +292,22 @@ class CudaGraphFlow:
         gran = granularity or est.cfg.static_chunk_size or 50
         self.estimator = GraphEstimator(est, next(flow.parameters()).device, gran, max_frames, max_graphs)
         self.encoder = GraphEncoder(flow, next(flow.parameters()).device)
+        self.incremental = None
+        if incremental:
+            from .cudagraph_incremental import DEFAULT_STATE_FRAMES, GraphIncrementalFlow
+
+            self.incremental = GraphIncrementalFlow(flow, self, config, max_frames=state_frames or DEFAULT_STATE_FRAMES)
+
+    def recompute(self, inputs: Any, tokens: Tensor, call: ChunkCall, stream: bool = True) -> Tensor:
+        """Upstream's full per-chunk recompute, graph-replayed."""
+        return flow_chunk_mel(self.flow, inputs, tokens, call, stream, self.estimator, self.encoder)
 
     def chunk(self, seg: Any, inputs: Any, tokens: Tensor, call: ChunkCall, stream: bool = True) -> Tensor:
-        return flow_chunk_mel(self.flow, inputs, tokens, call, stream, self.estimator, self.encoder)
+        """One flow call: streaming chunks of a segment run incrementally (their state in ``seg.flow_state``)
+        when ``incremental`` is on, everything else is :meth:`recompute`."""
+        if self.incremental is not None and seg is not None:
+            return self.incremental.chunk(seg, inputs, tokens, call, stream)
+        return self.recompute(inputs, tokens, call, stream)
 
     def solve_cost(self, n_items: int, frames: int) -> float:
         """``rows · bucket²`` of a solve of ``n_items`` requests whose longest input has ``frames`` frames."""
@@ -305,6 +319,12 @@ class CudaGraphFlow:
         (split to stay within :data:`ROW_SIZES` and the memory budget).  One mel per item, in order."""
         if len(items) == 1:
             return [self.chunk(*items[0], stream=stream)]
+        # A batch (first chunks of several requests) shares one full-recompute solve, faster than one
+        # incremental solve per request; their incremental states start at their next chunk (from the
+        # prompt state), which is exact.  A finished segment drops its state.
+        for seg, _, _, call in items:
+            if call.finalize and seg is not None:
+                seg.flow_state = None
         return flow_chunk_mel_batch(self.flow, items, stream, self.estimator, max_items=self.max_batch,
                                     cost=self.solve_cost, budget=self.estimator.row_frames_budget(),
                                     encode=self.encoder)

@@ -172,6 +172,8 @@ def encode_increment(flow: nn.Module, ids: Tensor, n_body: int, n_final: int, ca
     la, stride, chunk = pl.lookahead, enc.cfg.upsample_stride, enc.cfg.static_chunk_size
     if not ct <= n_body <= n <= n_body + la:
         raise ValueError(f"cannot encode tokens [{ct}, {n_body}) of {n} with look-ahead {la}")
+    if ct and not cache.tok_slots:
+        raise ValueError("encoder state has no slots (made by a recomputing encoder); recompute it")
     new_ct = encoder_commit_point(flow, ct, n_body, n_final)
     commit = new_ct - ct
     if n_body == ct:
@@ -213,6 +215,27 @@ class DecoderCache:
         return sum(slots_nbytes(s) for s in self.steps)
 
 
+@dataclass(eq=False)
+class StaticDecoderCache:
+    """Committed estimator state in the fixed-size layout of a graph runner (:class:`StaticWindow`).
+
+    ``kv`` (S, A, 2, 2, H, n_frames, d): per Euler step and attention layer, keys and values of the CFG pair;
+    ``ctx``: per causal conv, (S, 2, C_in, kernel - 1).  Both are None while the state lives only in the
+    runner's buffers (the runner saves them when another state needs the buffers); ``frame_bytes`` is what
+    one frame of it occupies there, so :meth:`nbytes` reports the same size either way.
+    """
+
+    n_frames: int = 0
+    kv: Tensor | None = None
+    ctx: list[Tensor] | None = None
+    frame_bytes: int = 0
+
+    def nbytes(self) -> int:
+        if self.kv is None:
+            return self.n_frames * self.frame_bytes
+        return slots_nbytes([self.kv, *(self.ctx or [])])
+
+
 def check_estimator(est: nn.Module) -> None:
     """Only the released one-level U-Net is causal everywhere (stride-2 resampling would look ahead)."""
     if len(est.down_blocks) != 1 or len(est.up_blocks) != 1:
@@ -237,8 +260,13 @@ def _self_attention(a: nn.Module, x: Tensor, win: Window) -> Tensor:
     def heads(z: Tensor) -> Tensor:
         return z.view(b, t, a.heads, a.head_dim).transpose(1, 2)
 
-    q = heads(a.to_q(x))
-    k, v = win.keys_values(heads(a.to_k(x)), heads(a.to_v(x)))
+    if a._fused():  # one GEMM for q/k/v (SelfAttention.fuse), and one write of the new keys/values
+        qkv = F.linear(x, a.qkv_weight).view(b, t, 3, a.heads, a.head_dim).permute(2, 0, 3, 1, 4)
+        q = qkv[0]
+        k, v = win.write_kv(qkv[1:]) if hasattr(win, "write_kv") else win.keys_values(qkv[1], qkv[2])
+    else:
+        q = heads(a.to_q(x))
+        k, v = win.keys_values(heads(a.to_k(x)), heads(a.to_v(x)))
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=win.visible(t, x.device))
     return a.to_out[0](o.transpose(1, 2).reshape(b, t, -1))
 
@@ -291,17 +319,115 @@ def decode_increment(flow: nn.Module, mu: Tensor, spks: Tensor, cond: Tensor, x0
         raise ValueError(f"flow state has {len(cache.steps)} Euler steps, the solve runs {steps}")
     if n == 0:
         return x0.float(), cache
+    windows = [Window(cache.steps[i] if cache.steps else [], start, new_start - start, chunk) for i in range(steps)]
+    x = guided_solve(flow, x0, mu, spks, cond, windows)
+    return x, DecoderCache(new_start, [w.new for w in windows])
+
+
+def guided_solve(flow: nn.Module, x0: Tensor, mu: Tensor, spks: Tensor, cond: Tensor, windows: list,
+                 schedule: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """The classifier-free-guided Euler solve of the CFM, one estimator window per step (CFG batch of 2).
+
+    ``windows`` decide where each step's keys/values and conv context come from: growing lists
+    (:class:`Window`) or fixed-size buffers (:class:`StaticWindow`, the CUDA-graph path); the maths is the same.
+    ``schedule``: the Euler ``(t, dt)`` on ``mu``'s device, precomputed (a graph capture cannot copy from the
+    host).  Returns the (1, 80, n) mel in fp32.
+    """
+    cfm = flow.decoder
+    est = cfm.estimator
     dtype = mu.dtype
-    ts, dts = euler_schedule(steps, cfm.cfg.t_scheduler, mu.device, dtype)
+    ts, dts = schedule or euler_schedule(len(windows), cfm.cfg.t_scheduler, mu.device, dtype)
     g_mu = torch.cat([mu, torch.zeros_like(mu)])
     g_spks = torch.cat([spks, torch.zeros_like(spks)]).to(dtype)
     g_cond = torch.cat([cond, torch.zeros_like(cond)]).to(dtype)
     w = cfm.cfg.inference_cfg_rate
     x = x0.to(dtype)
-    new_steps = []
-    for i in range(steps):
-        win = Window(cache.steps[i] if cache.steps else [], start, new_start - start, chunk)
+    for i, win in enumerate(windows):
         v = estimator_increment(est, torch.cat([x, x]), g_mu, ts[i].reshape(1).expand(2), g_spks, g_cond, win)
         x = x + dts[i] * ((1.0 + w) * v[:1] - w * v[1:])
-        new_steps.append(win.new)
-    return x.float(), DecoderCache(new_start, new_steps)
+    return x.float()
+
+
+# ------------------------------------------------------------------------------ fixed-size state (CUDA graphs)
+
+
+class StaticWindow:
+    """A :class:`Window` over preallocated buffers, so that one captured graph serves every call of a shape.
+
+    ``kv`` (A, 2, B, H, C, d): keys and values of the A attention layers for key positions ``[0, C)``; the new
+    keys/values are written at ``pos`` (absolute positions of the window's frames) and attention reads all C
+    positions under ``mask`` (n, C, additive: :func:`static_mask`), which hides both positions not yet written
+    and later chunks.
+    ``ctx``: per causal conv, its (B, C_in, kernel - 1) left columns; each conv reads them and writes back, in
+    place, the columns left of position ``commit`` of the window (``ctx_index[kernel - 1]`` holds
+    ``commit + arange(kernel - 1)``).  Positions, mask and indices are tensors, so they are graph inputs.
+    """
+
+    def __init__(self, kv: Tensor, ctx: list[Tensor], pos: Tensor, ctx_index: dict[int, Tensor], mask: Tensor):
+        self.kv, self.ctx, self.pos, self.ctx_index, self.mask = kv, ctx, pos, ctx_index, mask
+        self._attn = self._conv = 0
+
+    def conv(self, conv: nn.Conv1d, x: Tensor) -> Tensor:
+        left = conv.kernel_size[0] - 1
+        ctx = self.ctx[self._conv]
+        self._conv += 1
+        xp = torch.cat((ctx, x), dim=2)
+        torch.index_select(xp, 2, self.ctx_index[left], out=ctx)  # written after the cat read it
+        return F.conv1d(xp, conv.weight, conv.bias)
+
+    def keys_values(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return self.write_kv(torch.stack((k, v)))
+
+    def write_kv(self, kv: Tensor) -> tuple[Tensor, Tensor]:
+        """(2, B, H, n, d) new keys and values -> all keys, all values (B, H, C, d); one copy kernel."""
+        buf = self.kv[self._attn]
+        self._attn += 1
+        buf.index_copy_(3, self.pos, kv)
+        return buf[0], buf[1]
+
+    def visible(self, n_query: int, device: torch.device) -> Tensor:
+        return self.mask
+
+
+def static_mask(start: int, n_valid: int, n_query: int, capacity: int, chunk: int, device: torch.device,
+                dtype: torch.dtype = torch.float32) -> Tensor:
+    """Additive (n_query, capacity) mask for a :class:`StaticWindow` at ``start`` (0 where visible, -inf
+    elsewhere; additive so attention needs no bool-to-float conversion per layer): chunk-causal visibility of
+    written keys (``< start + n_valid``); padded queries (rows ``>= n_valid``) see the keys of a query in
+    their chunk, so no row is empty."""
+    q = torch.arange(start, start + n_query, device=device)
+    ends = (torch.div(q, chunk, rounding_mode="floor") + 1) * chunk
+    keys = torch.arange(capacity, device=device)
+    visible = keys.unsqueeze(0) < ends.clamp(max=start + n_valid).unsqueeze(1)
+    return torch.zeros(visible.shape, device=device, dtype=dtype).masked_fill_(~visible, float("-inf"))
+
+
+class RecordingWindow(Window):
+    """A :class:`Window` on an empty state that also records the layout of the state it builds: per slot,
+    ``("conv", C_in, kernel - 1)`` or ``("kv", heads, head_dim)`` (one entry per key/value pair)."""
+
+    def __init__(self, chunk: int):
+        super().__init__([], 0, 0, chunk)
+        self.layout: list[tuple[str, int, int]] = []
+
+    def conv(self, conv: nn.Conv1d, x: Tensor) -> Tensor:
+        self.layout.append(("conv", x.shape[1], conv.kernel_size[0] - 1))
+        return super().conv(conv, x)
+
+    def keys_values(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self.layout.append(("kv", k.shape[1], k.shape[3]))
+        return super().keys_values(k, v)
+
+
+def estimator_layout(flow: nn.Module) -> list[tuple[str, int, int]]:
+    """The per-step state layout of the estimator (see :class:`RecordingWindow`), from a one-frame dry run."""
+    est = flow.decoder.estimator
+    check_estimator(est)
+    p = next(est.parameters())
+    c = est.cfg.out_channels
+    z = torch.zeros(2, c, 1, device=p.device, dtype=p.dtype)
+    win = RecordingWindow(est.cfg.static_chunk_size)
+    with torch.inference_mode():
+        estimator_increment(est, z, z, torch.zeros(2, device=p.device, dtype=p.dtype),
+                            torch.zeros(2, c, device=p.device, dtype=p.dtype), z, win)
+    return win.layout
