@@ -1,4 +1,4 @@
-"""Command line: ``python -m cosyvoice_fast {synth,download,build-engines,synthetic,backends,soak}``."""
+"""Command line: ``python -m cosyvoice_fast {synth,speaker-state,download,build-engines,synthetic,backends,soak}``."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def cmd_synth(a: argparse.Namespace) -> int:
             stream_params=StreamParams(token_hop_len_first=a.token_hop_len_first,
                                        pre_lookahead_len=a.pre_lookahead_len),
             backend=BackendConfig(llm=a.llm_backend, flow=a.flow_backend, vocoder=a.vocoder_backend,
-                                  dtype=a.dtype),
+                                  dtype=a.dtype, incremental=not a.recompute_flow),
             speed=a.speed)
         if svc.synthetic:
             log.warning(svc.banner)
@@ -95,6 +95,21 @@ def cmd_backends(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_speaker_state(a: argparse.Namespace) -> int:
+    from .config import BackendConfig
+    from .service import load_service
+
+    svc = load_service(a.model_dir, a.synthetic, a.device, a.dtype, speaker_cache_dir=a.speaker_cache)
+    try:
+        cfg = BackendConfig(flow=a.flow_backend, dtype=a.dtype)
+        for name in a.names:
+            n = svc.engine.store_flow_state(name, cfg)
+            log.info("stored the flow prompt state of %r (%s flow, %s): %.1f MB", name, cfg.flow, cfg.dtype, n / 1e6)
+    finally:
+        svc.close()
+    return 0
+
+
 def cmd_build_engines(a: argparse.Namespace) -> int:
     from .backends.tensorrt_build import build_engines_cli
 
@@ -129,9 +144,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llm-backend", default="eager")
     p.add_argument("--flow-backend", default="eager")
     p.add_argument("--vocoder-backend", default="eager")
+    p.add_argument("--recompute-flow", action="store_true",
+                   help="recompute the whole prefix for every streaming chunk (upstream's scheme) instead of the "
+                        "incremental flow")
     p.add_argument("--out", default="out.wav")
     p.add_argument("--telemetry-json")
     p.set_defaults(fn=cmd_synth)
+
+    p = sub.add_parser("speaker-state", help="store saved speakers' flow prompt state in the speaker cache, so "
+                       "their first chunk skips the prompt after a restart (large: ~230 MB per 3 s voice in bf16)")
+    _add_model_args(p)
+    p.add_argument("names", nargs="+", help="saved speaker names")
+    p.add_argument("--speaker-cache", default="speakers")
+    p.add_argument("--flow-backend", default="cudagraph", choices=["eager", "cudagraph"],
+                   help="the flow runner that will use it (each keeps its own layout)")
+    p.set_defaults(fn=cmd_speaker_state)
 
     p = sub.add_parser("download", help="download CosyVoice2-0.5B (needs network)")
     p.add_argument("--out", default="pretrained_models/CosyVoice2-0.5B")

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .backends.base import StageSet, check_available
-from .config import BackendConfig, StreamParams
+from .config import BackendConfig, ConfigError, StreamParams
 from .modelfiles import LoadedModels
 from .request import AudioChunk, ModelInputs, SynthesisRequest
 from .runtime.state import RequestState, SegmentState
@@ -86,6 +86,34 @@ class Engine:
 
                 self._stage_sets[config] = build_stage_set(self.models, config)
             return self._stage_sets[config]
+
+    def store_flow_state(self, speaker: str, backend: BackendConfig | None = None) -> int:
+        """Compute a saved speaker's flow prompt state with ``backend``'s incremental flow (default: the
+        engine's) and store it in the speaker cache (safetensors, ``extra`` entries ``flow.*``), so that after a
+        restart that voice's first chunk does not recompute its prompt.  Returns the bytes stored.
+
+        The state is specific to the flow weights, dtype and runner layout (checked by a fingerprint on use: a
+        mismatching one is ignored and recomputed), and large: ~2.3 MB per committed prompt frame in bf16 at
+        full size (~230 MB for a 3 s prompt)."""
+        from .frontend.pipeline import FLOW_STATE_PREFIX, Frontend
+        from .runtime.flow_state import IncrementalFlow
+
+        if self.frontend is None:
+            raise ValueError("this engine has no frontend, so it has no speaker cache")
+        cfg = backend or self.default_backend
+        flow = self.stages(cfg).flow
+        inc = flow if isinstance(flow, IncrementalFlow) else getattr(flow, "incremental", None)
+        if inc is None:
+            raise ConfigError(f"flow backend {cfg.flow!r} with incremental={cfg.incremental} keeps no flow state; "
+                              "choose eager or cudagraph with incremental on")
+        cache = self.frontend._cache()  # type: ignore[attr-defined]
+        feats = cache.get(speaker)
+        inputs = Frontend.build_inputs([torch.zeros(1, 1, dtype=torch.int32)], feats, "cross_lingual")
+        state = inc.prompt_flow_state(inputs.to(self.models.device, cfg.torch_dtype))
+        feats.extra = {k: v for k, v in feats.extra.items() if not k.startswith(FLOW_STATE_PREFIX)}
+        feats.extra.update({FLOW_STATE_PREFIX + k: v for k, v in state.items()})
+        cache.add(speaker, feats, overwrite=True)
+        return sum(v.numel() * v.element_size() for v in state.values())
 
     def stream(self, request: SynthesisRequest) -> "RequestStream":
         """Yield the request's audio chunks as they are produced; closing the iterator cancels the request."""
@@ -190,6 +218,7 @@ class Engine:
             raise EngineClosed("the engine is shut down")
         cfg = request.backend or self.default_backend
         tele.params = {"backend": f"{cfg.llm}/{cfg.flow}/{cfg.vocoder}", "dtype": cfg.dtype,
+                       "incremental_flow": cfg.incremental,
                        "stream": request.stream, "seed": request.seed,
                        **{k: getattr(request.stream_params, k) for k in StreamParams.__slots__}}
         stages = self.stages(cfg)
@@ -343,6 +372,9 @@ class Engine:
             end = now()
             for (st, call, timing), mel in zip(taken, mels):
                 timing.flow_start, timing.flow_end = start, end  # the mel existed when the whole batch did
+                if st.segment is not None:
+                    st.segment.flow_info = None  # a batched solve recomputes (see CudaGraphFlow.chunk_batch)
+                self._flow_info(st, call, timing)
                 self._guard(st, lambda s, c=call, t=timing, m=mel: self._emit(s, c, t, m))
 
     def _take_call(self, st: RequestState) -> tuple[ChunkCall, ChunkTiming]:
@@ -359,11 +391,25 @@ class Engine:
         return torch.tensor([st.segment.tokens[:call.n_tokens]], dtype=torch.int32)
 
     def _flow_one(self, st: RequestState, call: ChunkCall, timing: ChunkTiming) -> torch.Tensor:
+        assert st.segment is not None
+        st.segment.flow_info = None
         timing.flow_start = now()
         mel = st.stages.flow.chunk(st.segment, st.inputs, self._call_tokens(st, call), call)
         _sync(self.models.device)
         timing.flow_end = now()
+        self._flow_info(st, call, timing)
         return mel
+
+    def _flow_info(self, st: RequestState, call: ChunkCall, timing: ChunkTiming) -> None:
+        """What the flow computed for this chunk (the dashboard shows it): the backend's own account
+        (incremental runners) or upstream's full recompute of prompt + every token so far."""
+        seg = st.segment
+        info = seg.flow_info if seg is not None else None
+        if info is None:
+            ratio = self.models.config.flow.token_mel_ratio
+            encoded = call.n_tokens - (0 if call.finalize else call.lookahead)
+            info = ("recompute", ratio * (st.inputs.flow_prompt_speech_token.shape[1] + encoded), 0)
+        timing.flow_mode, timing.flow_frames, timing.flow_state_bytes = info
 
     def _emit(self, st: RequestState, call: ChunkCall, timing: ChunkTiming, mel: torch.Tensor) -> None:
         """Vocode one chunk's mel and hand the audio to the request's consumer."""

@@ -29,9 +29,35 @@ def test_gpu_only_tools_say_so_without_a_gpu():
     import pytest
     import torch
 
-    from cosyvoice_fast import profile_stages
+    from cosyvoice_fast import bench_flow, profile_stages
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         profile_stages.main([])
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        bench_flow.main([])
+
+
+def test_speaker_state_stores_a_saved_voice_and_names_bad_requests(tmp_path, capsys):
+    from pathlib import Path
+
+    prompt = Path(__file__).resolve().parents[1] / "assets" / "cross_lingual_prompt.wav"
+    spk = tmp_path / "spk"
+    assert main(["synth", "--synthetic", "tiny", "--text", "Hi.", "--out", str(tmp_path / "o.wav"),
+                 "--speaker-cache", str(spk), "--prompt-wav", str(prompt)]) == 0
+    from cosyvoice_fast.service import load_service
+
+    svc = load_service(synthetic="tiny", device="cpu", speaker_cache_dir=spk, progress=False)
+    try:
+        svc.frontend.add_speaker("bob", str(prompt))
+    finally:
+        svc.close()
+    capsys.readouterr()
+    assert main(["speaker-state", "bob", "--synthetic", "tiny", "--device", "cpu", "--speaker-cache", str(spk),
+                 "--flow-backend", "eager"]) == 0
+    assert main(["speaker-state", "nobody", "--synthetic", "tiny", "--device", "cpu", "--speaker-cache", str(spk),
+                 "--flow-backend", "eager"]) == 2
+    assert "no saved speaker named 'nobody'" in capsys.readouterr().err
+    assert main(["speaker-state", "bob", "--synthetic", "tiny", "--device", "cpu", "--speaker-cache", str(spk)]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -39,6 +39,10 @@ END_OF_PROMPT = "<|endofprompt|>"
 PROMPT_SAMPLE_RATE = 24000  # the prompt mel's rate; CosyVoice2's flow and HiFT run at 24 kHz
 
 
+#: ``PromptFeatures.extra`` keys under this prefix hold the voice's flow prompt state (incremental flow)
+FLOW_STATE_PREFIX = "flow."
+
+
 @dataclass
 class FrontendConfig:
     """Limits and knobs of the frontend (defaults follow the reference frontend)."""
@@ -207,10 +211,13 @@ class Frontend:
     def build_inputs(segments: list[torch.Tensor], prompt: PromptFeatures, mode: str,
                      prompt_text: torch.Tensor | None = None, speaker: str | None = None) -> ModelInputs:
         """Assemble :class:`ModelInputs` for ``mode`` (see the module table): only zero-shot shows the LM the
-        prompt's speech tokens; the flow always gets them with the prompt mel and speaker embedding."""
+        prompt's speech tokens; the flow always gets them with the prompt mel and speaker embedding, and a
+        stored flow prompt state (``extra`` entries ``flow.*``, see ``Engine.store_flow_state``) when there is one."""
         empty = torch.zeros(1, 0, dtype=torch.int32)
         text = prompt_text if prompt_text is not None and mode in ("zero_shot", "instruct2") else empty
         return ModelInputs(text_segments=segments, prompt_text=text,
                            llm_prompt_speech_token=prompt.speech_token if mode == "zero_shot" else empty,
                            flow_prompt_speech_token=prompt.speech_token, prompt_feat=prompt.speech_feat,
-                           embedding=prompt.embedding, speaker=speaker)
+                           embedding=prompt.embedding, speaker=speaker,
+                           flow_prompt_state={k[len(FLOW_STATE_PREFIX):]: v for k, v in prompt.extra.items()
+                                              if k.startswith(FLOW_STATE_PREFIX)} or None)
