@@ -125,9 +125,21 @@ def _chunk_spans(d: Mapping[str, Any]) -> list[dict[str, Any]]:
                     "tokens": c.get("n_tokens"), "audio_s": _num(c.get("n_samples")) / (c.get("sample_rate") or 1),
                     "LLM tokens": ms(prev, ready), "queue": ms(ready, fs), "flow": ms(fs, fe), "vocoder": ms(fe, ve),
                     "emission": ms(ve, dl), "deadline_ms": _num(r.get("deadline_s")) * 1e3,
-                    "ready_ms": dl * 1e3, "underrun": bool(r.get("underrun")), "slack_ms": _num(r.get("slack_ms"))})
+                    "ready_ms": dl * 1e3, "underrun": bool(r.get("underrun")), "slack_ms": _num(r.get("slack_ms")),
+                    "flow_mode": c.get("flow_mode") or "", "flow_frames": int(c.get("flow_frames") or 0),
+                    "flow_state_bytes": int(c.get("flow_state_bytes") or 0)})
         prev = ready if _fin(ready) else prev
     return out
+
+
+def _flow_note(span: Mapping[str, Any]) -> str:
+    """Hover text of a flow bar: how the chunk's mel was made and how many frames the estimator ran."""
+    if not span.get("flow_mode"):
+        return ""
+    frames = span.get("flow_frames") or 0
+    note = f"{span['flow_mode']}: {frames} mel frames through the estimator"
+    state = span.get("flow_state_bytes") or 0
+    return note + (f"; state kept: {state / 2 ** 20:.1f} MiB" if state else "")
 
 
 def chunk_timeline_figure(t: TeleLike | None, title: str = "Chunk timeline") -> go.Figure:
@@ -144,12 +156,17 @@ def chunk_timeline_figure(t: TeleLike | None, title: str = "Chunk timeline") -> 
         idx = [i for i, s in enumerate(spans) if s[part] is not None]
         if not idx:
             continue
+        extra = ""
+        if part == "flow":  # what the flow computed: the flat per-chunk cost of the incremental flow shows here
+            extra = "<br>%{customdata[2]}"
         fig.add_trace(go.Bar(
             name=part, orientation="h", y=[labels[i] for i in idx], base=[spans[i][part][0] for i in idx],
             x=[spans[i][part][1] - spans[i][part][0] for i in idx], marker_color=STAGE_COLORS[stage],
-            customdata=[[spans[i]["tokens"], spans[i][part][0]] for i in idx],
+            customdata=[[spans[i]["tokens"], spans[i][part][0], _flow_note(spans[i])] for i in idx],
+            text=[f"{spans[i][part][1] - spans[i][part][0]:.0f}" for i in idx] if part == "flow" else None,
+            textposition="inside" if part == "flow" else None,
             hovertemplate=(f"<b>{part}</b> %{{x:.1f}} ms (from %{{customdata[1]:.0f}} ms)"
-                           "<br>%{customdata[0]} tokens<extra>%{y}</extra>")))
+                           f"<br>%{{customdata[0]}} tokens{extra}<extra>%{{y}}</extra>")))
     dl = [i for i, s in enumerate(spans) if _fin(s["deadline_ms"])]
     fig.add_trace(go.Scatter(
         name="playback deadline", mode="markers", y=[labels[i] for i in dl], x=[spans[i]["deadline_ms"] for i in dl],
@@ -165,6 +182,10 @@ def chunk_timeline_figure(t: TeleLike | None, title: str = "Chunk timeline") -> 
         hovertemplate="<b>underrun</b>: %{customdata:.0f} ms late (audible gap)<extra>%{y}</extra>"))
     n_late = len(late)
     sub = f" · {n_late} underrun{'s' if n_late != 1 else ''}" if n_late else " · no underruns"
+    flows = [s["flow"][1] - s["flow"][0] for s in spans if s["flow"] is not None]
+    if flows:
+        modes = sorted({s["flow_mode"] for s in spans if s["flow_mode"]})
+        sub += f" · flow {min(flows):.0f}–{max(flows):.0f} ms/chunk" + (f" ({', '.join(modes)})" if modes else "")
     # the legend wraps onto several rows in a half-width plot (A/B tab): room for it between title and plot
     layout = {**_LAYOUT, "margin": dict(l=60, r=20, t=96, b=40)}
     fig.update_layout(**layout, barmode="overlay", height=218 + 34 * len(spans),

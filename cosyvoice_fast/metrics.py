@@ -90,7 +90,8 @@ def health(service: Any) -> dict[str, Any]:
             "model_loaded": models is not None, "model": service.model_name, "synthetic": bool(service.synthetic),
             "device": str(models.device), "dtype": str(models.dtype).replace("torch.", ""),
             "frontend": service.frontend is not None, "backends": backends,
-            "backends_built": sorted(f"{c.llm}/{c.flow}/{c.vocoder} {c.dtype}" for c in engine._stage_sets),
+            "backends_built": sorted(f"{c.llm}/{c.flow}/{c.vocoder} {c.dtype}" + ("" if c.incremental else " recompute")
+                                     for c in engine._stage_sets),
             "active_requests": engine.active_requests(), "sample_rate": engine.sample_rate,
             "time": time.time()}
 

@@ -40,6 +40,9 @@ class ChunkTiming:
     vocoder_end: float = math.nan
     delivered: float = math.nan
     finalize: bool = False
+    flow_mode: str = ""  # "incremental" (only the new frames) or "recompute" (prompt + every token so far)
+    flow_frames: int = 0  # mel frames the flow's estimator ran for this chunk
+    flow_state_bytes: int = 0  # the request's incremental flow state after this chunk (0: none kept)
 
     @property
     def audio_seconds(self) -> float:

@@ -27,6 +27,10 @@ CSS = """
 .tip {font-size:0.85em; color:#666}
 """
 TIPS = {
+    "incremental_flow": "Streaming chunks reuse the flow's keys/values of the frames already made (and of the "
+                        "voice's prompt, cached per voice), so each chunk costs its own frames instead of the "
+                        "whole prefix. Off = upstream's full recompute per chunk (same audio to float rounding; "
+                        "eager and cudagraph flows; TensorRT always recomputes).",
     "token_hop_len_first": "Tokens in the first chunk. Fewer: first audio sooner (less LM decoding before the first "
                            "flow call) but a short first chunk with less context. 25 = upstream (padded so prompt + "
                            "chunk fills whole 25-token attention chunks).",
@@ -77,6 +81,7 @@ def config_panel(h: Handlers, *, hop_first: int = 25, lookahead: int = 3, max_to
         # the fast backends are meant to run in bf16; the eager reference keeps the first choice (fp32)
         dtype = "bf16" if backend and backend != "eager" and "bf16" in dtypes else dtypes[0]
         comps.append(gr.Dropdown(dtypes, value=dtype, label="dtype", info=note))
+    comps.append(gr.Checkbox(True, label="incremental flow", info=TIPS["incremental_flow"]))
     return comps
 
 

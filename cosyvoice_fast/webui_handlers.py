@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 VOICE_FIELDS = ("text", "mode", "prompt_upload", "prompt_mic", "prompt_text", "instruct_text", "speaker", "seed",
                 "stream", "speed")
 CONFIG_FIELDS = ("token_hop_len_first", "token_hop_len", "pre_lookahead_len", "stream_scale_factor", "max_tokens",
-                 "llm", "flow", "vocoder", "dtype")
+                 "llm", "flow", "vocoder", "dtype", "incremental_flow")
 STAGE_NAMES = ("llm", "flow", "vocoder")
 MAX_HISTORY = 200
 
@@ -125,7 +125,8 @@ class Handlers:
                                   pre_lookahead_len=int(cfg["pre_lookahead_len"]),
                                   stream_scale_factor=float(cfg["stream_scale_factor"]),
                                   token_max_hop_len=max(100, int(cfg["token_hop_len"])))
-            backend = BackendConfig(llm=cfg["llm"], flow=cfg["flow"], vocoder=cfg["vocoder"], dtype=cfg["dtype"])
+            backend = BackendConfig(llm=cfg["llm"], flow=cfg["flow"], vocoder=cfg["vocoder"], dtype=cfg["dtype"],
+                                    incremental=bool(cfg.get("incremental_flow", True)))
             return SynthesisRequest(
                 text=text, mode=mode, prompt_wav=wav if mode != "speaker" else None,
                 prompt_text=(voice.get("prompt_text") or "").strip() if mode == "zero_shot" else "",

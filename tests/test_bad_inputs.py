@@ -161,7 +161,7 @@ def test_app_handlers_give_the_same_message_without_paths(svc, wavs, name, messa
     voice = dict(text="hello", mode="cross_lingual", prompt_upload=str(wavs[name]), prompt_mic=None,
                  prompt_text="", instruct_text="", speaker=None, seed=1, stream=True, speed=1.0)
     cfg = dict(token_hop_len_first=10, token_hop_len=10, pre_lookahead_len=3, stream_scale_factor=2.0,
-               max_tokens=10, llm="eager", flow="eager", vocoder="eager", dtype="fp32")
+               max_tokens=10, llm="eager", flow="eager", vocoder="eager", dtype="fp32", incremental_flow=True)
     values = [voice[k] for k in VOICE_FIELDS] + [cfg[k] for k in CONFIG_FIELDS] + [[]]
     with pytest.raises(gr.Error) as e:
         list(h.synthesize(*values))

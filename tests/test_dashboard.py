@@ -206,3 +206,18 @@ def test_benchmark_report_html_survives_json_round_trip_and_all_skipped():
     assert "eager" in db.benchmark_report_html(results, include_plotlyjs="cdn")
     page = db.benchmark_report_html({"runs": [{"backend": "tensorrt", "skipped": "no GPU"}]}, include_plotlyjs="cdn")
     assert "skipped: no GPU" in page and "every backend was skipped" in page
+
+
+def test_timeline_shows_what_the_flow_computed_per_chunk():
+    """The flow bars carry their ms as text and the flow mode / estimator frames on hover; the title gives the
+    per-chunk flow range (flat for the incremental flow)."""
+    t = _tele()
+    t.chunks[0].flow_mode, t.chunks[0].flow_frames, t.chunks[0].flow_state_bytes = "incremental", 100, 3 * 2 ** 20
+    t.chunks[1].flow_mode, t.chunks[1].flow_frames = "recompute", 240
+    fig = db.chunk_timeline_figure(t.to_dict())
+    flow = _trace(fig, "flow")
+    assert list(flow.text) == ["40", "20"]  # 360-400 ms and 460-480 ms
+    assert [c[2] for c in flow.customdata] == ["incremental: 100 mel frames through the estimator; state kept: 3.0 MiB",
+                                               "recompute: 240 mel frames through the estimator"]
+    assert "flow 20–40 ms/chunk (incremental, recompute)" in fig.layout.title.text
+    assert _trace(db.chunk_timeline_figure(_tele()), "flow").customdata[0][2] == ""  # older telemetry: no note

@@ -53,7 +53,7 @@ def synth_args(prompt, **over):
     a = dict(text="Hello metrics.", mode="cross_lingual", prompt_upload=handle_file(str(prompt)), prompt_mic=None,
              prompt_text="", instruct_text="", speaker=None, seed=3, stream=True, speed=1.0,
              token_hop_len_first=10, token_hop_len=10, pre_lookahead_len=3, stream_scale_factor=2.0, max_tokens=20,
-             llm="eager", flow="eager", vocoder="eager", dtype="fp32")
+             llm="eager", flow="eager", vocoder="eager", dtype="fp32", incremental_flow=True)
     a.update(over)
     return a
 

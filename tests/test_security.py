@@ -233,7 +233,7 @@ def test_bad_upload_errors_show_no_server_paths(app, client, tmp_path):
     notes = tmp_path / "notes.wav"
     notes.write_text("not audio at all")
     args = ["hello", "cross_lingual", handle_file(str(notes)), None, "", "", None, 1, True, 1.0,
-            10, 10, 3, 2.0, 10, "eager", "eager", "eager", "fp32"]
+            10, 10, 3, 2.0, 10, "eager", "eager", "eager", "fp32", True]
     with pytest.raises(AppError) as e:
         client.predict(*args, api_name="/synthesize")
     msg = str(e.value)

@@ -33,6 +33,7 @@ class SegmentState:
     pending: list[tuple[ChunkCall, float]] = field(default_factory=list)  # (call, tokens_ready time)
     voc_cache: VocoderCache | None = None
     flow_state: Any = None  # owned by the flow backend (e.g. incremental caches)
+    flow_info: tuple[str, int, int] | None = None  # (mode, estimator frames, state bytes) of the last flow call
 
     def close(self) -> None:
         """Free the LM's KV cache (closing the generator) and any flow state."""
