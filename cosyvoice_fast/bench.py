@@ -16,6 +16,7 @@ import logging
 import math
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,10 @@ from .telemetry import RequestTelemetry, aggregate, percentile
 log = logging.getLogger(__name__)
 
 BACKEND_PRESETS = {
-    "eager": BackendConfig(),
+    "eager": BackendConfig(incremental=False),  # upstream's scheme: the reference every speed-up is against
+    "eager-incremental": BackendConfig(),
     "cudagraph": BackendConfig(llm="cudagraph", flow="cudagraph", vocoder="cudagraph"),
+    "cudagraph-recompute": BackendConfig(llm="cudagraph", flow="cudagraph", vocoder="cudagraph", incremental=False),
     "tensorrt": BackendConfig(llm="cudagraph", flow="tensorrt", vocoder="cudagraph"),
     "trtllm": BackendConfig(llm="trtllm", flow="tensorrt", vocoder="cudagraph"),
 }
@@ -55,7 +58,7 @@ def parse_backend(name: str, dtype: str) -> BackendConfig:
     ``cudagraph:eager:cudagraph`` to measure one stage's backend against the others held fixed."""
     if name in BACKEND_PRESETS:
         p = BACKEND_PRESETS[name]
-        return BackendConfig(llm=p.llm, flow=p.flow, vocoder=p.vocoder, dtype=dtype)
+        return BackendConfig(llm=p.llm, flow=p.flow, vocoder=p.vocoder, dtype=dtype, incremental=p.incremental)
     parts = name.split(":")
     if len(parts) != 3:
         raise SystemExit(f"unknown backend {name!r}: use a preset ({', '.join(BACKEND_PRESETS)}) "
@@ -103,9 +106,15 @@ def bench_config(engine: Any, backend: BackendConfig, concurrency: int, n_reques
     cfg = engine.models.config
     params = StreamParams(token_hop_len_first=args.token_hop_len_first, pre_lookahead_len=args.pre_lookahead_len)
 
+    voice = synthetic_inputs(cfg, args.prompt_tokens, args.text_tokens, seed=0) if args.same_voice else None
+
     def make(i: int) -> SynthesisRequest:
-        return SynthesisRequest(inputs=synthetic_inputs(cfg, args.prompt_tokens, args.text_tokens, seed=i),
-                                seed=i, stream=True, stream_params=params, backend=backend,
+        inputs = synthetic_inputs(cfg, args.prompt_tokens, args.text_tokens, seed=i)
+        if voice is not None:  # another text, the same prompt voice (a saved speaker, a popular voice)
+            inputs = replace(inputs, llm_prompt_speech_token=voice.llm_prompt_speech_token,
+                             flow_prompt_speech_token=voice.flow_prompt_speech_token, prompt_feat=voice.prompt_feat,
+                             embedding=voice.embedding, prompt_key=None)
+        return SynthesisRequest(inputs=inputs, seed=i, stream=True, stream_params=params, backend=backend,
                                 max_tokens=args.gen_tokens, ignore_eos=True)
 
     run_wave(engine, [make(10_000 + i) for i in range(max(2, concurrency))])  # warm-up (captures, autotune)
@@ -146,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen-tokens", type=int, default=150)
     ap.add_argument("--token-hop-len-first", type=int, default=25)
     ap.add_argument("--pre-lookahead-len", type=int, default=3)
+    ap.add_argument("--same-voice", action="store_true",
+                    help="every request uses the same prompt voice (different text): the incremental flow then "
+                         "starts from the voice's cached prompt state; default: a new voice per request")
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--report", metavar="DIR", help="only render DIR/report.html from DIR/results.json")
     a = ap.parse_args(argv)

@@ -4,8 +4,8 @@
 
 (1) times the ``cudagraph`` LLM alone (prefill + first token, then ms per decode step), (2) profiles 20 decode
 steps with ``torch.profiler`` (GPU time per token and the top kernels), (3) times every flow chunk of one long
-streamed utterance (prompt 75 tokens, default schedule) for the eager, incremental and cudagraph flow backends,
-second pass reported (the first one captures graphs).  Needs a CUDA GPU.
+streamed utterance (prompt 75 tokens, default schedule) for the eager and cudagraph flows, each recomputing and
+incremental, second pass reported (the first one captures graphs).  Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -71,8 +71,11 @@ def main(argv: list[str] | None = None) -> int:
 
         calls = plan(a.prompt_tokens, a.tokens, StreamParams())
         tokens = torch.randint(0, min(svc.models.config.flow.vocab_size, 4000), (1, a.tokens), dtype=torch.int32)
-        for name in ("eager", "incremental", "cudagraph"):
-            flow = svc.engine.stages(BackendConfig(flow=name, dtype=a.dtype)).flow
+        for name, cfg in (("eager", BackendConfig(incremental=False, dtype=a.dtype)),
+                          ("incremental", BackendConfig(flow="incremental", dtype=a.dtype)),
+                          ("cudagraph", BackendConfig(flow="cudagraph", incremental=False, dtype=a.dtype)),
+                          ("cudagraph-incremental", BackendConfig(flow="cudagraph", dtype=a.dtype))):
+            flow = svc.engine.stages(cfg).flow
             for _ in range(2):  # the first pass captures graphs; the second is reported
                 seg = SegmentState(index=0, text=inp.text_segments[0], cursor=None)
                 times = []
