@@ -41,7 +41,6 @@ the full-recompute path (exact, slower); the text frontend splits long texts int
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import weakref
 from collections import OrderedDict
@@ -56,14 +55,11 @@ from ..models.flow_incremental import (EncoderCache, StaticDecoderCache, StaticW
                                        encoder_commit_point, estimator_layout, guided_solve, static_mask)
 from ..runtime.flow_state import FlowState, IncrementalFlow, StateCapacityError
 from ..schedule import ChunkCall
+from .cudagraph_flow import bucket_frames
 
 log = logging.getLogger(__name__)
 
 DEFAULT_STATE_FRAMES = 1500  # 30 s of 50 Hz mel (prompt included) per segment in the fixed-size buffers
-
-
-def round_up(n: int, granule: int) -> int:
-    return max(1, math.ceil(n / granule)) * granule
 
 
 @dataclass
@@ -210,10 +206,10 @@ class IncrementalEstimatorGraphs:
         if n == 0:
             return x0.float(), cache
         new_start = max(start, (min(commit_end, start + n) // self.chunk) * self.chunk)
-        nb = round_up(n, self.granularity)
+        nb = bucket_frames(n, self.granularity)
         if start + nb > self.max_frames:
             raise StateCapacityError(f"{start + n} frames > the {self.max_frames} the buffers hold")
-        cap = min(round_up(start + nb, self.kv_granularity), self.max_frames)
+        cap = min(bucket_frames(start + nb, self.kv_granularity), self.max_frames)
         dev = self.device
         with self.lock, torch.inference_mode():
             g = self._graph(nb, cap)
