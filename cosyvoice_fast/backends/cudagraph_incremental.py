@@ -9,7 +9,7 @@ list of tensors; instead the runner owns one set of buffers of fixed capacity:
 * ``kv`` (S, A, 2, 2, H, max_frames, d): for every Euler step S and attention layer A, keys and values of the
   CFG pair at absolute estimator frame positions (prompt frames first).  A call writes its frames' keys and
   values at ``[start, start + n)`` (``index_copy_`` with a position tensor, a graph input) and attends over the
-  first ``C`` positions under a bool mask (also an input) that hides unwritten positions and later chunks.
+  first ``C`` positions under an additive mask (also an input) that hides unwritten positions and later chunks.
 * ``ctx``: per causal conv, the (S, 2, C_in, kernel - 1) left columns, read and rewritten in place.
 
 One graph per (frames bucket ``n``, key capacity bucket ``C``) serves every call of that shape for every
@@ -45,7 +45,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -129,13 +129,17 @@ class IncrementalEstimatorGraphs:
             cache.ctx = [c.clone() for c in self.ctx]
             self.saves += 1
 
-    def _load(self, cache: StaticDecoderCache) -> None:
+    def _evict(self) -> None:
+        """Free the buffers for other use: the resident state is saved first if its request is still alive."""
         cur = self.resident()
-        if cur is cache:
-            return
-        if cur is not None and cur.kv is None:  # its request is still alive: keep its state
+        if cur is not None and cur.kv is None:
             self.save(cur)
         self._resident = None
+
+    def _load(self, cache: StaticDecoderCache) -> None:
+        if self.resident() is cache:
+            return
+        self._evict()
         if cache.n_frames:
             if cache.kv is None or cache.ctx is None:
                 raise RuntimeError("flow state was lost: it is neither saved nor resident")
@@ -172,11 +176,7 @@ class IncrementalEstimatorGraphs:
         if not self.capture:
             g = _Graph(None, inp, None)
         else:
-            # Warm-up and capture write into the buffers: evict (saving) the resident state first.
-            cur = self.resident()
-            if cur is not None and cur.kv is None:
-                self.save(cur)
-            self._resident = None
+            self._evict()  # warm-up and capture write into the buffers
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side), torch.inference_mode():
