@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from .backends.base import StageSet, check_available
+from .backends.cudagraph_flow import call_frames
 from .config import BackendConfig, ConfigError, StreamParams
 from .modelfiles import LoadedModels
 from .request import AudioChunk, ModelInputs, SynthesisRequest
@@ -406,9 +407,9 @@ class Engine:
         seg = st.segment
         info = seg.flow_info if seg is not None else None
         if info is None:
-            ratio = self.models.config.flow.token_mel_ratio
-            encoded = call.n_tokens - (0 if call.finalize else call.lookahead)
-            info = ("recompute", ratio * (st.inputs.flow_prompt_speech_token.shape[1] + encoded), 0)
+            frames = call_frames(call, st.inputs.flow_prompt_speech_token.shape[1],
+                                 self.models.config.flow.token_mel_ratio)
+            info = ("recompute", frames, 0)
         timing.flow_mode, timing.flow_frames, timing.flow_state_bytes = info
 
     def _emit(self, st: RequestState, call: ChunkCall, timing: ChunkTiming, mel: torch.Tensor) -> None:
