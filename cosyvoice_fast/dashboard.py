@@ -19,9 +19,11 @@ from .telemetry import STAGES, RequestTelemetry
 
 TeleLike = RequestTelemetry | Mapping[str, Any]
 
-STAGE_COLORS = {"frontend": "#8c8c8c", "queue": "#cfcfcf", "llm_prefill": "#54278f", "llm_decode": "#9e9ac8",
+STAGE_COLORS = {"app_queue": "#e0e0e0", "frontend": "#8c8c8c", "admission": "#bdbdbd", "queue": "#cfcfcf", "llm_prefill": "#54278f", "llm_decode": "#9e9ac8",
                 "flow": "#2b8cbe", "vocoder": "#31a354", "handoff": "#fd8d3c"}
-STAGE_HELP = {"frontend": "text normalisation, tokenisation, prompt features / speaker cache",
+STAGE_HELP = {"app_queue": "waiting in the server front end's queue (Gradio's, the HTTP API's) before the engine saw it",
+              "frontend": "text normalisation, tokenisation, prompt features / speaker cache",
+              "admission": "waiting in the engine's admission queue for a free slot",
               "queue": "waiting for the model worker (before prefill and before the first flow call)",
               "llm_prefill": "LM forward pass over prompt + text", "llm_decode": "LM sampling the first chunk's tokens",
               "flow": "flow matching: tokens to mel", "vocoder": "HiFT: mel to waveform",

@@ -53,6 +53,10 @@ class EngineClosed(RuntimeError):
     pass
 
 
+class EngineBusy(RuntimeError):
+    """The engine's admission queue is full: the request was refused (HTTP front ends answer 429/503)."""
+
+
 class Engine:
     """Serve streaming synthesis requests on one set of loaded models."""
 
@@ -176,6 +180,18 @@ class Engine:
             except Exception:  # metrics must never break synthesis
                 log.exception("telemetry observer %r failed", fn)
 
+    def stats(self) -> dict[str, object]:
+        """A snapshot for health checks, metrics and soak tests (the public seam: nothing outside reads the
+        engine's private fields).  Keys: ``running`` (worker alive and not closed), ``active`` (admitted and
+        running), ``queued`` (waiting for admission), ``stage_sets`` (built stage sets as ``llm/flow/vocoder/dtype``
+        strings), ``observers``, ``max_active``."""
+        with self._cv:
+            active, queued = len(self._active), len(self._incoming)
+        with self._stage_lock:
+            sets = [f"{c.llm}/{c.flow}/{c.vocoder}/{c.dtype}" for c in self._stage_sets]
+        return {"running": self._thread.is_alive() and not self._closed, "active": active, "queued": queued,
+                "stage_sets": sets, "observers": len(self._observers), "max_active": self.max_active}
+
     def active_requests(self) -> int:
         with self._cv:
             return len(self._incoming) + len(self._active)
@@ -235,7 +251,7 @@ class Engine:
             if self._closed:
                 raise EngineClosed("the engine is shut down")
             if len(self._incoming) + len(self._active) >= self.max_active:
-                raise RuntimeError(f"the engine is at its limit of {self.max_active} active requests; "
+                raise EngineBusy(f"the engine is at its limit of {self.max_active} active requests; "
                                    "try again in a moment")
             self._incoming.append(state)
             self._cv.notify_all()

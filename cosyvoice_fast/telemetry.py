@@ -5,12 +5,16 @@ derived here, so the dashboard, the CLI table and the benchmark agree by constru
 
 TTFB is split into contiguous stages whose durations sum exactly to the measured TTFB:
 
-    received ─frontend→ frontend_done ─queue→ prefill_start ─llm_prefill→ prefill_done
+    (front end's own queue: app_queue_s) received ─frontend→ frontend_done ─admission→ admitted
+    ─queue→ prefill_start ─llm_prefill→ prefill_done
     ─llm_decode→ chunk0.tokens_ready ─queue→ chunk0.flow_start ─flow→ chunk0.flow_end
     ─vocoder→ chunk0.vocoder_end ─handoff→ chunk0.delivered
 
-("queue" is the time the request waited for the GPU worker, before prefill and between the first chunk's tokens
-existing and its flow starting.)  On a GPU every stage end is taken after synchronising the stream.
+("app_queue" is time spent before the engine saw the request, in the serving front end's own queue (Gradio's, an
+HTTP server's), measured by that front end and handed in as ``app_queue_s``; "admission" is the wait in the
+engine's bounded admission queue for a free slot; "queue" is the time the admitted request waited for the GPU
+worker, before prefill and between the first chunk's tokens existing and its flow starting.)  TTFB counts from
+``received`` minus ``app_queue_s``: what the listener waited.  On a GPU every stage end is taken after synchronising the stream.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
-STAGES = ("frontend", "queue", "llm_prefill", "llm_decode", "flow", "vocoder", "handoff")
+STAGES = ("app_queue", "frontend", "admission", "queue", "llm_prefill", "llm_decode", "flow", "vocoder", "handoff")
 
 now = time.perf_counter
 
@@ -67,7 +71,9 @@ class RequestTelemetry:
 
     request_id: str
     received: float = field(default_factory=now)
+    app_queue_s: float = 0.0  # seconds waited in the front end's queue before ``received`` (0: none measured)
     frontend_done: float = math.nan
+    admitted: float = math.nan  # left the engine's admission queue (nan: not yet; frontend_done when no wait)
     speaker_cache_hit: bool = False
     prefill_start: float = math.nan
     prefill_done: float = math.nan
@@ -81,8 +87,9 @@ class RequestTelemetry:
     # ---- derived ---------------------------------------------------------------------------------------------
     @property
     def ttfb(self) -> float:
-        """Seconds from receipt to the consumer holding the first audio chunk (nan if none yet)."""
-        return self.chunks[0].delivered - self.received if self.chunks else math.nan
+        """Seconds from the listener's request (receipt minus the front end's queue wait) to the consumer holding
+        the first audio chunk (nan if none yet)."""
+        return self.chunks[0].delivered - self.received + self.app_queue_s if self.chunks else math.nan
 
     def ttfb_breakdown(self) -> dict[str, float]:
         """Stage -> milliseconds; the values sum to ``ttfb`` (see the module docstring)."""
@@ -90,9 +97,12 @@ class RequestTelemetry:
             return {s: math.nan for s in STAGES}
         c = self.chunks[0]
         ms = 1e3
+        admitted = self.frontend_done if math.isnan(self.admitted) else self.admitted
         return {
+            "app_queue": self.app_queue_s * ms,
             "frontend": (self.frontend_done - self.received) * ms,
-            "queue": ((self.prefill_start - self.frontend_done) + (c.flow_start - c.tokens_ready)) * ms,
+            "admission": (admitted - self.frontend_done) * ms,
+            "queue": ((self.prefill_start - admitted) + (c.flow_start - c.tokens_ready)) * ms,
             "llm_prefill": (self.prefill_done - self.prefill_start) * ms,
             "llm_decode": (c.tokens_ready - self.prefill_done) * ms,
             "flow": (c.flow_end - c.flow_start) * ms,
@@ -156,7 +166,7 @@ class RequestTelemetry:
         d = asdict(self)
         base = self.received
         d["token_times"] = [t - base for t in self.token_times]
-        for k in ("frontend_done", "prefill_start", "prefill_done", "finished"):
+        for k in ("frontend_done", "admitted", "prefill_start", "prefill_done", "finished"):
             d[k] = d[k] - base
         for c in d["chunks"]:
             for k in ("tokens_ready", "flow_start", "flow_end", "vocoder_end", "delivered"):
