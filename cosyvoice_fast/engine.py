@@ -193,9 +193,8 @@ class Engine:
         the cudagraph LLM is built) from the engine's config."""
         with self._cv:
             active, queued = len(self._active), len(self._incoming)
-        with self._stage_lock:
-            configs = self._stage_sets.configs()
-            built = self._stage_sets.stage_names()
+        configs = self._stage_sets.configs()  # the cache's own lock: a build in progress does not block this
+        built = self._stage_sets.stage_names()
         sets = [f"{c.llm}/{c.flow}/{c.vocoder}/{c.dtype}" for c in configs]
         return {"running": self._thread.is_alive() and not self._closed, "active": active, "queued": queued,
                 "stage_sets": sets, "observers": len(self._observers), "max_active": self.max_active,

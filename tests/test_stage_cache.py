@@ -133,3 +133,47 @@ def test_engine_stages_share_real_stages_and_report_them():
         assert st["stage_sets"] == ["eager/eager/eager/fp32", "eager/eager/eager/fp32", "eager/incremental/eager/fp32"]
         assert st["stage_variants"] == 2 and st["max_active"] == 64
         assert {c["incremental"] for c in st["stage_configs"]} == {False, True}
+
+
+def test_views_do_not_wait_for_a_build(counting, monkeypatch):
+    """A health check or metrics scrape during a long build (graph capture) answers at once."""
+    import threading
+
+    started, release = threading.Event(), threading.Event()
+
+    def slow_flow(models, name, module):
+        started.set()
+        assert release.wait(10)
+        return Built("flow", name, module)
+
+    cache = StageCache(fake_models())
+    cache.get(BackendConfig())
+    monkeypatch.setattr(backends, "_build_flow", slow_flow)
+    t = threading.Thread(target=cache.get, args=(BackendConfig(incremental=False),))
+    t.start()
+    try:
+        assert started.wait(10)
+        views: list = []  # read in a daemon thread: a view that waited for the build would hang the test
+        reader = threading.Thread(target=lambda: views.append((cache.configs(), cache.stage_names())), daemon=True)
+        reader.start()
+        reader.join(10)
+        assert views, "a view waited for the build to finish"
+        assert views[0][0] == [BackendConfig()] and "llm/eager/fp32" in views[0][1]
+    finally:
+        release.set()
+        t.join(10)
+    assert len(cache) == 2
+
+
+def test_a_failed_build_keeps_the_bound(counting, monkeypatch):
+    cache = StageCache(fake_models(), EngineConfig(stage_variants=1))
+    cache.get(BackendConfig())
+
+    def broken(models, name):
+        raise RuntimeError("no GPU")
+
+    monkeypatch.setattr(backends, "_build_vocoder", broken)
+    with pytest.raises(RuntimeError, match="no GPU"):
+        cache.get(BackendConfig(llm="cudagraph", vocoder="cudagraph"))
+    assert [k for k in cache.stage_names() if k.startswith("llm/")] == ["llm/cudagraph/fp32"]
+    assert len(cache) == 0  # the set holding the evicted eager LLM went with it

@@ -88,7 +88,9 @@ class StageCache:
     same (stage, backend, dtype).  Past the bound the least recently used implementation is dropped, with every
     cached set that holds it (requests still running on it keep it alive until they finish).  Weights cast to
     another dtype are shared by all implementations of that dtype and freed with the last of them.
-    Thread-safe: building holds the lock, so two first requests for one config build it once.
+    Thread-safe: builds are serialised (two first requests for one config build it once), and the views
+    (``configs``, ``stage_names``: health checks and metrics scrapes) never wait for a build, which may capture
+    graphs for seconds.
     """
 
     def __init__(self, models: Any, engine_config: EngineConfig | None = None):
@@ -98,37 +100,54 @@ class StageCache:
         self._sets: OrderedDict[BackendConfig, StageSet] = OrderedDict()
         self._casts: weakref.WeakValueDictionary[tuple[str, torch.dtype], torch.nn.Module] = \
             weakref.WeakValueDictionary()
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()  # guards the two dicts; held only briefly
+        self._build_lock = threading.Lock()  # one build at a time
 
-    def get(self, config: BackendConfig) -> StageSet:
+    def _hit(self, config: BackendConfig) -> StageSet | None:
         with self._lock:
             hit = self._sets.get(config)
             if hit is not None:
                 self._sets.move_to_end(config)
                 for key in stage_keys(config).values():
                     self._stages.move_to_end(key)
+            return hit
+
+    def get(self, config: BackendConfig) -> StageSet:
+        hit = self._hit(config)
+        if hit is not None:
+            return hit
+        with self._build_lock:
+            hit = self._hit(config)  # built by another thread while this one waited
+            if hit is not None:
                 return hit
             keys = stage_keys(config)
             dtype = config.torch_dtype
             if dtype != self.models.dtype and self.models.device.type == "cpu" and dtype != torch.float32:
                 raise ValueError(f"dtype {config.dtype} is for GPUs; on CPU use fp32")
-            llm = self._stage(keys["llm"], lambda: _build_llm(self.models, config.llm, self._cast("llm", dtype),
-                                                              dtype, self.engine_config))
-            flow = self._stage(keys["flow"], lambda: _build_flow(self.models, keys["flow"][1],
-                                                                 self._cast("flow", dtype)))
-            voc = self._stage(keys["vocoder"], lambda: _build_vocoder(self.models, config.vocoder))
-            built = StageSet(config=config, llm=llm, flow=flow, vocoder=voc)
-            self._sets[config] = built
-            self._evict()
+            try:
+                llm = self._stage(keys["llm"], lambda: _build_llm(self.models, config.llm,
+                                                                  self._cast("llm", dtype), dtype, self.engine_config))
+                flow = self._stage(keys["flow"], lambda: _build_flow(self.models, keys["flow"][1],
+                                                                     self._cast("flow", dtype)))
+                voc = self._stage(keys["vocoder"], lambda: _build_vocoder(self.models, config.vocoder))
+                built = StageSet(config=config, llm=llm, flow=flow, vocoder=voc)
+                with self._lock:
+                    self._sets[config] = built
+            finally:  # also when a later stage failed to build: the bound holds either way
+                with self._lock:
+                    self._evict()
             return built
 
     def _stage(self, key: StageKey, build: Callable[[], Any]) -> Any:
-        stage = self._stages.get(key)
-        if stage is None:
-            log.info("building the %s stage: %s backend, %s", *key)
-            stage = build()
+        with self._lock:
+            stage = self._stages.get(key)
+            if stage is not None:
+                self._stages.move_to_end(key)
+                return stage
+        log.info("building the %s stage: %s backend, %s", *key)
+        stage = build()  # outside the view lock: captures may take seconds
+        with self._lock:
             self._stages[key] = stage
-        self._stages.move_to_end(key)
         return stage
 
     def _cast(self, part: str, dtype: torch.dtype) -> torch.nn.Module:
