@@ -2,7 +2,9 @@
 
 Capacity used to be constructor defaults scattered over the runners (LLM slots, KV length, flow buckets, row
 counts, the engine's active limit).  A serving process sizes all of them together from one object, so that the
-admission limit, the KV pool and the captured graph shapes can never disagree.  Leaf module: imports nothing of
+admission limit, the KV pool and the captured graph shapes can never disagree.  The LLM slot count defaults to
+what the GPU's free memory holds (:func:`resolve_llm_slots`; the arithmetic is the pure
+:func:`llm_slots_for_memory`), so one default serves an 80 GB and a 16 GB card.  Leaf module: imports nothing of
 the runtime.
 """
 
