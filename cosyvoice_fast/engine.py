@@ -1,19 +1,22 @@
 """The streaming engine: many requests, one GPU worker, audio chunks the moment their tokens exist.
 
-Shape of the runtime:
+Shape of the runtime (the engine is the only scheduler; stage backends execute the batch calls it makes):
 
 - ``Engine.stream(request)`` runs the frontend in the caller's thread (CPU/ONNX work must not hold the GPU
-  worker), hands a :class:`RequestState` to the worker and yields :class:`AudioChunk`s from the request's own
-  queue (blocking ``get``: no polling, a chunk is handed over the moment it is queued).
-- One worker thread owns all model work and interleaves requests step by step.  Each turn it
-  (1) drops cancelled requests, (2) starts LMs of new segments (prefill), (3) runs every *first* chunk that
-  is ready (first audio has priority) as one batched flow call where the backend offers ``chunk_batch``,
-  (4) advances every running LM by one token (the ``cudagraph`` LLM turns these into one batched decode
-  step), (5) runs one ready later chunk, earliest playback deadline first.  A new request therefore waits at
-  most one decode round, never behind another request's long tail.
+  worker), then offers a :class:`RequestState` to the **admission queue** and yields :class:`AudioChunk`s from
+  the request's own queue (blocking ``get``: no polling).  Capacity comes from one :class:`EngineConfig`:
+  at most ``max_streams`` requests run at once; more wait in the queue (its own TTFB stage, ``admission``)
+  and start when one finishes; only a request beyond ``queue_limit`` waiting ones is refused
+  (:class:`EngineBusy`, counted in ``stats()["rejected"]``).  A request cancelled while it waits never starts.
+- One worker thread owns all model work.  Each turn it (1) drops cancelled requests, (2) admits waiting
+  requests into free streams, (3) starts the LMs of new segments in one ``llm.prefill(states)`` per stage set,
+  never more than the backend's free slots (a request without a slot waits, it does not fail), (4) runs every
+  ready *first* chunk (first audio has priority) batched, (5) steps every running LM in one
+  ``llm.decode(states)`` per stage set, (6) runs every ready later chunk, earliest playback deadline first.
+  A new request therefore waits at most one turn, never behind another request's long tail.
 - Closing the iterator (or :meth:`Engine.cancel`, or dropping the iterator, even before its first chunk) marks
-  the request; the worker drops it before its next step, so its LM stops within one decode step and its caches
-  are freed.  A consumer blocked waiting for a chunk in another thread is woken (the stream just ends).
+  the request; the worker drops it before its next step, so its LM stops within one decode step and its slot,
+  KV cache and flow state are freed.  A consumer blocked waiting for a chunk in another thread is woken.
 - Observers (:meth:`Engine.add_observer`) see every request's telemetry once it is over, with its outcome
   (``ok``, ``cancelled``, ``error`` or ``rejected`` at admission): metrics hang off this hook.
 - An error in one request goes to that request's consumer only; the others keep streaming.
@@ -31,13 +34,13 @@ import numpy as np
 import torch
 
 from .backends.base import StageSet, check_available
-from .backends.cudagraph_flow import call_frames
 from .config import BackendConfig, ConfigError, StreamParams
+from .engine_config import EngineConfig
 from .modelfiles import LoadedModels
 from .request import AudioChunk, ModelInputs, SynthesisRequest
 from .runtime.state import RequestState, SegmentState
 from .runtime.vocoder_stream import vocode_chunk
-from .schedule import ChunkCall, ChunkCursor
+from .schedule import ChunkCall, ChunkCursor, call_frames
 from .telemetry import ChunkTiming, RequestTelemetry, now
 
 log = logging.getLogger(__name__)
@@ -57,15 +60,23 @@ class EngineBusy(RuntimeError):
     """The engine's admission queue is full: the request was refused (HTTP front ends answer 429/503)."""
 
 
+def _free_streams(config: EngineConfig, active: int) -> int:
+    return max(0, config.max_streams - active)
+
+
 class Engine:
     """Serve streaming synthesis requests on one set of loaded models."""
 
     def __init__(self, models: LoadedModels, frontend: object | None = None,
-                 backend: BackendConfig | None = None, max_active: int = 64):
+                 backend: BackendConfig | None = None, config: EngineConfig | None = None):
         self.models = models
         self.frontend = frontend
         self.default_backend = backend or BackendConfig()
-        self.max_active = max_active
+        self.config = config or EngineConfig()
+        self._rejected = 0  # refused at admission because the queue was full
+        self._admitted = 0  # left the admission queue
+        self._decode_calls = 0  # llm.decode calls (batched steps) and the rows they carried
+        self._decode_rows = 0
         self._stage_sets: dict[BackendConfig, StageSet] = {}
         self._stage_lock = threading.Lock()
         self._cv = threading.Condition()
@@ -89,7 +100,7 @@ class Engine:
                 check_available(config, self.models.device)
                 from .backends import build_stage_set
 
-                self._stage_sets[config] = build_stage_set(self.models, config)
+                self._stage_sets[config] = build_stage_set(self.models, config, self.config)
             return self._stage_sets[config]
 
     def store_flow_state(self, speaker: str, backend: BackendConfig | None = None) -> int:
@@ -180,17 +191,33 @@ class Engine:
             except Exception:  # metrics must never break synthesis
                 log.exception("telemetry observer %r failed", fn)
 
+    @property
+    def max_active(self) -> int:
+        """Requests running at once (``EngineConfig.max_streams``)."""
+        return self.config.max_streams
+
     def stats(self) -> dict[str, object]:
         """A snapshot for health checks, metrics and soak tests (the public seam: nothing outside reads the
         engine's private fields).  Keys: ``running`` (worker alive and not closed), ``active`` (admitted and
-        running), ``queued`` (waiting for admission), ``stage_sets`` (built stage sets as ``llm/flow/vocoder/dtype``
-        strings), ``observers``, ``max_active``."""
+        running), ``queued`` (waiting in the admission queue), ``stage_sets`` (built stage sets as
+        ``llm/flow/vocoder/dtype`` strings), ``observers``, ``max_active`` (= ``max_streams``), ``queue_limit``,
+        ``rejected`` (refused because the queue was full), ``admitted`` (requests that left the queue),
+        ``llm_slots`` / ``llm_slots_free`` (summed over the built stage sets; ``None`` when unbounded),
+        ``decode_steps`` / ``decode_rows`` (batched LLM decode calls and the request-steps they carried)."""
         with self._cv:
             active, queued = len(self._active), len(self._incoming)
+            rejected, admitted = self._rejected, self._admitted
+            steps, rows = self._decode_calls, self._decode_rows
         with self._stage_lock:
             sets = [f"{c.llm}/{c.flow}/{c.vocoder}/{c.dtype}" for c in self._stage_sets]
+            llms = [s.llm for s in self._stage_sets.values()]
+        caps = [getattr(m, "capacity", None) for m in llms]
+        slots = None if any(c is None for c in caps) else sum(caps)
+        free = None if slots is None else sum(m.free_slots() for m in llms)
         return {"running": self._thread.is_alive() and not self._closed, "active": active, "queued": queued,
-                "stage_sets": sets, "observers": len(self._observers), "max_active": self.max_active}
+                "stage_sets": sets, "observers": len(self._observers), "max_active": self.max_active,
+                "queue_limit": self.config.queue_limit, "rejected": rejected, "admitted": admitted,
+                "llm_slots": slots, "llm_slots_free": free, "decode_steps": steps, "decode_rows": rows}
 
     def active_requests(self) -> int:
         with self._cv:
@@ -250,9 +277,13 @@ class Engine:
             # checked again under the lock: a request queued after the worker exited would never be answered
             if self._closed:
                 raise EngineClosed("the engine is shut down")
-            if len(self._incoming) + len(self._active) >= self.max_active:
-                raise EngineBusy(f"the engine is at its limit of {self.max_active} active requests; "
-                                   "try again in a moment")
+            cfg = self.config
+            waiting = len(self._incoming) - _free_streams(cfg, len(self._active))  # beyond the free streams
+            if waiting >= cfg.queue_limit:
+                self._rejected += 1
+                raise EngineBusy(f"the engine is full: {len(self._active)} requests running (max_streams="
+                                 f"{cfg.max_streams}) and {len(self._incoming)} waiting (queue_limit="
+                                 f"{cfg.queue_limit}); try again in a moment")
             self._incoming.append(state)
             self._cv.notify_all()
         return state
@@ -267,9 +298,11 @@ class Engine:
                 if self._closed:
                     for st in list(self._incoming) + self._active:
                         self._fail(st, EngineClosed("the engine was shut down"))
+                    self._incoming.clear()
                     return
-                while self._incoming:
-                    self._active.append(self._incoming.popleft())
+                self._admit_waiting()
+            if not self._active:
+                continue
             try:
                 self._turn()
             except Exception as e:  # a scheduler bug must fail the requests in flight, never hang them
@@ -277,29 +310,38 @@ class Engine:
                 for st in list(self._active):
                     self._fail(st, RuntimeError(f"internal engine error ({type(e).__name__}): {e}"))
 
+    def _admit_waiting(self) -> None:
+        """Move waiting requests into free streams, oldest first (caller holds ``_cv``).  A request cancelled
+        while it waited ends here without ever starting."""
+        for st in [s for s in self._incoming if s.cancelled.is_set()]:
+            self._incoming.remove(st)
+            st.telemetry.cancelled = True
+            st.close()
+            st.out.put(_DONE)
+        while self._incoming and len(self._active) < self.config.max_streams:
+            st = self._incoming.popleft()
+            st.telemetry.admitted = now()
+            self._admitted += 1
+            self._active.append(st)
+
     def _turn(self) -> None:
         for st in list(self._active):
             if st.cancelled.is_set():
                 st.telemetry.cancelled = True
                 st.out.put(_DONE)  # wakes a consumer blocked on the queue in another thread
                 self._finish(st)
-        for st in list(self._active):
-            if st.segment is None:
-                self._guard(st, self._start_segment)
+        self._start_segments()
         first = [st for st in self._active if st.segment and st.segment.pending and st.chunks_emitted == 0]
         self._run_chunks(first)
-        for st in list(self._active):
-            seg = st.segment
-            if seg is not None and not seg.llm_done and not st.cancelled.is_set():
-                self._guard(st, self._llm_step)
+        self._decode()
         ready = [st for st in self._active if st.segment and st.segment.pending]
-        if ready:
-            ready.sort(key=lambda s: (s.chunks_emitted > 0, s.audio_samples_emitted / self.sample_rate
-                                      + s.telemetry.received))
-            if ready[0].chunks_emitted == 0:  # first chunks that became ready during this turn: all at once
-                self._run_chunks([st for st in ready if st.chunks_emitted == 0])
-            else:
-                self._guard(ready[0], self._run_chunk)
+        ready.sort(key=lambda s: (s.chunks_emitted > 0, s.audio_samples_emitted / self.sample_rate
+                                  + s.telemetry.received))
+        later = [st for st in ready if st.chunks_emitted > 0]
+        self._run_chunks([st for st in ready if st.chunks_emitted == 0])  # first chunks ready this turn
+        for st in later:
+            if st.segment is not None and st.segment.pending:
+                self._guard(st, self._run_chunk)
 
     def _guard(self, st: RequestState, fn: Callable[[RequestState], None]) -> None:
         if st not in self._active:
@@ -310,7 +352,44 @@ class Engine:
             log.exception("request %s failed", st.id)
             self._fail(st, e)
 
-    def _start_segment(self, st: RequestState) -> None:
+    @staticmethod
+    def _by_stage_set(states: list[RequestState]) -> list[list[RequestState]]:
+        groups: dict[int, list[RequestState]] = {}
+        for st in states:
+            groups.setdefault(id(st.stages), []).append(st)
+        return list(groups.values())
+
+    def _start_segments(self) -> None:
+        """Open the next segment of every request that has none, and prefill their LMs: one ``prefill`` call
+        per stage set over as many of them as the backend has free slots (oldest first; the rest wait)."""
+        starting: list[RequestState] = []
+        for st in list(self._active):
+            if st.segment is None and not st.cancelled.is_set():
+                self._guard(st, self._open_segment)
+                if st in self._active and st.segment is not None:
+                    starting.append(st)
+            elif st.segment is not None and not st.segment.llm_started:  # waiting for a free LLM slot
+                starting.append(st)
+        for group in self._by_stage_set(starting):
+            llm = group[0].stages.llm
+            free = llm.free_slots()
+            take = group if free is None else group[:free]
+            if not take:
+                continue
+            t0 = now()
+            for st in take:
+                if st.segment.index == 0:
+                    st.telemetry.prefill_start = t0
+            results = llm.prefill([st.segment.llm for st in take])
+            _sync(self.models.device)
+            t1 = now()
+            for st, res in zip(take, results):
+                st.segment.llm_started = True
+                if st.segment.index == 0:
+                    st.telemetry.prefill_done = t1
+                self._guard(st, lambda s, r=res: self._take_token(s, r))
+
+    def _open_segment(self, st: RequestState) -> None:
         segs = st.inputs.text_segments
         if st.next_segment >= len(segs):
             st.out.put(_DONE)
@@ -323,25 +402,43 @@ class Engine:
         params = st.request.stream_params
         st.segment = SegmentState(index=idx, text=text,
                                   cursor=ChunkCursor(prompt_len, params, self.models.config.chunk_size))
-        if idx == 0:
-            st.telemetry.prefill_start = now()
-        st.segment.token_iter = st.stages.llm.generate(st.inputs, text, st.llm_generator,
-                                                       st.request.max_tokens, st.request.ignore_eos)
-        self._llm_step(st)  # prefill + first token
-        if idx == 0:
-            st.telemetry.prefill_done = now()
+        st.segment.llm = st.stages.llm.new_state(st.inputs, text, st.llm_generator, st.request.max_tokens,
+                                                 st.request.ignore_eos)
+        if st.segment.llm.done:  # nothing to generate (a zero token budget): the segment ends at once
+            st.segment.llm_started = True
+            self._take_token(st, None)
 
-    def _llm_step(self, st: RequestState) -> None:
+    def _decode(self) -> None:
+        """One ``decode`` call per stage set over every running LM (the cudagraph LLM makes it one replay)."""
+        rows = [st for st in self._active if st.segment is not None and st.segment.llm_started
+                and not st.segment.llm_done and not st.cancelled.is_set()]
+        for group in self._by_stage_set(rows):
+            try:
+                results = group[0].stages.llm.decode([st.segment.llm for st in group])
+                if len(results) != len(group):
+                    raise RuntimeError(f"llm.decode returned {len(results)} results for {len(group)} states")
+            except Exception as e:  # noqa: BLE001 - the step failed as a whole: every row of it fails
+                log.exception("batched decode step for %d requests failed", len(group))
+                results = [e] * len(group)
+            with self._cv:
+                self._decode_calls += 1
+                self._decode_rows += len(group)
+            for st, res in zip(group, results):
+                self._guard(st, lambda s, r=res: self._take_token(s, r))
+
+    def _take_token(self, st: RequestState, res: object) -> None:
+        """Record one LLM result for ``st``: the token (or the end of its LM) and any chunk calls now ready."""
+        if isinstance(res, BaseException):
+            raise res
         seg = st.segment
-        assert seg is not None and seg.token_iter is not None
-        tok = next(seg.token_iter, None)
+        assert seg is not None and seg.llm is not None
         st.decode_steps += 1
-        if tok is None:
-            seg.llm_done = True
-            seg.token_iter = None
-        else:
-            seg.tokens.append(int(tok))
+        if res is not None:
+            seg.tokens.append(int(res))
             st.telemetry.token_times.append(now())
+        if seg.llm.done:
+            seg.llm_done = True
+            st.stages.llm.release(seg.llm)
         if st.request.stream:
             while (call := seg.cursor.next_call(len(seg.tokens), seg.llm_done)) is not None:
                 seg.pending.append((call, now()))
@@ -359,10 +456,7 @@ class Engine:
         has ``chunk_batch`` share one batched flow computation; every other chunk runs alone.  Vocoding and
         emission stay per request.  A failing batched call is retried item by item, so that only the culprit's
         request fails."""
-        groups: dict[int, list[RequestState]] = {}
-        for st in states:
-            groups.setdefault(id(st.stages), []).append(st)
-        for group in groups.values():
+        for group in self._by_stage_set(states):
             flow = group[0].stages.flow
             batch = getattr(flow, "chunk_batch", None)
             if len(group) == 1 or batch is None or getattr(flow, "max_batch", 2) <= 1:
@@ -447,7 +541,7 @@ class Engine:
         st.out.put(AudioChunk(samples=samples, index=timing.index, segment=seg.index,
                               sample_rate=self.sample_rate, is_last=is_last, timing=timing))
         if call.finalize:
-            seg.close()
+            seg.close(st.stages.llm)
             st.segment = None
             if is_last:
                 st.out.put(_DONE)
@@ -459,7 +553,7 @@ class Engine:
         self._finish(st)
 
     def _finish(self, st: RequestState) -> None:
-        st.close()
+        st.close()  # frees the LLM slot, flow and vocoder state
         if st in self._active:
             self._active.remove(st)
 

@@ -64,11 +64,6 @@ class ChunkCursor:
         self.token_offset = 0
         self.finished = False
 
-    def tokens_needed(self) -> int:
-        """Total tokens that must exist before the next non-final chunk can run."""
-        hop = hop_for(self.index, self.prompt_tokens, self.params, self.chunk_size)
-        return self.token_offset + hop + self.params.pre_lookahead_len
-
     def next_call(self, n_available: int, llm_done: bool) -> ChunkCall | None:
         if self.finished:
             return None
@@ -84,6 +79,12 @@ class ChunkCursor:
             return ChunkCall(self.index, self.token_offset, n_available - self.token_offset, n_available, 0,
                              finalize=True)
         return None
+
+
+def call_frames(call: ChunkCall, prompt_tokens: int, token_mel_ratio: int = 2) -> int:
+    """Estimator time length for one flow call: prompt + encoded tokens (look-ahead tokens are not encoded)."""
+    encoded = call.n_tokens - (0 if call.finalize else call.lookahead)
+    return token_mel_ratio * (prompt_tokens + encoded)
 
 
 def plan(prompt_tokens: int, total_tokens: int, params: StreamParams, chunk_size: int = 25) -> list[ChunkCall]:

@@ -9,8 +9,9 @@ import torch
 from ..config import BackendConfig
 from .base import StageSet
 
-def build_stage_set(models, config: BackendConfig) -> StageSet:  # noqa: ANN001 - LoadedModels (import cycle)
-    """Instantiate the stage implementations ``config`` names, over ``models`` (cast copies if dtype differs)."""
+def build_stage_set(models, config: BackendConfig, engine_config=None) -> StageSet:  # noqa: ANN001 - LoadedModels, EngineConfig
+    """Instantiate the stage implementations ``config`` names, over ``models`` (cast copies if dtype differs);
+    ``engine_config`` (an :class:`~cosyvoice_fast.engine_config.EngineConfig`) sizes the graph runners."""
     from . import eager
 
     dtype = config.torch_dtype
@@ -25,7 +26,10 @@ def build_stage_set(models, config: BackendConfig) -> StageSet:  # noqa: ANN001 
     elif config.llm == "cudagraph":
         from .cudagraph_llm import CudaGraphLLM
 
-        llm_stage = CudaGraphLLM(llm, models.config)
+        kw = {}
+        if engine_config is not None:
+            kw = {"slots": engine_config.llm_slots or engine_config.max_streams, "max_len": engine_config.max_context}
+        llm_stage = CudaGraphLLM(llm, models.config, **kw)
     else:
         from .trtllm import TrtLlmLLM
 

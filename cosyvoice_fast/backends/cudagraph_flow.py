@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from ..config import ModelConfig, StreamParams
-from ..schedule import ChunkCall, plan
+from ..schedule import ChunkCall, call_frames, plan
 from .base import BackendUnavailable
 from .eager import flow_chunk_mel, flow_chunk_mel_batch
 
@@ -70,12 +70,6 @@ def bucket_rows(rows: int, sizes: Sequence[int] = ROW_SIZES) -> int | None:
     if rows < 1:
         raise ValueError(f"an estimator call needs at least one row, got {rows}")
     return next((r for r in sorted(sizes) if r >= rows), None)
-
-
-def call_frames(call: ChunkCall, prompt_tokens: int, token_mel_ratio: int = 2) -> int:
-    """Estimator time length for one flow call: prompt + encoded tokens (look-ahead tokens are not encoded)."""
-    encoded = call.n_tokens - (0 if call.finalize else call.lookahead)
-    return token_mel_ratio * (prompt_tokens + encoded)
 
 
 def schedule_frames(prompt_tokens: int, total_tokens: int, params: StreamParams | None = None,
