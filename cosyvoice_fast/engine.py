@@ -203,7 +203,9 @@ class Engine:
         ``llm/flow/vocoder/dtype`` strings), ``observers``, ``max_active`` (= ``max_streams``), ``queue_limit``,
         ``rejected`` (refused because the queue was full), ``admitted`` (requests that left the queue),
         ``llm_slots`` / ``llm_slots_free`` (summed over the built stage sets; ``None`` when unbounded),
-        ``decode_steps`` / ``decode_rows`` (batched LLM decode calls and the request-steps they carried)."""
+        ``decode_steps`` / ``decode_rows`` (batched LLM decode calls and the request-steps they carried),
+        ``graph_captures`` (CUDA graphs captured in this process: constant after start-up except for the
+        exact-shape flow-encoder and HiFT graphs of a new chunk length)."""
         with self._cv:
             active, queued = len(self._active), len(self._incoming)
             rejected, admitted = self._rejected, self._admitted
@@ -211,13 +213,16 @@ class Engine:
         with self._stage_lock:
             sets = [f"{c.llm}/{c.flow}/{c.vocoder}/{c.dtype}" for c in self._stage_sets]
             llms = [s.llm for s in self._stage_sets.values()]
+        from .backends.graphs import captures
+
         caps = [getattr(m, "capacity", None) for m in llms]
         slots = None if any(c is None for c in caps) else sum(caps)
         free = None if slots is None else sum(m.free_slots() for m in llms)
         return {"running": self._thread.is_alive() and not self._closed, "active": active, "queued": queued,
                 "stage_sets": sets, "observers": len(self._observers), "max_active": self.max_active,
                 "queue_limit": self.config.queue_limit, "rejected": rejected, "admitted": admitted,
-                "llm_slots": slots, "llm_slots_free": free, "decode_steps": steps, "decode_rows": rows}
+                "llm_slots": slots, "llm_slots_free": free, "decode_steps": steps, "decode_rows": rows,
+                "graph_captures": captures()}
 
     def active_requests(self) -> int:
         with self._cv:
@@ -335,13 +340,8 @@ class Engine:
         self._run_chunks(first)
         self._decode()
         ready = [st for st in self._active if st.segment and st.segment.pending]
-        ready.sort(key=lambda s: (s.chunks_emitted > 0, s.audio_samples_emitted / self.sample_rate
-                                  + s.telemetry.received))
-        later = [st for st in ready if st.chunks_emitted > 0]
-        self._run_chunks([st for st in ready if st.chunks_emitted == 0])  # first chunks ready this turn
-        for st in later:
-            if st.segment is not None and st.segment.pending:
-                self._guard(st, self._run_chunk)
+        ready.sort(key=lambda s: s.audio_samples_emitted / self.sample_rate + s.telemetry.received)
+        self._run_chunks(ready)  # every ready chunk (first or later), earliest playback deadline first, batched
 
     def _guard(self, st: RequestState, fn: Callable[[RequestState], None]) -> None:
         if st not in self._active:
@@ -468,6 +468,7 @@ class Engine:
                 if st in self._active:
                     call, timing = self._take_call(st)
                     taken.append((st, call, timing))
+                    st.segment.flow_info = None  # the backend reports incremental chunks; the rest recompute
             start = now()
             items = [(st.segment, st.inputs, self._call_tokens(st, call), call) for st, call, _ in taken]
             try:
@@ -483,8 +484,6 @@ class Engine:
             end = now()
             for (st, call, timing), mel in zip(taken, mels):
                 timing.flow_start, timing.flow_end = start, end  # the mel existed when the whole batch did
-                if st.segment is not None:
-                    st.segment.flow_info = None  # a batched solve recomputes (see CudaGraphFlow.chunk_batch)
                 self._flow_info(st, call, timing)
                 self._guard(st, lambda s, c=call, t=timing, m=mel: self._emit(s, c, t, m))
 

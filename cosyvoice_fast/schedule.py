@@ -87,6 +87,16 @@ def call_frames(call: ChunkCall, prompt_tokens: int, token_mel_ratio: int = 2) -
     return token_mel_ratio * (prompt_tokens + encoded)
 
 
+def bucket_frames(frames: int, granularity: int = 50) -> int:
+    """The captured length serving an estimator input of ``frames`` frames: the next multiple of
+    ``granularity`` (at least one granule)."""
+    if frames < 1:
+        raise ValueError(f"an estimator input needs at least one frame, got {frames}")
+    if granularity < 1:
+        raise ValueError(f"bucket granularity must be >= 1, got {granularity}")
+    return max(1, math.ceil(frames / granularity)) * granularity
+
+
 def plan(prompt_tokens: int, total_tokens: int, params: StreamParams, chunk_size: int = 25) -> list[ChunkCall]:
     """The whole schedule for a stream whose final length is known (tests, the dashboard's 'what it buys')."""
     cur = ChunkCursor(prompt_tokens, params, chunk_size)

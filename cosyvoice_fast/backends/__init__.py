@@ -43,7 +43,11 @@ def build_stage_set(models, config: BackendConfig, engine_config=None) -> StageS
     elif config.flow == "cudagraph":
         from .cudagraph_flow import CudaGraphFlow
 
-        flow_stage = CudaGraphFlow(flow, models.config, incremental=config.incremental)
+        kw = {}
+        if engine_config is not None:
+            kw = {"buckets": engine_config.flow_buckets, "rows": engine_config.flow_rows,
+                  "capture_at_start": engine_config.capture_at_start}
+        flow_stage = CudaGraphFlow(flow, models.config, incremental=config.incremental, **kw)
     else:
         from .tensorrt_flow import TensorRTFlow
 

@@ -67,6 +67,7 @@ from ..config import ModelConfig
 from ..models.qwen2 import KVCache, KVCacheFullError
 from ..models.sampling import random_sample
 from .base import BackendUnavailable, LLMState, StepResult, accept_token, new_llm_state
+from .graphs import capture
 from .kv_pool import SlotPool
 
 log = logging.getLogger(__name__)
@@ -350,17 +351,9 @@ class CudaGraphLLM:
                 self._prefill_math(s0, n)
         torch.cuda.synchronize(self.device)
         scratch = torch.cuda.graph_pool_handle()
-        # capture_begin/end rather than ``torch.cuda.graph``: that one runs gc.collect() and empty_cache() per graph.
-        with torch.cuda.stream(side):
-            for where, key, math in tqdm(jobs, desc="capturing LLM graphs", unit="graph", disable=not progress,
-                                         leave=False):
-                g = torch.cuda.CUDAGraph()
-                g.capture_begin(pool=scratch, capture_error_mode="thread_local")
-                try:
-                    math()
-                finally:
-                    g.capture_end()
-                where[key] = g
+        for where, key, math in tqdm(jobs, desc="capturing LLM graphs", unit="graph", disable=not progress,
+                                     leave=False):
+            where[key], _ = capture(math, self.device, scratch, warmup=0)  # warmed up above, once per shape
         torch.cuda.synchronize(self.device)
         return len(jobs)
 
