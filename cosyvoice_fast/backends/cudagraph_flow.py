@@ -31,7 +31,6 @@ right never reach a real frame.  ``tests/test_flow_backends.py`` checks padded =
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from typing import Any, Iterable, Sequence
 

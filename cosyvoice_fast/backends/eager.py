@@ -202,11 +202,6 @@ class EagerFlow:
                                     same_length=not self.share_padded)
 
 
-def chunk_batch_loop(stage: Any, items: Sequence[ChunkItem]) -> list[torch.Tensor]:
-    """The default ``chunk_batch`` for a flow stage without a batched path: one ``chunk`` per item."""
-    return [stage.chunk(*item) for item in items]
-
-
 class EagerVocoder:
     """HiFT in fp32 with the request's own generator for the NSF source noise."""
 
