@@ -112,7 +112,7 @@ class Engine:
         mismatching one is ignored and recomputed), and large: ~2.3 MB per committed prompt frame in bf16 at
         full size (~230 MB for a 3 s prompt)."""
         from .frontend.pipeline import FLOW_STATE_PREFIX, Frontend
-        from .runtime.flow_state import IncrementalFlow
+        from .backends.incremental_flow import IncrementalFlow
 
         if self.frontend is None:
             raise ValueError("this engine has no frontend, so it has no speaker cache")

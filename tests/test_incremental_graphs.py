@@ -12,7 +12,7 @@ from cosyvoice_fast.backends.cudagraph_incremental import GraphIncrementalFlow, 
 from cosyvoice_fast.backends.eager import flow_chunk_mel
 from cosyvoice_fast.config import StreamParams
 from cosyvoice_fast.models.flow_incremental import StaticDecoderCache
-from cosyvoice_fast.runtime.flow_state import FlowState, IncrementalFlow, state_bytes_per_frame
+from cosyvoice_fast.backends.incremental_flow import FlowState, IncrementalFlow, state_bytes_per_frame
 from cosyvoice_fast.schedule import plan
 
 from test_incremental_flow import SCHEDULES, TOL, _inputs, _max_err, _tokens

@@ -37,7 +37,7 @@ def build_stage_set(models, config: BackendConfig, engine_config=None) -> StageS
     if config.flow == "eager" and not config.incremental:
         flow_stage = eager.EagerFlow(flow, models.config)
     elif config.flow in ("eager", "incremental"):
-        from ..runtime.flow_state import IncrementalFlow
+        from .incremental_flow import IncrementalFlow
 
         flow_stage = IncrementalFlow(flow, models.config)
     elif config.flow == "cudagraph":

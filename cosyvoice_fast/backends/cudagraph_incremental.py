@@ -1,6 +1,6 @@
 """The incremental flow with its estimator solve replayed as CUDA graphs over fixed-size state buffers.
 
-Eager incremental execution (:class:`~cosyvoice_fast.runtime.flow_state.IncrementalFlow`) computes only each
+Eager incremental execution (:class:`~cosyvoice_fast.backends.incremental_flow.IncrementalFlow`) computes only each
 chunk's new frames, but on a GPU it is launch-bound: ten Euler steps of a few hundred small kernels each,
 plus the bookkeeping of growing key/value lists.  Here the whole guided solve of one chunk (all Euler steps,
 CFG pair) is one graph replay.  A graph bakes in its memory addresses, so the state cannot be a per-request
@@ -34,7 +34,7 @@ same runner executes eagerly (no capture), which is how ``tests/test_incremental
 against upstream's full recompute.
 
 Capacity: a segment whose frames would exceed ``max_frames`` (default 1500 = 30 s of mel including the
-prompt) raises :class:`~cosyvoice_fast.runtime.flow_state.StateCapacityError`, and that segment continues on
+prompt) raises :class:`~cosyvoice_fast.backends.incremental_flow.StateCapacityError`, and that segment continues on
 the full-recompute path (exact, slower); the text frontend splits long texts into sentences well below that.
 """
 
@@ -53,7 +53,7 @@ from torch import Tensor, nn
 from ..models.cfm import NOISE_FRAMES, euler_schedule
 from ..models.flow_incremental import (EncoderCache, StaticDecoderCache, StaticWindow, check_estimator,
                                        encoder_commit_point, estimator_layout, guided_solve, static_mask)
-from ..runtime.flow_state import FlowState, IncrementalFlow, StateCapacityError
+from .incremental_flow import FlowState, IncrementalFlow, StateCapacityError
 from ..schedule import ChunkCall, bucket_frames
 from .graphs import capture
 
@@ -71,7 +71,7 @@ class _Graph:
 
 class IncrementalEstimatorGraphs:
     """The estimator half of an incremental flow call (``decode`` of
-    :func:`~cosyvoice_fast.runtime.flow_state.run_increment`) over fixed-size buffers, replayed as graphs.
+    :func:`~cosyvoice_fast.backends.incremental_flow.run_increment`) over fixed-size buffers, replayed as graphs.
 
     ``capture=False`` (always on CPU) runs the same function eagerly on the same buffers.
     """
@@ -264,7 +264,7 @@ class IncrementalEstimatorGraphs:
 
 
 def recompute_encoder(encode: Any):
-    """An ``encode`` for :func:`~cosyvoice_fast.runtime.flow_state.run_increment` that re-runs the whole
+    """An ``encode`` for :func:`~cosyvoice_fast.backends.incremental_flow.run_increment` that re-runs the whole
     (chunk-causal) encoder with ``encode`` (``flow.encode``'s signature, e.g. a graph-replaying
     :class:`~cosyvoice_fast.backends.cudagraph_flow.GraphEncoder`) and keeps the new frames.
 

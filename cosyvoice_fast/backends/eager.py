@@ -7,7 +7,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..config import ModelConfig
-from ..schedule import ChunkCall
+from ..schedule import ChunkCall, plan_solves
 from .base import LLMState, StepResult, accept_token, new_llm_state
 
 
@@ -114,26 +114,6 @@ def flow_chunk_mel(flow: torch.nn.Module, inputs: Any, tokens: torch.Tensor, cal
 
 #: ``(seg, inputs, tokens, call)``: one request's pending flow call, as passed to ``FlowStage.chunk``.
 ChunkItem = tuple[Any, Any, torch.Tensor, ChunkCall]
-
-
-def plan_solves(frames: list[int], max_items: int, cost: Callable[[int, int], float] | None = None,
-                budget: float | None = None, same_length: bool = False) -> list[list[int]]:
-    """Split item indices (with estimator lengths ``frames``) into batched solves.
-
-    Items are taken shortest first (similar lengths share a solve: less padding), at most ``max_items`` per
-    solve, and while ``cost(n_items, longest_frames) <= budget`` when both are given (a solve that would
-    exceed the budget starts a new one; a single item always fits).  ``same_length`` lets only equal lengths
-    share a solve (no padding at all)."""
-    order = sorted(range(len(frames)), key=lambda i: frames[i])
-    groups: list[list[int]] = []
-    for i in order:  # ascending, so item i is the longest of the solve it joins
-        g = groups[-1] if groups else None
-        if g is not None and len(g) < max_items and (not same_length or frames[g[0]] == frames[i]) and (
-                cost is None or budget is None or cost(len(g) + 1, frames[i]) <= budget):
-            g.append(i)
-        else:
-            groups.append([i])
-    return groups
 
 
 def flow_chunk_mel_batch(flow: torch.nn.Module, items: Sequence[ChunkItem], stream: bool = True,
