@@ -39,13 +39,13 @@ from .engine_config import EngineConfig
 from .modelfiles import LoadedModels
 from .request import AudioChunk, ModelInputs, SynthesisRequest
 from .runtime.state import RequestState, SegmentState
+from .runtime.stream import DONE, RequestStream
 from .runtime.vocoder_stream import vocode_chunk
 from .schedule import ChunkCall, ChunkCursor, call_frames
 from .telemetry import ChunkTiming, RequestTelemetry, now
 
 log = logging.getLogger(__name__)
 
-_DONE = object()
 
 #: ``observer(telemetry, outcome)``; outcome is one of :data:`OUTCOMES`.
 Observer = Callable[[RequestTelemetry, str], None]
@@ -322,7 +322,7 @@ class Engine:
             self._incoming.remove(st)
             st.telemetry.cancelled = True
             st.close()
-            st.out.put(_DONE)
+            st.out.put(DONE)
         while self._incoming and len(self._active) < self.config.max_streams:
             st = self._incoming.popleft()
             st.telemetry.admitted = now()
@@ -333,7 +333,7 @@ class Engine:
         for st in list(self._active):
             if st.cancelled.is_set():
                 st.telemetry.cancelled = True
-                st.out.put(_DONE)  # wakes a consumer blocked on the queue in another thread
+                st.out.put(DONE)  # wakes a consumer blocked on the queue in another thread
                 self._finish(st)
         self._start_segments()
         first = [st for st in self._active if st.segment and st.segment.pending and st.chunks_emitted == 0]
@@ -392,7 +392,7 @@ class Engine:
     def _open_segment(self, st: RequestState) -> None:
         segs = st.inputs.text_segments
         if st.next_segment >= len(segs):
-            st.out.put(_DONE)
+            st.out.put(DONE)
             self._finish(st)
             return
         idx = st.next_segment
@@ -543,7 +543,7 @@ class Engine:
             seg.close(st.stages.llm)
             st.segment = None
             if is_last:
-                st.out.put(_DONE)
+                st.out.put(DONE)
                 self._finish(st)
 
     def _fail(self, st: RequestState, err: BaseException) -> None:
@@ -555,73 +555,6 @@ class Engine:
         st.close()  # frees the LLM slot, flow and vocoder state
         if st in self._active:
             self._active.remove(st)
-
-
-class RequestStream:
-    """The consumer side of one request: iterate for :class:`AudioChunk`s.
-
-    ``close()`` (also on ``with`` exit and when the object is garbage-collected, even before the first chunk)
-    cancels the request if it is still running.  Unlike a generator it may be closed from another thread while a
-    ``next`` is blocked waiting: that ``next`` then ends the iteration.
-    """
-
-    def __init__(self, engine: Engine, state: RequestState):
-        self._engine = engine
-        self._state = state
-        self._got_last = False
-        self._ended = False
-        self._lock = threading.Lock()
-
-    @property
-    def request_id(self) -> str:
-        return self._state.id
-
-    def __iter__(self) -> "RequestStream":
-        return self
-
-    def __next__(self) -> AudioChunk:
-        if self._ended:
-            raise StopIteration
-        item = self._state.out.get()
-        if item is _DONE:
-            self._end("ok" if self._got_last else "cancelled")
-            raise StopIteration
-        if isinstance(item, BaseException):
-            self._end("error")
-            raise item
-        item.timing.delivered = now()
-        if item.is_last:
-            self._got_last = True
-            self._state.telemetry.finished = item.timing.delivered
-            item.telemetry = self._state.telemetry
-        return item
-
-    def close(self) -> None:
-        self._end("ok" if self._got_last else "cancelled")
-
-    def _end(self, outcome: str) -> None:
-        with self._lock:
-            if self._ended:
-                return
-            self._ended = True
-        st = self._state
-        if not st.done:
-            st.cancelled.set()
-            with self._engine._cv:
-                self._engine._cv.notify_all()
-        self._engine._notify(st.telemetry, outcome)
-
-    def __enter__(self) -> "RequestStream":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
 
 def _sync(device: torch.device) -> None:
