@@ -12,8 +12,11 @@ Shape of the runtime (the engine is the only scheduler; stage backends execute t
   requests into free streams, (3) starts the LMs of new segments in one ``llm.prefill(states)`` per stage set,
   never more than the backend's free slots (a request without a slot waits, it does not fail), (4) runs every
   ready *first* chunk (first audio has priority) batched, (5) steps every running LM in one
-  ``llm.decode(states)`` per stage set, (6) runs every ready later chunk, earliest playback deadline first.
-  A new request therefore waits at most one turn, never behind another request's long tail.
+  ``llm.decode(states)`` per stage set, (6) runs every ready chunk of every request (first or later, earliest
+  playback deadline first) in one flow call per stage set (``chunk_batch``: streams already on the incremental
+  path continue there, the rest share batched solves per length bucket); vocoding stays per request.
+  A new request therefore waits at most one turn, never behind another request's long tail.  Everything runs
+  on one CUDA stream (``EngineConfig.cuda_streams`` is not used yet: no LLM/flow overlap).
 - Closing the iterator (or :meth:`Engine.cancel`, or dropping the iterator, even before its first chunk) marks
   the request; the worker drops it before its next step, so its LM stops within one decode step and its slot,
   KV cache and flow state are freed.  A consumer blocked waiting for a chunk in another thread is woken.
