@@ -265,9 +265,21 @@ class Engine:
             self._notify(tele, "rejected")
             raise
 
+    def _check_room(self) -> None:
+        """Raise :class:`EngineBusy` (and count it) when the admission queue is full (caller holds ``_cv``)."""
+        cfg = self.config
+        waiting = len(self._incoming) - _free_streams(cfg, len(self._active))  # beyond the free streams
+        if waiting >= cfg.queue_limit:
+            self._rejected += 1
+            raise EngineBusy(f"the engine is full: {len(self._active)} requests running (max_streams="
+                             f"{cfg.max_streams}) and {len(self._incoming)} waiting (queue_limit="
+                             f"{cfg.queue_limit}); try again in a moment")
+
     def _admit_checked(self, request: SynthesisRequest, tele: RequestTelemetry) -> RequestState:
         if self._closed:
             raise EngineClosed("the engine is shut down")
+        with self._cv:  # refuse before the frontend's work when the queue is already full
+            self._check_room()
         cfg = request.backend or self.default_backend
         tele.params = {"backend": f"{cfg.llm}/{cfg.flow}/{cfg.vocoder}", "dtype": cfg.dtype,
                        "incremental_flow": cfg.incremental,
@@ -285,13 +297,7 @@ class Engine:
             # checked again under the lock: a request queued after the worker exited would never be answered
             if self._closed:
                 raise EngineClosed("the engine is shut down")
-            cfg = self.config
-            waiting = len(self._incoming) - _free_streams(cfg, len(self._active))  # beyond the free streams
-            if waiting >= cfg.queue_limit:
-                self._rejected += 1
-                raise EngineBusy(f"the engine is full: {len(self._active)} requests running (max_streams="
-                                 f"{cfg.max_streams}) and {len(self._incoming)} waiting (queue_limit="
-                                 f"{cfg.queue_limit}); try again in a moment")
+            self._check_room()
             self._incoming.append(state)
             self._cv.notify_all()
         return state
