@@ -371,7 +371,6 @@ class StreamParams:
               "use 0 to 3 tokens (the model was trained with 3)")
 
 
-BACKEND_NAMES = ("eager", "cudagraph", "tensorrt", "trtllm")
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 

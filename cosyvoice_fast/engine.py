@@ -1,19 +1,25 @@
 """The streaming engine: many requests, one GPU worker, audio chunks the moment their tokens exist.
 
-Shape of the runtime:
+Shape of the runtime (the engine is the only scheduler; stage backends execute the batch calls it makes):
 
 - ``Engine.stream(request)`` runs the frontend in the caller's thread (CPU/ONNX work must not hold the GPU
-  worker), hands a :class:`RequestState` to the worker and yields :class:`AudioChunk`s from the request's own
-  queue (blocking ``get``: no polling, a chunk is handed over the moment it is queued).
-- One worker thread owns all model work and interleaves requests step by step.  Each turn it
-  (1) drops cancelled requests, (2) starts LMs of new segments (prefill), (3) runs every *first* chunk that
-  is ready (first audio has priority) as one batched flow call where the backend offers ``chunk_batch``,
-  (4) advances every running LM by one token (the ``cudagraph`` LLM turns these into one batched decode
-  step), (5) runs one ready later chunk, earliest playback deadline first.  A new request therefore waits at
-  most one decode round, never behind another request's long tail.
+  worker), then offers a :class:`RequestState` to the **admission queue** and yields :class:`AudioChunk`s from
+  the request's own queue (blocking ``get``: no polling).  Capacity comes from one :class:`EngineConfig`:
+  at most ``max_streams`` requests run at once; more wait in the queue (its own TTFB stage, ``admission``)
+  and start when one finishes; only a request beyond ``queue_limit`` waiting ones is refused
+  (:class:`EngineBusy`, counted in ``stats()["rejected"]``).  A request cancelled while it waits never starts.
+- One worker thread owns all model work.  Each turn it (1) drops cancelled requests, (2) admits waiting
+  requests into free streams, (3) starts the LMs of new segments in one ``llm.prefill(states)`` per stage set,
+  never more than the backend's free slots (a request without a slot waits, it does not fail), (4) runs every
+  ready *first* chunk (first audio has priority) batched, (5) steps every running LM in one
+  ``llm.decode(states)`` per stage set, (6) runs every ready chunk of every request (first or later, earliest
+  playback deadline first) in one flow call per stage set (``chunk_batch``: streams already on the incremental
+  path continue there, the rest share batched solves per length bucket); vocoding stays per request.
+  A new request therefore waits at most one turn, never behind another request's long tail.  Everything runs
+  on one CUDA stream (``EngineConfig.cuda_streams`` is not used yet: no LLM/flow overlap).
 - Closing the iterator (or :meth:`Engine.cancel`, or dropping the iterator, even before its first chunk) marks
-  the request; the worker drops it before its next step, so its LM stops within one decode step and its caches
-  are freed.  A consumer blocked waiting for a chunk in another thread is woken (the stream just ends).
+  the request; the worker drops it before its next step, so its LM stops within one decode step and its slot,
+  KV cache and flow state are freed.  A consumer blocked waiting for a chunk in another thread is woken.
 - Observers (:meth:`Engine.add_observer`) see every request's telemetry once it is over, with its outcome
   (``ok``, ``cancelled``, ``error`` or ``rejected`` at admission): metrics hang off this hook.
 - An error in one request goes to that request's consumer only; the others keep streaming.
@@ -32,19 +38,18 @@ import torch
 
 from .backends import StageCache
 from .backends.base import StageSet, check_available
-from .backends.cudagraph_flow import call_frames
 from .config import BackendConfig, ConfigError, StreamParams
 from .engine_config import EngineConfig
 from .modelfiles import LoadedModels
 from .request import AudioChunk, ModelInputs, SynthesisRequest
 from .runtime.state import RequestState, SegmentState
+from .runtime.stream import DONE, RequestStream
 from .runtime.vocoder_stream import vocode_chunk
-from .schedule import ChunkCall, ChunkCursor
+from .schedule import ChunkCall, ChunkCursor, call_frames
 from .telemetry import ChunkTiming, RequestTelemetry, now
 
 log = logging.getLogger(__name__)
 
-_DONE = object()
 
 #: ``observer(telemetry, outcome)``; outcome is one of :data:`OUTCOMES`.
 Observer = Callable[[RequestTelemetry, str], None]
@@ -59,17 +64,23 @@ class EngineBusy(RuntimeError):
     """The engine's admission queue is full: the request was refused (HTTP front ends answer 429/503)."""
 
 
+def _free_streams(config: EngineConfig, active: int) -> int:
+    return max(0, config.max_streams - active)
+
+
 class Engine:
     """Serve streaming synthesis requests on one set of loaded models."""
 
     def __init__(self, models: LoadedModels, frontend: object | None = None,
-                 backend: BackendConfig | None = None, max_active: int | None = None,
-                 config: EngineConfig | None = None):
+                 backend: BackendConfig | None = None, config: EngineConfig | None = None):
         self.models = models
         self.frontend = frontend
         self.default_backend = backend or BackendConfig()
-        self.config = config or EngineConfig(**({} if max_active is None else {"max_streams": max_active}))
-        self.max_active = self.config.max_streams
+        self.config = config or EngineConfig()
+        self._rejected = 0  # refused at admission because the queue was full
+        self._admitted = 0  # left the admission queue
+        self._decode_calls = 0  # llm.decode calls (batched steps) and the rows they carried
+        self._decode_rows = 0
         self._stage_sets = StageCache(models, self.config)
         self._stage_lock = threading.Lock()
         self._cv = threading.Condition()
@@ -104,7 +115,7 @@ class Engine:
         mismatching one is ignored and recomputed), and large: ~2.3 MB per committed prompt frame in bf16 at
         full size (~230 MB for a 3 s prompt)."""
         from .frontend.pipeline import FLOW_STATE_PREFIX, Frontend
-        from .runtime.flow_state import IncrementalFlow
+        from .backends.incremental_flow import IncrementalFlow
 
         if self.frontend is None:
             raise ValueError("this engine has no frontend, so it has no speaker cache")
@@ -183,24 +194,43 @@ class Engine:
             except Exception:  # metrics must never break synthesis
                 log.exception("telemetry observer %r failed", fn)
 
+    @property
+    def max_active(self) -> int:
+        """Requests running at once (``EngineConfig.max_streams``)."""
+        return self.config.max_streams
+
     def stats(self) -> dict[str, object]:
         """A snapshot for health checks, metrics and soak tests (the public seam: nothing outside reads the
         engine's private fields).  Keys: ``running`` (worker alive and not closed), ``active`` (admitted and
-        running), ``queued`` (waiting for admission), ``stage_sets`` (built stage sets as ``llm/flow/vocoder/dtype``
-        strings), ``observers``, ``max_active``; also ``stage_configs`` (the cached sets' backend configs as dicts,
-        ``incremental`` included), ``stages_built`` (implementations as ``stage/backend/dtype``, least recently used
-        first), ``stage_variants`` (the bound per stage), ``queue_limit`` and ``llm_slots`` (``None``: sized when
-        the cudagraph LLM is built) from the engine's config."""
+        running), ``queued`` (waiting in the admission queue), ``stage_sets`` (built stage sets as
+        ``llm/flow/vocoder/dtype`` strings), ``observers``, ``max_active`` (= ``max_streams``), ``queue_limit``,
+        ``rejected`` (refused because the queue was full), ``admitted`` (requests that left the queue),
+        ``llm_slots`` / ``llm_slots_free`` (summed over the built LLM stages; ``None`` when unbounded),
+        ``decode_steps`` / ``decode_rows`` (batched LLM decode calls and the request-steps they carried),
+        ``graph_captures`` (CUDA graphs captured in this process: constant after start-up except for the
+        exact-shape flow-encoder and HiFT graphs of a new chunk length); also ``stage_configs`` (the cached sets'
+        backend configs as dicts), ``stages_built`` (implementations as ``stage/backend/dtype``, least recently
+        used first) and ``stage_variants`` (the bound per stage)."""
         with self._cv:
             active, queued = len(self._active), len(self._incoming)
+            rejected, admitted = self._rejected, self._admitted
+            steps, rows = self._decode_calls, self._decode_rows
         configs = self._stage_sets.configs()  # the cache's own lock: a build in progress does not block this
         built = self._stage_sets.stage_names()
         sets = [f"{c.llm}/{c.flow}/{c.vocoder}/{c.dtype}" for c in configs]
+        llms = list({id(m): m for m in self._stage_sets.llm_stages()}.values())  # shared between sets: count once
+        from .backends.graphs import captures
+
+        caps = [getattr(m, "capacity", None) for m in llms]
+        slots = None if any(c is None for c in caps) else sum(caps)
+        free = None if slots is None else sum(m.free_slots() for m in llms)
         return {"running": self._thread.is_alive() and not self._closed, "active": active, "queued": queued,
                 "stage_sets": sets, "observers": len(self._observers), "max_active": self.max_active,
+                "queue_limit": self.config.queue_limit, "rejected": rejected, "admitted": admitted,
+                "llm_slots": slots, "llm_slots_free": free, "decode_steps": steps, "decode_rows": rows,
                 "stage_configs": [{k: getattr(c, k) for k in BackendConfig.__slots__} for c in configs],
                 "stages_built": built, "stage_variants": self.config.stage_variants,
-                "queue_limit": self.config.queue_limit, "llm_slots": self.config.llm_slots}
+                "graph_captures": captures()}
 
     def active_requests(self) -> int:
         with self._cv:
@@ -240,9 +270,21 @@ class Engine:
             self._notify(tele, "rejected")
             raise
 
+    def _check_room(self) -> None:
+        """Raise :class:`EngineBusy` (and count it) when the admission queue is full (caller holds ``_cv``)."""
+        cfg = self.config
+        waiting = len(self._incoming) - _free_streams(cfg, len(self._active))  # beyond the free streams
+        if waiting >= cfg.queue_limit:
+            self._rejected += 1
+            raise EngineBusy(f"the engine is full: {len(self._active)} requests running (max_streams="
+                             f"{cfg.max_streams}) and {len(self._incoming)} waiting (queue_limit="
+                             f"{cfg.queue_limit}); try again in a moment")
+
     def _admit_checked(self, request: SynthesisRequest, tele: RequestTelemetry) -> RequestState:
         if self._closed:
             raise EngineClosed("the engine is shut down")
+        with self._cv:  # refuse before the frontend's work when the queue is already full
+            self._check_room()
         cfg = request.backend or self.default_backend
         tele.params = {"backend": f"{cfg.llm}/{cfg.flow}/{cfg.vocoder}", "dtype": cfg.dtype,
                        "incremental_flow": cfg.incremental,
@@ -260,9 +302,7 @@ class Engine:
             # checked again under the lock: a request queued after the worker exited would never be answered
             if self._closed:
                 raise EngineClosed("the engine is shut down")
-            if len(self._incoming) + len(self._active) >= self.max_active:
-                raise EngineBusy(f"the engine is at its limit of {self.max_active} active requests; "
-                                   "try again in a moment")
+            self._check_room()
             self._incoming.append(state)
             self._cv.notify_all()
         return state
@@ -277,9 +317,11 @@ class Engine:
                 if self._closed:
                     for st in list(self._incoming) + self._active:
                         self._fail(st, EngineClosed("the engine was shut down"))
+                    self._incoming.clear()
                     return
-                while self._incoming:
-                    self._active.append(self._incoming.popleft())
+                self._admit_waiting()
+            if not self._active:
+                continue
             try:
                 self._turn()
             except Exception as e:  # a scheduler bug must fail the requests in flight, never hang them
@@ -287,29 +329,33 @@ class Engine:
                 for st in list(self._active):
                     self._fail(st, RuntimeError(f"internal engine error ({type(e).__name__}): {e}"))
 
+    def _admit_waiting(self) -> None:
+        """Move waiting requests into free streams, oldest first (caller holds ``_cv``).  A request cancelled
+        while it waited ends here without ever starting."""
+        for st in [s for s in self._incoming if s.cancelled.is_set()]:
+            self._incoming.remove(st)
+            st.telemetry.cancelled = True
+            st.close()
+            st.out.put(DONE)
+        while self._incoming and len(self._active) < self.config.max_streams:
+            st = self._incoming.popleft()
+            st.telemetry.admitted = now()
+            self._admitted += 1
+            self._active.append(st)
+
     def _turn(self) -> None:
         for st in list(self._active):
             if st.cancelled.is_set():
                 st.telemetry.cancelled = True
-                st.out.put(_DONE)  # wakes a consumer blocked on the queue in another thread
+                st.out.put(DONE)  # wakes a consumer blocked on the queue in another thread
                 self._finish(st)
-        for st in list(self._active):
-            if st.segment is None:
-                self._guard(st, self._start_segment)
+        self._start_segments()
         first = [st for st in self._active if st.segment and st.segment.pending and st.chunks_emitted == 0]
         self._run_chunks(first)
-        for st in list(self._active):
-            seg = st.segment
-            if seg is not None and not seg.llm_done and not st.cancelled.is_set():
-                self._guard(st, self._llm_step)
+        self._decode()
         ready = [st for st in self._active if st.segment and st.segment.pending]
-        if ready:
-            ready.sort(key=lambda s: (s.chunks_emitted > 0, s.audio_samples_emitted / self.sample_rate
-                                      + s.telemetry.received))
-            if ready[0].chunks_emitted == 0:  # first chunks that became ready during this turn: all at once
-                self._run_chunks([st for st in ready if st.chunks_emitted == 0])
-            else:
-                self._guard(ready[0], self._run_chunk)
+        ready.sort(key=lambda s: s.audio_samples_emitted / self.sample_rate + s.telemetry.received)
+        self._run_chunks(ready)  # every ready chunk (first or later), earliest playback deadline first, batched
 
     def _guard(self, st: RequestState, fn: Callable[[RequestState], None]) -> None:
         if st not in self._active:
@@ -320,10 +366,47 @@ class Engine:
             log.exception("request %s failed", st.id)
             self._fail(st, e)
 
-    def _start_segment(self, st: RequestState) -> None:
+    @staticmethod
+    def _by_stage_set(states: list[RequestState]) -> list[list[RequestState]]:
+        groups: dict[int, list[RequestState]] = {}
+        for st in states:
+            groups.setdefault(id(st.stages), []).append(st)
+        return list(groups.values())
+
+    def _start_segments(self) -> None:
+        """Open the next segment of every request that has none, and prefill their LMs: one ``prefill`` call
+        per stage set over as many of them as the backend has free slots (oldest first; the rest wait)."""
+        starting: list[RequestState] = []
+        for st in list(self._active):
+            if st.segment is None and not st.cancelled.is_set():
+                self._guard(st, self._open_segment)
+                if st in self._active and st.segment is not None:
+                    starting.append(st)
+            elif st.segment is not None and not st.segment.llm_started:  # waiting for a free LLM slot
+                starting.append(st)
+        for group in self._by_stage_set(starting):
+            llm = group[0].stages.llm
+            free = llm.free_slots()
+            take = group if free is None else group[:free]
+            if not take:
+                continue
+            t0 = now()
+            for st in take:
+                if st.segment.index == 0:
+                    st.telemetry.prefill_start = t0
+            results = llm.prefill([st.segment.llm for st in take])
+            _sync(self.models.device)
+            t1 = now()
+            for st, res in zip(take, results):
+                st.segment.llm_started = True
+                if st.segment.index == 0:
+                    st.telemetry.prefill_done = t1
+                self._guard(st, lambda s, r=res: self._take_token(s, r))
+
+    def _open_segment(self, st: RequestState) -> None:
         segs = st.inputs.text_segments
         if st.next_segment >= len(segs):
-            st.out.put(_DONE)
+            st.out.put(DONE)
             self._finish(st)
             return
         idx = st.next_segment
@@ -333,25 +416,43 @@ class Engine:
         params = st.request.stream_params
         st.segment = SegmentState(index=idx, text=text,
                                   cursor=ChunkCursor(prompt_len, params, self.models.config.chunk_size))
-        if idx == 0:
-            st.telemetry.prefill_start = now()
-        st.segment.token_iter = st.stages.llm.generate(st.inputs, text, st.llm_generator,
-                                                       st.request.max_tokens, st.request.ignore_eos)
-        self._llm_step(st)  # prefill + first token
-        if idx == 0:
-            st.telemetry.prefill_done = now()
+        st.segment.llm = st.stages.llm.new_state(st.inputs, text, st.llm_generator, st.request.max_tokens,
+                                                 st.request.ignore_eos)
+        if st.segment.llm.done:  # nothing to generate (a zero token budget): the segment ends at once
+            st.segment.llm_started = True
+            self._take_token(st, None)
 
-    def _llm_step(self, st: RequestState) -> None:
+    def _decode(self) -> None:
+        """One ``decode`` call per stage set over every running LM (the cudagraph LLM makes it one replay)."""
+        rows = [st for st in self._active if st.segment is not None and st.segment.llm_started
+                and not st.segment.llm_done and not st.cancelled.is_set()]
+        for group in self._by_stage_set(rows):
+            try:
+                results = group[0].stages.llm.decode([st.segment.llm for st in group])
+                if len(results) != len(group):
+                    raise RuntimeError(f"llm.decode returned {len(results)} results for {len(group)} states")
+            except Exception as e:  # noqa: BLE001 - the step failed as a whole: every row of it fails
+                log.exception("batched decode step for %d requests failed", len(group))
+                results = [e] * len(group)
+            with self._cv:
+                self._decode_calls += 1
+                self._decode_rows += len(group)
+            for st, res in zip(group, results):
+                self._guard(st, lambda s, r=res: self._take_token(s, r))
+
+    def _take_token(self, st: RequestState, res: object) -> None:
+        """Record one LLM result for ``st``: the token (or the end of its LM) and any chunk calls now ready."""
+        if isinstance(res, BaseException):
+            raise res
         seg = st.segment
-        assert seg is not None and seg.token_iter is not None
-        tok = next(seg.token_iter, None)
+        assert seg is not None and seg.llm is not None
         st.decode_steps += 1
-        if tok is None:
-            seg.llm_done = True
-            seg.token_iter = None
-        else:
-            seg.tokens.append(int(tok))
+        if res is not None:
+            seg.tokens.append(int(res))
             st.telemetry.token_times.append(now())
+        if seg.llm.done:
+            seg.llm_done = True
+            st.stages.llm.release(seg.llm)
         if st.request.stream:
             while (call := seg.cursor.next_call(len(seg.tokens), seg.llm_done)) is not None:
                 seg.pending.append((call, now()))
@@ -369,10 +470,7 @@ class Engine:
         has ``chunk_batch`` share one batched flow computation; every other chunk runs alone.  Vocoding and
         emission stay per request.  A failing batched call is retried item by item, so that only the culprit's
         request fails."""
-        groups: dict[int, list[RequestState]] = {}
-        for st in states:
-            groups.setdefault(id(st.stages), []).append(st)
-        for group in groups.values():
+        for group in self._by_stage_set(states):
             flow = group[0].stages.flow
             batch = getattr(flow, "chunk_batch", None)
             if len(group) == 1 or batch is None or getattr(flow, "max_batch", 2) <= 1:
@@ -384,6 +482,7 @@ class Engine:
                 if st in self._active:
                     call, timing = self._take_call(st)
                     taken.append((st, call, timing))
+                    st.segment.flow_info = None  # the backend reports incremental chunks; the rest recompute
             start = now()
             items = [(st.segment, st.inputs, self._call_tokens(st, call), call) for st, call, _ in taken]
             try:
@@ -399,8 +498,6 @@ class Engine:
             end = now()
             for (st, call, timing), mel in zip(taken, mels):
                 timing.flow_start, timing.flow_end = start, end  # the mel existed when the whole batch did
-                if st.segment is not None:
-                    st.segment.flow_info = None  # a batched solve recomputes (see CudaGraphFlow.chunk_batch)
                 self._flow_info(st, call, timing)
                 self._guard(st, lambda s, c=call, t=timing, m=mel: self._emit(s, c, t, m))
 
@@ -457,10 +554,10 @@ class Engine:
         st.out.put(AudioChunk(samples=samples, index=timing.index, segment=seg.index,
                               sample_rate=self.sample_rate, is_last=is_last, timing=timing))
         if call.finalize:
-            seg.close()
+            seg.close(st.stages.llm)
             st.segment = None
             if is_last:
-                st.out.put(_DONE)
+                st.out.put(DONE)
                 self._finish(st)
 
     def _fail(self, st: RequestState, err: BaseException) -> None:
@@ -469,76 +566,9 @@ class Engine:
         self._finish(st)
 
     def _finish(self, st: RequestState) -> None:
-        st.close()
+        st.close()  # frees the LLM slot, flow and vocoder state
         if st in self._active:
             self._active.remove(st)
-
-
-class RequestStream:
-    """The consumer side of one request: iterate for :class:`AudioChunk`s.
-
-    ``close()`` (also on ``with`` exit and when the object is garbage-collected, even before the first chunk)
-    cancels the request if it is still running.  Unlike a generator it may be closed from another thread while a
-    ``next`` is blocked waiting: that ``next`` then ends the iteration.
-    """
-
-    def __init__(self, engine: Engine, state: RequestState):
-        self._engine = engine
-        self._state = state
-        self._got_last = False
-        self._ended = False
-        self._lock = threading.Lock()
-
-    @property
-    def request_id(self) -> str:
-        return self._state.id
-
-    def __iter__(self) -> "RequestStream":
-        return self
-
-    def __next__(self) -> AudioChunk:
-        if self._ended:
-            raise StopIteration
-        item = self._state.out.get()
-        if item is _DONE:
-            self._end("ok" if self._got_last else "cancelled")
-            raise StopIteration
-        if isinstance(item, BaseException):
-            self._end("error")
-            raise item
-        item.timing.delivered = now()
-        if item.is_last:
-            self._got_last = True
-            self._state.telemetry.finished = item.timing.delivered
-            item.telemetry = self._state.telemetry
-        return item
-
-    def close(self) -> None:
-        self._end("ok" if self._got_last else "cancelled")
-
-    def _end(self, outcome: str) -> None:
-        with self._lock:
-            if self._ended:
-                return
-            self._ended = True
-        st = self._state
-        if not st.done:
-            st.cancelled.set()
-            with self._engine._cv:
-                self._engine._cv.notify_all()
-        self._engine._notify(st.telemetry, outcome)
-
-    def __enter__(self) -> "RequestStream":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
 
 def _sync(device: torch.device) -> None:

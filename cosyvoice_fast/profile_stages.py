@@ -19,6 +19,7 @@ import torch
 def main(argv: list[str] | None = None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
+    from .backends.base import iter_alone
     from .bench import synthetic_inputs
     from .cli_args import add_cli_args, from_cli_args
     from .config import BackendConfig, StreamParams
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def generate(n: int) -> tuple[float, float, int]:
             g = torch.Generator(device="cuda").manual_seed(0)
-            it = llm.generate(inp, inp.text_segments[0], g, n, True)
+            it = iter_alone(llm, inp, inp.text_segments[0], g, n, True)
             t = time.perf_counter()
             next(it)
             torch.cuda.synchronize()
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cudagraph LLM alone: prefill + first token {first:.1f} ms, decode {per_token:.3f} ms/token "
               f"over {k} tokens", flush=True)
         g = torch.Generator(device="cuda").manual_seed(0)
-        it = llm.generate(inp, inp.text_segments[0], g, 60, True)
+        it = iter_alone(llm, inp, inp.text_segments[0], g, 60, True)
         for _ in range(11):
             next(it)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 from .config import StreamParams
 
@@ -64,11 +65,6 @@ class ChunkCursor:
         self.token_offset = 0
         self.finished = False
 
-    def tokens_needed(self) -> int:
-        """Total tokens that must exist before the next non-final chunk can run."""
-        hop = hop_for(self.index, self.prompt_tokens, self.params, self.chunk_size)
-        return self.token_offset + hop + self.params.pre_lookahead_len
-
     def next_call(self, n_available: int, llm_done: bool) -> ChunkCall | None:
         if self.finished:
             return None
@@ -86,6 +82,22 @@ class ChunkCursor:
         return None
 
 
+def call_frames(call: ChunkCall, prompt_tokens: int, token_mel_ratio: int = 2) -> int:
+    """Estimator time length for one flow call: prompt + encoded tokens (look-ahead tokens are not encoded)."""
+    encoded = call.n_tokens - (0 if call.finalize else call.lookahead)
+    return token_mel_ratio * (prompt_tokens + encoded)
+
+
+def bucket_frames(frames: int, granularity: int = 50) -> int:
+    """The captured length serving an estimator input of ``frames`` frames: the next multiple of
+    ``granularity`` (at least one granule)."""
+    if frames < 1:
+        raise ValueError(f"an estimator input needs at least one frame, got {frames}")
+    if granularity < 1:
+        raise ValueError(f"bucket granularity must be >= 1, got {granularity}")
+    return max(1, math.ceil(frames / granularity)) * granularity
+
+
 def plan(prompt_tokens: int, total_tokens: int, params: StreamParams, chunk_size: int = 25) -> list[ChunkCall]:
     """The whole schedule for a stream whose final length is known (tests, the dashboard's 'what it buys')."""
     cur = ChunkCursor(prompt_tokens, params, chunk_size)
@@ -93,3 +105,23 @@ def plan(prompt_tokens: int, total_tokens: int, params: StreamParams, chunk_size
     while (c := cur.next_call(total_tokens, llm_done=True)) is not None:
         calls.append(c)
     return calls
+
+
+def plan_solves(frames: list[int], max_items: int, cost: Callable[[int, int], float] | None = None,
+                budget: float | None = None, same_length: bool = False) -> list[list[int]]:
+    """Split item indices (with estimator lengths ``frames``) into batched solves.
+
+    Items are taken shortest first (similar lengths share a solve: less padding), at most ``max_items`` per
+    solve, and while ``cost(n_items, longest_frames) <= budget`` when both are given (a solve that would
+    exceed the budget starts a new one; a single item always fits).  ``same_length`` lets only equal lengths
+    share a solve (no padding at all)."""
+    order = sorted(range(len(frames)), key=lambda i: frames[i])
+    groups: list[list[int]] = []
+    for i in order:  # ascending, so item i is the longest of the solve it joins
+        g = groups[-1] if groups else None
+        if g is not None and len(g) < max_items and (not same_length or frames[g[0]] == frames[i]) and (
+                cost is None or budget is None or cost(len(g) + 1, frames[i]) <= budget):
+            g.append(i)
+        else:
+            groups.append([i])
+    return groups

@@ -1,5 +1,6 @@
-"""Batched decoding: per-row positions in the decoder, the per-row nucleus pick, the round bookkeeping, and the
-batched ``cudagraph`` LLM backend (on CPU through eager stand-ins for the graphs; on a GPU for real).
+"""Batched decoding: per-row positions in the decoder, the per-row nucleus pick, and the batch calls
+(``prefill(states)`` / ``decode(states)``) of the eager and ``cudagraph`` LLM backends (on CPU through eager
+stand-ins for the graphs; on a GPU for real), driven the way the engine drives them.
 
 GPU tests are marked ``gpu`` and skip without CUDA; run them with ``python -m pytest -m gpu tests/test_batched_decode.py``.
 """
@@ -16,7 +17,7 @@ from cosyvoice_fast.backends import cudagraph_llm
 from cosyvoice_fast.backends.cudagraph_llm import (CudaGraphLLM, nucleus_keep, nucleus_keep_rows, nucleus_pick,
                                                    nucleus_pick_rows)
 from cosyvoice_fast.backends.eager import EagerLLM
-from cosyvoice_fast.backends.kv_pool import StepRounds
+from cosyvoice_fast.backends.base import generate_alone
 from cosyvoice_fast.config import QwenConfig
 from cosyvoice_fast.models.qwen2 import KVCache, Qwen2Decoder
 from cosyvoice_fast.models.sampling import _nucleus_size
@@ -136,89 +137,6 @@ def test_nucleus_keep_rows_is_nucleus_keep_per_row():
     assert torch.equal(nucleus_keep_rows(rows[:1], limit)[0], nucleus_keep(rows[0], limit))
 
 
-# ------------------------------------------------------------------------------------------ CPU: rounds
-
-
-class _Fake:
-    def __init__(self, name: str):
-        self.name = name
-        self.n = 0
-
-
-def _fake_step(log: list[list[str]]):
-    def step(batch):
-        log.append([r.name for _, r in batch])
-        out = []
-        for _, r in batch:
-            r.n += 1
-            out.append(r.n)
-        return out
-    return step
-
-
-def test_rounds_share_one_step_per_turn():
-    log: list[list[str]] = []
-    rounds = StepRounds(_fake_step(log))
-    rows = {i: _Fake(c) for i, c in enumerate("abcd")}
-    for i, r in rows.items():
-        rounds.submit(i, r)
-    for turn in range(1, 21):  # round-robin consumers, like the engine's turns
-        for i, r in rows.items():
-            assert rounds.take(i, r) == turn
-            rounds.submit(i, r)
-    assert rounds.steps == 20 and rounds.rows_stepped == 80
-    assert all(b == ["a", "b", "c", "d"] for b in log)
-
-
-def test_rounds_joiners_leavers_and_slow_consumers():
-    log: list[list[str]] = []
-    rounds = StepRounds(_fake_step(log))
-    a, b, c = _Fake("a"), _Fake("b"), _Fake("c")
-    rounds.submit(0, a)
-    rounds.submit(2, b)
-    assert rounds.take(2, b) == 1  # b asks first: a is stepped along
-    rounds.submit(2, b)
-    assert rounds.take(2, b) == 2  # a has not taken its token: it is not stepped ahead
-    assert log == [["a", "b"], ["b"]]
-    assert rounds.take(0, a) == 1  # buffered
-    rounds.submit(0, a)
-    rounds.submit(1, c)  # a late joiner
-    rounds.withdraw(0, a)  # a closes: never stepped again
-    assert rounds.take(1, c) == 1 and log[-1] == ["c"]
-    with pytest.raises(ValueError, match="never submitted"):
-        rounds.take(0, a)
-    rounds.withdraw(0, a)  # idempotent
-    # a result left behind by a closed row does not leak into the next holder of the slot
-    rounds.submit(1, c)
-    rounds.submit(0, a)
-    assert rounds.take(1, c) == 2  # steps a too
-    rounds.withdraw(0, a)
-    d = _Fake("d")
-    rounds.submit(0, d)
-    assert rounds.take(0, d) == 1 and rounds.waiting == 0
-    e = _Fake("e")
-    rounds.submit(0, d)
-    rounds.submit(1, e)
-    assert rounds.take(1, e) == 1  # d's result is now buffered
-    with pytest.raises(ValueError, match="submitted again"):
-        rounds.submit(0, d)
-    assert rounds.take(0, d) == 2
-
-
-def test_rounds_failed_step_fails_every_row_in_it():
-    def step(batch):
-        raise RuntimeError("boom")
-    rounds = StepRounds(step)
-    a, b = _Fake("a"), _Fake("b")
-    rounds.submit(0, a)
-    rounds.submit(1, b)
-    with pytest.raises(RuntimeError, match="boom"):
-        rounds.take(0, a)
-    with pytest.raises(RuntimeError, match="boom"):
-        rounds.take(1, b)
-    assert rounds.waiting == 0
-
-
 # ------------------------------------------------------------------------------------------ CPU: the backend
 
 
@@ -260,23 +178,32 @@ def _gen(seed: int, device: str = "cpu") -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def _round_robin(its: list, starts: list[int] | None = None) -> list[list[int]]:
-    """Drive iterators like the engine: one ``next`` each per turn; iterator i starts at turn ``starts[i]``."""
-    starts = starts or [0] * len(its)
-    out: list[list[int]] = [[] for _ in its]
-    live = set(range(len(its)))
+def _drive(stage, jobs: list[tuple], starts: list[int] | None = None) -> list[list[int]]:
+    """Drive requests like the engine: each turn, one ``prefill`` over the requests starting this turn, then one
+    ``decode`` over every running one.  ``jobs``: ``(inputs, text, generator, max_tokens, ignore_eos)``; request
+    i starts at turn ``starts[i]``."""
+    starts = starts or [0] * len(jobs)
+    states = [stage.new_state(*job) for job in jobs]
+    out: list[list[int]] = [[] for _ in jobs]
+
+    def take(idx: list[int], results: list) -> None:
+        for i, r in zip(idx, results):
+            assert not isinstance(r, BaseException), r
+            if r is not None:
+                out[i].append(r)
+
     turn = 0
-    while live:
-        for i in sorted(live):
-            if turn < starts[i]:
-                continue
-            tok = next(its[i], None)
-            if tok is None:
-                live.discard(i)
-            else:
-                out[i].append(tok)
+    while turn <= max(starts) or not all(st.done for st in states):
+        running = [i for i, st in enumerate(states) if starts[i] < turn and not st.done]
+        new = [i for i, st in enumerate(states) if starts[i] == turn and not st.done]
+        take(new, stage.prefill([states[i] for i in new]))
+        take(running, stage.decode([states[i] for i in running]))
         turn += 1
     return out
+
+
+def _alone(stage, inputs, text, seed, n, ignore_eos, device="cpu") -> list[int]:
+    return generate_alone(stage, inputs, text, _gen(seed, device), n, ignore_eos)
 
 
 @pytest.mark.parametrize("batched", [True, False])
@@ -286,16 +213,20 @@ def test_cpu_backend_tokens_equal_eager_solo_and_interleaved(cpu_stage, tiny_mod
     eager = EagerLLM(tiny_models.llm, tiny_models.config)
     inputs, text = _inputs(case), case["text"]
     seeds, n = (3, 4, 5, 6), (30, 45, 12, 60)
-    ref = [list(eager.generate(inputs, text, _gen(s), m, True)) for s, m in zip(seeds, n)]
-    natural = list(eager.generate(inputs, text, _gen(9), None, False))
-    assert list(stage.generate(inputs, text, _gen(9), None, False)) == natural
-    assert list(stage.generate(inputs, text, _gen(3), 30, True)) == ref[0]
+    ref = [_alone(eager, inputs, text, s, m, True) for s, m in zip(seeds, n)]
+    natural = _alone(eager, inputs, text, 9, None, False)
+    assert natural == list(tiny_models.llm.generate(text, inputs.prompt_text, inputs.llm_prompt_speech_token,
+                                                    generator=_gen(9)))  # the eager backend is the model's loop
+    assert _alone(stage, inputs, text, 9, None, False) == natural
+    assert _alone(stage, inputs, text, 3, 30, True) == ref[0]
     steps0, rows0 = stage.batched_steps, stage.batched_rows
-    its = [stage.generate(inputs, text, _gen(s), m, True) for s, m in zip(seeds, n)]
     starts = [0, 0, 7, 2]
-    got = _round_robin(its, starts)  # staggered joins, different lengths: leavers mid-way
+    jobs = [(inputs, text, _gen(s), m, True) for s, m in zip(seeds, n)]
+    assert _drive(eager, jobs, starts) == ref  # the eager backend batched by looping rows
+    jobs = [(inputs, text, _gen(s), m, True) for s, m in zip(seeds, n)]
+    got = _drive(stage, jobs, starts)  # staggered joins, different lengths: leavers mid-way
     assert got == ref
-    assert stage.slots_in_use == 0 and stage._rounds.waiting == 0
+    assert stage.slots_in_use == 0
     if batched:
         # request i draws decode tokens in turns start+1 .. start+n-1; one batched step per such turn
         turns = set().union(*(range(s0 + 1, s0 + m) for s0, m in zip(starts, n)))
@@ -305,37 +236,60 @@ def test_cpu_backend_tokens_equal_eager_solo_and_interleaved(cpu_stage, tiny_mod
         assert stage.batched_steps == 0
 
 
-def test_cpu_backend_close_mid_way_and_teacher_forcing(cpu_stage, tiny_models, case):
+def test_cpu_backend_release_mid_way_and_teacher_forcing(cpu_stage, tiny_models, case):
+    """A state released mid-way (the engine cancelling it) gives its slot back and is never stepped again; a
+    later state reuses the slot; teacher forcing replays the batched graph beside a busy row."""
     stage = cpu_stage(slots=3, max_len=256, kv_buckets=(64, 128), prefill_buckets=(64,))
     eager = EagerLLM(tiny_models.llm, tiny_models.config)
     inputs, text = _inputs(case), case["text"]
-    a = stage.generate(inputs, text, _gen(1), 40, True)
-    b = stage.generate(inputs, text, _gen(2), 40, True)
-    got_a = [next(a), next(a)]
-    got_b = [next(b), next(b)]
-    # b's second token came from a step that also drew a's third (buffered); b is now waiting for a step
-    assert stage._rounds.waiting == 1
-    b.close()  # it must leave the rounds and free its slot
-    assert stage.slots_in_use == 1 and stage._rounds.waiting == 0
+    a = stage.new_state(inputs, text, _gen(1), 40, True)
+    b = stage.new_state(inputs, text, _gen(2), 40, True)
+    stage.prefill([a, b])
+    assert (a.slot, b.slot) == (0, 1) and stage.free_slots() == 1
+    stage.decode([a, b])
+    got_b = list(b.history)
+    stage.release(b)  # b is cancelled: slot 1 is free again
+    assert stage.slots_in_use == 1 and b.slot is None
+    stage.release(b)  # idempotent
     rows0 = stage.batched_rows
-    c = stage.generate(inputs, text, _gen(7), 40, True)  # not started: holds nothing yet
-    got_a += [next(a) for _ in range(10)]  # one buffered, then 9 steps of a alone: b is never stepped again
+    c = stage.new_state(inputs, text, _gen(7), 40, True)
+    assert c.slot is None and stage.slots_in_use == 1  # a new state holds nothing until prefill
+    for _ in range(9):
+        stage.decode([a])
     assert stage.batched_rows - rows0 == 9
-    got_c = list(c)
-    got_a += list(a)
-    assert got_a == list(eager.generate(inputs, text, _gen(1), 40, True))
-    assert got_b == list(eager.generate(inputs, text, _gen(2), 40, True))[:2]
-    assert got_c == list(eager.generate(inputs, text, _gen(7), 40, True))
-    assert stage.slots_in_use == 0 and stage._rounds.waiting == 0
+    stage.prefill([c])
+    assert c.slot == 1  # the released slot, reused
+    while not c.done:
+        stage.decode([c] + ([a] if not a.done else []))
+    while not a.done:
+        stage.decode([a])
+    got_a, got_c = a.history, c.history
+    assert got_a == _alone(eager, inputs, text, 1, 40, True)
+    assert got_b == _alone(eager, inputs, text, 2, 40, True)[:2]
+    assert got_c == _alone(eager, inputs, text, 7, 40, True)
+    assert stage.slots_in_use == 0
     with torch.inference_mode():
         x = tiny_models.llm.build_lm_input(case["text"], case["prompt_text"], case["prompt_speech_token"])
-    busy = stage.generate(inputs, text, _gen(1), 40, True)
-    next(busy)  # another request holds a row while teacher forcing replays the batched step
+    busy = stage.new_state(inputs, text, _gen(1), 40, True)
+    stage.prefill([busy])  # another request holds a row while teacher forcing replays the batched step
     rows = stage.teacher_forced_logp(x, case["forced_tokens"].tolist())
     ref = torch.cat([case["logp_first"][None], case["forced_logp"]])
     assert (rows - ref).abs().max().item() <= 1e-4
-    assert next(busy) == list(eager.generate(inputs, text, _gen(1), 40, True))[1]
-    busy.close()
+    assert stage.decode([busy]) == _alone(eager, inputs, text, 1, 40, True)[1:2]
+    stage.release(busy)
+    assert stage.slots_in_use == 0
+
+
+def test_cpu_backend_row_errors_stay_in_their_row(cpu_stage, tiny_models, case):
+    """A row whose prompt does not fit its slot fails alone; the other rows of the call get their tokens."""
+    stage = cpu_stage(slots=2, max_len=64, kv_buckets=(64,), prefill_buckets=(64,))
+    inputs, text = _inputs(case), case["text"]
+    ok = stage.new_state(inputs, text, _gen(1), 5, True)
+    too_long = stage.new_state(inputs, text, _gen(2), 80, True)  # 80 forced tokens cannot fit 64 positions
+    res = stage.prefill([too_long, ok])
+    assert "KV positions" in str(res[0]) and isinstance(res[1], int)
+    assert too_long.slot is None and stage.slots_in_use == 1
+    stage.release(ok)
 
 
 # ------------------------------------------------------------------------------------------ GPU
@@ -355,7 +309,7 @@ def batched(llm_cuda, tiny_models):
 
 
 def _run(stage, inputs, text, seed, n=None, ignore_eos=False, device="cuda"):
-    return list(stage.generate(inputs, text, _gen(seed, device), n, ignore_eos))
+    return generate_alone(stage, inputs, text, _gen(seed, device), n, ignore_eos)
 
 
 @_gpu
@@ -375,33 +329,34 @@ def test_gpu_batched_interleaved_equal_eager_and_share_steps(batched, llm_cuda, 
     seeds = (21, 22, 23, 24)
     ref = [_run(eager, inputs, text, s, 20, True) for s in seeds]
     steps0, rows0, fb0 = batched.batched_steps, batched.batched_rows, batched.fallback_draws
-    its = [batched.generate(inputs, text, _gen(s, "cuda"), 20, True) for s in seeds]
-    assert _round_robin(its) == ref
+    assert _drive(batched, [(inputs, text, _gen(s, "cuda"), 20, True) for s in seeds]) == ref
     assert batched.batched_steps - steps0 == 19  # not 4 x 19
     assert batched.batched_rows - rows0 == 4 * 19
     # staggered joins, mixed lengths, natural eos, a CPU-generator row among CUDA ones
     ref = [_run(eager, inputs, text, 31, 300, True), _run(eager, inputs, text, 32),
            _run(eager, inputs, text, 33, 150, True, "cpu"), _run(eager, inputs, text, 34, 380, True)]
-    its = [batched.generate(inputs, text, _gen(31, "cuda"), 300, True),
-           batched.generate(inputs, text, _gen(32, "cuda"), None, False),
-           batched.generate(inputs, text, _gen(33, "cpu"), 150, True),
-           batched.generate(inputs, text, _gen(34, "cuda"), 380, True)]
-    assert _round_robin(its, starts=[0, 5, 40, 90]) == ref
+    jobs = [(inputs, text, _gen(31, "cuda"), 300, True), (inputs, text, _gen(32, "cuda"), None, False),
+            (inputs, text, _gen(33, "cpu"), 150, True), (inputs, text, _gen(34, "cuda"), 380, True)]
+    assert _drive(batched, jobs, starts=[0, 5, 40, 90]) == ref
     assert batched.fallback_draws > fb0 and batched.slots_in_use == 0
 
 
 @_gpu
 def test_gpu_batched_teacher_forcing_with_a_busy_neighbour(batched, llm_cuda, case):
     inputs, text = _inputs(case), case["text"]
-    busy = batched.generate(inputs, text, _gen(5, "cuda"), 100, True)
-    first = [next(busy) for _ in range(3)]
+    busy = batched.new_state(inputs, text, _gen(5, "cuda"), 100, True)
+    batched.prefill([busy])
+    batched.decode([busy])
+    batched.decode([busy])
+    first = list(busy.history)
     with torch.inference_mode():
         x = llm_cuda.build_lm_input(case["text"], case["prompt_text"], case["prompt_speech_token"])
     rows = batched.teacher_forced_logp(x, case["forced_tokens"].tolist()).cpu()
     ref = torch.cat([case["logp_first"][None], case["forced_logp"]])
     assert (rows - ref).abs().max().item() <= 1e-4
-    rest = list(busy)  # the neighbour's idle replays did not disturb it
-    assert first + rest == _run(batched, inputs, text, 5, 100, True)
+    while not busy.done:  # the neighbour's idle replays did not disturb it
+        batched.decode([busy])
+    assert first == busy.history[:3] and busy.history == _run(batched, inputs, text, 5, 100, True)
 
 
 @_gpu
@@ -410,8 +365,8 @@ def test_gpu_unbatched_mode_still_equals_eager(llm_cuda, tiny_models, case):
                          progress=False, batched=False)
     eager = EagerLLM(llm_cuda, tiny_models.config)
     inputs, text = _inputs(case), case["text"]
-    its = [stage.generate(inputs, text, _gen(s, "cuda"), 100, True) for s in (1, 2)]
-    assert _round_robin(its) == [_run(eager, inputs, text, s, 100, True) for s in (1, 2)]
+    jobs = [(inputs, text, _gen(s, "cuda"), 100, True) for s in (1, 2)]
+    assert _drive(stage, jobs) == [_run(eager, inputs, text, s, 100, True) for s in (1, 2)]
     assert stage.batched_steps == 0
 
 

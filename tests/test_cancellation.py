@@ -16,7 +16,7 @@ import torch
 from cosyvoice_fast.config import StreamParams
 from cosyvoice_fast.engine import Engine
 from cosyvoice_fast.request import ModelInputs, SynthesisRequest
-from cosyvoice_fast.runtime.flow_state import FlowState
+from cosyvoice_fast.backends.incremental_flow import FlowState
 
 FAST = StreamParams(token_hop_len_first=3, token_hop_len=3, pre_lookahead_len=0)
 

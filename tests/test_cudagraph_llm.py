@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from cosyvoice_fast.backends.base import BackendUnavailable
+from cosyvoice_fast.backends.base import BackendUnavailable, generate_alone, iter_alone
 from cosyvoice_fast.backends.cudagraph_llm import (CudaGraphLLM, bucket_for, choose_kv_buckets, nucleus_keep,
                                                    nucleus_pick, token_budget)
 from cosyvoice_fast.backends.eager import EagerLLM
@@ -171,7 +171,7 @@ def backend(llm_cuda, tiny_models):
 
 def _run(stage, inputs, case, seed, n=None, ignore_eos=False, device="cuda"):
     g = torch.Generator(device=device).manual_seed(seed)
-    return list(stage.generate(inputs, case["text"], g, n, ignore_eos))
+    return generate_alone(stage, inputs, case["text"], g, n, ignore_eos)
 
 
 @_gpu
@@ -223,38 +223,36 @@ def test_gpu_cpu_generator_matches_eager(backend, llm_cuda, tiny_models, case):
 def test_gpu_interleaved_requests_equal_each_alone(backend, case):
     inputs = _inputs(case)
     alone = [_run(backend, inputs, case, s, 50, True) for s in (11, 12)]
-    its = [backend.generate(inputs, case["text"], torch.Generator("cuda").manual_seed(s), 50, True) for s in (11, 12)]
-    inter: list[list[int]] = [[], []]
-    for step in range(50):
-        for i, it in enumerate(its):
-            inter[i].append(next(it))
-        if step == 0:
-            assert backend.slots_in_use == 2
-    assert inter == alone and alone[0] != alone[1]
-    assert [next(it, None) for it in its] == [None, None]
-    assert backend.slots_in_use == 0
+    states = [backend.new_state(inputs, case["text"], torch.Generator("cuda").manual_seed(s), 50, True)
+              for s in (11, 12)]
+    backend.prefill(states)
+    assert backend.slots_in_use == 2
+    while not all(st.done for st in states):
+        backend.decode(states)
+    assert [st.history for st in states] == alone and alone[0] != alone[1]
+    assert backend.slots_in_use == 0  # done states gave their slots back
 
 
 @_gpu
-def test_gpu_closing_frees_the_slot_and_a_full_pool_says_so(backend, case):
+def test_gpu_release_frees_the_slot_and_a_full_pool_says_so(backend, case):
+    """The engine never passes more states than free slots; if something did, the pool says so."""
     inputs = _inputs(case)
 
     def start(seed: int):
-        it = backend.generate(inputs, case["text"], torch.Generator("cuda").manual_seed(seed), 100, True)
-        next(it)
-        return it
+        st = backend.new_state(inputs, case["text"], torch.Generator("cuda").manual_seed(seed), 100, True)
+        (res,) = backend.prefill([st])
+        return st, res
 
-    never_started = backend.generate(inputs, case["text"], torch.Generator("cuda"), 10, True)
-    its = [start(s) for s in range(3)]
-    assert backend.slots_in_use == 3
-    with pytest.raises(PoolExhausted, match="all 3 LLM slots are in use"):
-        start(3)
-    its[1].close()
+    never_started = backend.new_state(inputs, case["text"], torch.Generator("cuda"), 10, True)
+    states = [start(s)[0] for s in range(3)]
+    assert backend.slots_in_use == 3 and backend.free_slots() == 0
+    st, res = start(3)
+    assert isinstance(res, PoolExhausted) and "all 3 LLM slots are in use" in str(res) and st.slot is None
+    backend.release(states[1])
     assert backend.slots_in_use == 2
-    its.append(start(4))
-    for it in its:
-        it.close()
-    never_started.close()
+    states.append(start(4)[0])
+    for st in states + [never_started]:
+        backend.release(st)
     assert backend.slots_in_use == 0
 
 
@@ -314,9 +312,9 @@ def test_gpu_full_size_tokens_equal_eager():
     stage = CudaGraphLLM(lm, cfg, slots=2, max_len=256, kv_buckets=(160,), progress=False)
     for seed in (0, 1):
         g1, g2 = (torch.Generator("cuda").manual_seed(seed) for _ in range(2))
-        got = list(stage.generate(inputs, text, g1, 60, True))
-        assert got == list(EagerLLM(lm, cfg).generate(inputs, text, g2, 60, True))
+        got = generate_alone(stage, inputs, text, g1, 60, True)
+        assert got == generate_alone(EagerLLM(lm, cfg), inputs, text, g2, 60, True)
     del stage
     bf16 = CudaGraphLLM(lm.to(torch.bfloat16), cfg, slots=1, max_len=256, progress=False)
-    toks = list(islice(bf16.generate(inputs, text, torch.Generator("cuda").manual_seed(0), 60, True), 60))
+    toks = list(islice(iter_alone(bf16, inputs, text, torch.Generator("cuda").manual_seed(0), 60, True), 60))
     assert len(toks) == 60 and max(toks) < cfg.llm.speech_token_size

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from cosyvoice_fast.backends.base import LLMState, accept_token
 from cosyvoice_fast.config import BackendConfig, ConfigError, StreamParams
 from cosyvoice_fast.engine import Engine
 from cosyvoice_fast.request import ModelInputs, SynthesisRequest
@@ -16,13 +17,26 @@ from cosyvoice_fast.telemetry import STAGES
 
 
 class ScriptedLLM:
-    """Yields a fixed token sequence (to replay upstream's recorded tokens through the real flow/vocoder)."""
+    """Draws a fixed token sequence (to replay upstream's recorded tokens through the real flow/vocoder)."""
+
+    capacity = None
 
     def __init__(self, tokens: list[int]):
         self.tokens = tokens
 
-    def generate(self, inputs, text, generator, max_tokens, ignore_eos):  # noqa: ANN001
-        yield from self.tokens
+    def new_state(self, inputs, text, generator, max_tokens, ignore_eos):  # noqa: ANN001
+        return LLMState(text, None, None, generator, 0, len(self.tokens), ignore_eos)
+
+    def free_slots(self):
+        return None
+
+    def decode(self, states):  # noqa: ANN001
+        return [accept_token(st, self.tokens[st.step], 1 << 30) for st in states]
+
+    prefill = decode
+
+    def release(self, state):  # noqa: ANN001
+        pass
 
 
 class SpyFlow:

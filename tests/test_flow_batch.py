@@ -160,7 +160,7 @@ def test_graph_estimator_pads_batch_rows(flow, fake_graphs):
 def test_cudagraph_chunk_batch_through_the_row_padded_runner(flow, case, fake_graphs):
     """CudaGraphFlow's batched path on CPU (fake graphs stand in for CUDA graphs)."""
     stage = CudaGraphFlow.__new__(CudaGraphFlow)  # __init__ refuses without CUDA
-    stage.flow, stage.config = flow, tiny_config()
+    stage.flow, stage.config, stage.incremental = flow, tiny_config(), None
     stage.estimator = GraphEstimator(flow.decoder.estimator, torch.device("cpu"), granularity=50)
     stage.encoder = GraphEncoder(flow, torch.device("cpu"))  # off the GPU it runs flow.encode eagerly
     items = _items(case)

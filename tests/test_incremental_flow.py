@@ -11,7 +11,7 @@ import torch
 from cosyvoice_fast.backends.eager import flow_chunk_mel
 from cosyvoice_fast.config import StreamParams, tiny_config
 from cosyvoice_fast.models.flow import CausalMaskedDiffWithXvec
-from cosyvoice_fast.runtime.flow_state import (FlowState, IncrementalFlow, prompt_flow_state, prompt_state,
+from cosyvoice_fast.backends.incremental_flow import (FlowState, IncrementalFlow, prompt_flow_state, prompt_state,
                                                state_bytes_per_frame)
 from cosyvoice_fast.schedule import ChunkCall, plan
 

@@ -26,26 +26,33 @@ class InjectedFault(RuntimeError):
 
 
 class FaultyLLM:
-    """Raises after ``after`` tokens for requests whose inputs are tagged ``speaker == tag``."""
+    """Fails the row of requests whose inputs are tagged ``speaker == tag`` once they hold ``after`` tokens (the
+    other rows of the same batched call go on)."""
 
     def __init__(self, inner, tag: str, after: int = 6):
         self.inner, self.tag, self.after = inner, tag, after
+        self.capacity = inner.capacity
+        self.tagged: set[int] = set()
 
-    def generate(self, inputs, text, generator, max_tokens, ignore_eos):  # noqa: ANN001
-        it = self.inner.generate(inputs, text, generator, max_tokens, ignore_eos)
-        if inputs.speaker != self.tag:
-            return it
+    def new_state(self, inputs, text, generator, max_tokens, ignore_eos):  # noqa: ANN001
+        st = self.inner.new_state(inputs, text, generator, max_tokens, ignore_eos)
+        if inputs.speaker == self.tag:
+            self.tagged.add(id(st))
+        return st
 
-        def broken():
-            try:
-                for i, tok in enumerate(it):
-                    if i == self.after:
-                        raise InjectedFault(f"LM fault injected at token {i}")
-                    yield tok
-            finally:
-                it.close()
+    def free_slots(self):
+        return self.inner.free_slots()
 
-        return broken()
+    def prefill(self, states):  # noqa: ANN001
+        return self.inner.prefill(states)
+
+    def decode(self, states):  # noqa: ANN001
+        out = self.inner.decode(states)
+        return [InjectedFault(f"LM fault injected at token {st.step - 1}")
+                if id(st) in self.tagged and st.step > self.after else r for st, r in zip(states, out)]
+
+    def release(self, state):  # noqa: ANN001
+        self.inner.release(state)
 
 
 class FaultyFlow:

@@ -53,19 +53,21 @@ def _build_llm(models: Any, name: str, llm: torch.nn.Module, dtype: torch.dtype,
     return TrtLlmLLM(llm, models.config)
 
 
-def _build_flow(models: Any, name: str, flow: torch.nn.Module) -> Any:
+def _build_flow(models: Any, name: str, flow: torch.nn.Module, engine: EngineConfig) -> Any:
     from . import eager
 
     if name == "eager":
         return eager.EagerFlow(flow, models.config)
     if name == "incremental":
-        from ..runtime.flow_state import IncrementalFlow
+        from .incremental_flow import IncrementalFlow
 
         return IncrementalFlow(flow, models.config)
     if name in ("cudagraph", "cudagraph-incremental"):
         from .cudagraph_flow import CudaGraphFlow
 
-        return CudaGraphFlow(flow, models.config, incremental=name == "cudagraph-incremental")
+        return CudaGraphFlow(flow, models.config, incremental=name == "cudagraph-incremental",
+                             buckets=engine.flow_buckets, rows=engine.flow_rows,
+                             capture_at_start=engine.capture_at_start)
     from .tensorrt_flow import TensorRTFlow
 
     return TensorRTFlow(flow, models.config)
@@ -128,7 +130,7 @@ class StageCache:
                 llm = self._stage(keys["llm"], lambda: _build_llm(self.models, config.llm,
                                                                   self._cast("llm", dtype), dtype, self.engine_config))
                 flow = self._stage(keys["flow"], lambda: _build_flow(self.models, keys["flow"][1],
-                                                                     self._cast("flow", dtype)))
+                                                                     self._cast("flow", dtype), self.engine_config))
                 voc = self._stage(keys["vocoder"], lambda: _build_vocoder(self.models, config.vocoder))
                 built = StageSet(config=config, llm=llm, flow=flow, vocoder=voc)
                 with self._lock:
@@ -175,6 +177,11 @@ class StageCache:
         """The backend configs whose stage sets are cached, least recently used first."""
         with self._lock:
             return list(self._sets)
+
+    def llm_stages(self) -> list[Any]:
+        """The built LLM implementations (their slot counts feed ``Engine.stats``)."""
+        with self._lock:
+            return [s for k, s in self._stages.items() if k[0] == "llm"]
 
     def stage_names(self) -> list[str]:
         """Built implementations as ``stage/backend/dtype`` strings, least recently used first."""

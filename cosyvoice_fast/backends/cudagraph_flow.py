@@ -31,7 +31,6 @@ right never reach a real frame.  ``tests/test_flow_backends.py`` checks padded =
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from typing import Any, Iterable, Sequence
 
@@ -39,7 +38,7 @@ import torch
 from torch import Tensor
 
 from ..config import ModelConfig, StreamParams
-from ..schedule import ChunkCall, plan
+from ..schedule import ChunkCall, bucket_frames, call_frames, plan
 from .base import BackendUnavailable
 from .eager import flow_chunk_mel, flow_chunk_mel_batch
 
@@ -54,28 +53,12 @@ ROW_SIZES = (2, 4, 8, 16, 32)
 # --------------------------------------------------------------------------------------------- shape policy
 
 
-def bucket_frames(frames: int, granularity: int = 50) -> int:
-    """The captured length serving an estimator input of ``frames`` frames: the next multiple of
-    ``granularity`` (at least one granule)."""
-    if frames < 1:
-        raise ValueError(f"an estimator input needs at least one frame, got {frames}")
-    if granularity < 1:
-        raise ValueError(f"bucket granularity must be >= 1, got {granularity}")
-    return max(1, math.ceil(frames / granularity)) * granularity
-
-
 def bucket_rows(rows: int, sizes: Sequence[int] = ROW_SIZES) -> int | None:
     """The captured batch-row count serving ``rows`` estimator rows (the smallest size >= rows), or None when
     ``rows`` exceeds the largest size."""
     if rows < 1:
         raise ValueError(f"an estimator call needs at least one row, got {rows}")
     return next((r for r in sorted(sizes) if r >= rows), None)
-
-
-def call_frames(call: ChunkCall, prompt_tokens: int, token_mel_ratio: int = 2) -> int:
-    """Estimator time length for one flow call: prompt + encoded tokens (look-ahead tokens are not encoded)."""
-    encoded = call.n_tokens - (0 if call.finalize else call.lookahead)
-    return token_mel_ratio * (prompt_tokens + encoded)
 
 
 def schedule_frames(prompt_tokens: int, total_tokens: int, params: StreamParams | None = None,
@@ -119,13 +102,16 @@ class GraphEstimator:
     replays a captured graph of ``estimator``."""
 
     def __init__(self, estimator: torch.nn.Module, device: torch.device, granularity: int = 50,
-                 max_frames: int = DEFAULT_MAX_FRAMES, max_graphs: int = 128):
+                 max_frames: int = DEFAULT_MAX_FRAMES, max_graphs: int = 128, buckets: Sequence[int] | None = None):
         from .graphs import GraphCache
 
         self.estimator = estimator
         self.device = device
         self.granularity = granularity
-        self.max_frames = max_frames
+        #: configured lengths (``EngineConfig.flow_buckets``): a call pads up to the next one; None: every
+        #: multiple of ``granularity`` up to ``max_frames``
+        self.buckets = tuple(sorted(buckets)) if buckets else None
+        self.max_frames = max(self.buckets) if self.buckets else max_frames
         self.caches = {
             mode: GraphCache(self._fn(mode), device, max_graphs, f"flow-estimator-{'stream' if mode else 'full'}")
             for mode in (True, False)}
@@ -145,6 +131,11 @@ class GraphEstimator:
     def captures(self) -> int:
         return sum(c.captures for c in self.caches.values())
 
+    def freeze(self) -> None:
+        """Capture nothing more (see :meth:`~.graphs.GraphCache.freeze`)."""
+        for c in self.caches.values():
+            c.freeze()
+
     @property
     def replays(self) -> int:
         return sum(c.replays for c in self.caches.values())
@@ -163,9 +154,15 @@ class GraphEstimator:
                 torch.zeros(b, device=self.device, dtype=dtype), torch.zeros(b, c, device=self.device, dtype=dtype),
                 z.clone())
 
+    def bucket(self, frames: int) -> int:
+        """The captured length serving ``frames`` (may exceed ``max_frames``: then the call runs eagerly)."""
+        if self.buckets is not None:
+            return next((b for b in self.buckets if b >= frames), bucket_frames(frames, self.granularity))
+        return bucket_frames(frames, self.granularity)
+
     def capture(self, frames: int, streaming: bool, dtype: torch.dtype, rows: int = 2) -> int:
         """Capture (if not yet) the graph serving ``frames`` x ``rows``; returns its bucket length."""
-        bucket = bucket_frames(frames, self.granularity)
+        bucket = self.bucket(frames)
         if bucket > self.max_frames:
             raise ValueError(f"{frames} frames exceed the largest bucket ({self.max_frames}); they run eagerly")
         prows = bucket_rows(rows)
@@ -178,7 +175,7 @@ class GraphEstimator:
     def __call__(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
                  streaming: bool = False) -> Tensor:
         frames, rows = x.shape[-1], x.shape[0]
-        bucket = bucket_frames(frames, self.granularity)
+        bucket = self.bucket(frames)
         prows = bucket_rows(rows)
         if (prows is None or not self._fits(prows, bucket) or x.device.type != self.device.type
                 or (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
@@ -193,6 +190,9 @@ class GraphEstimator:
                 g = cache.get(key, self._example(bucket, x.dtype, prows))
             else:
                 cache.graphs.move_to_end(key)
+            if g is None:  # frozen after start-up and this shape was not captured: eager, never a capture
+                self.eager_calls += 1
+                return self.estimator(x, mask, mu, t, spks, cond, streaming)
             on_gpu = x.device.type == "cuda"
             if on_gpu and self._last_replay is not None:
                 # static buffers are shared: a replay enqueued by another thread/stream must finish first
@@ -281,7 +281,12 @@ class CudaGraphFlow:
 
     def __init__(self, flow: torch.nn.Module, config: ModelConfig, granularity: int | None = None,
                  max_frames: int = DEFAULT_MAX_FRAMES, max_graphs: int = 128, incremental: bool = True,
-                 state_frames: int | None = None):
+                 state_frames: int | None = None, buckets: Sequence[int] | None = None,
+                 rows: Sequence[int] | None = None, capture_at_start: bool = False, progress: bool = True):
+        """``buckets`` / ``rows`` (``EngineConfig.flow_buckets`` / ``flow_rows``): the estimator lengths and
+        requests per solve to serve from graphs; with ``capture_at_start`` every one of them (both attention
+        modes) and every incremental shape is captured here and nothing is captured later (uncaptured shapes
+        run eagerly; the exact-shape encoder graphs still capture on a new length)."""
         reason = why_unavailable(flow)
         if reason is not None:
             raise BackendUnavailable(reason)
@@ -290,13 +295,37 @@ class CudaGraphFlow:
         est = flow.decoder.estimator
         est.fuse_projections()  # q/k/v as one GEMM per attention block: same values, fewer kernels per step
         gran = granularity or est.cfg.static_chunk_size or 50
-        self.estimator = GraphEstimator(est, next(flow.parameters()).device, gran, max_frames, max_graphs)
+        self.estimator = GraphEstimator(est, next(flow.parameters()).device, gran, max_frames, max_graphs, buckets)
         self.encoder = GraphEncoder(flow, next(flow.parameters()).device)
+        if rows:
+            self.max_batch = min(max(rows), ROW_SIZES[-1] // 2)
         self.incremental = None
         if incremental:
             from .cudagraph_incremental import DEFAULT_STATE_FRAMES, GraphIncrementalFlow
 
             self.incremental = GraphIncrementalFlow(flow, self, config, max_frames=state_frames or DEFAULT_STATE_FRAMES)
+        if capture_at_start:
+            self.capture_all(rows or (1,), progress)
+
+    def capture_all(self, rows: Sequence[int], progress: bool = True) -> int:
+        """Capture every (bucket x rows x attention mode) estimator graph and every incremental shape, then
+        freeze both: from here on a shape nobody captured runs eagerly.  Returns the graphs captured."""
+        from tqdm.auto import tqdm
+
+        dtype = next(self.flow.parameters()).dtype
+        lengths = self.estimator.buckets or tuple(range(self.estimator.granularity, self.estimator.max_frames + 1,
+                                                        self.estimator.granularity))
+        row_buckets = sorted({bucket_rows(2 * r) or ROW_SIZES[-1] for r in rows})
+        jobs = [(f, s, r) for f in lengths for s in (True, False) for r in row_buckets if self.estimator._fits(r, f)]
+        self.estimator.caches[True].max_graphs = self.estimator.caches[False].max_graphs = max(
+            self.estimator.caches[True].max_graphs, len(jobs))
+        for f, s, r in tqdm(jobs, desc="capturing flow graphs", unit="graph", disable=not progress, leave=False):
+            self.estimator.capture(f, s, dtype, r)
+        self.estimator.freeze()
+        n = len(jobs)
+        if self.incremental is not None:
+            n += self.incremental.graphs.capture_all(progress=progress)
+        return n
 
     def recompute(self, inputs: Any, tokens: Tensor, call: ChunkCall, stream: bool = True) -> Tensor:
         """Upstream's full per-chunk recompute, graph-replayed."""
@@ -312,22 +341,32 @@ class CudaGraphFlow:
     def solve_cost(self, n_items: int, frames: int) -> float:
         """``rows · bucket²`` of a solve of ``n_items`` requests whose longest input has ``frames`` frames."""
         rows = bucket_rows(2 * n_items) or 2 * n_items
-        return rows * bucket_frames(frames, self.estimator.granularity) ** 2
+        return rows * self.estimator.bucket(frames) ** 2
 
     def chunk_batch(self, items: Sequence[Any], stream: bool = True) -> list[Tensor]:
-        """Several requests' chunks: eager encoders, then one graph-replayed guided solve per attention mode
-        (split to stay within :data:`ROW_SIZES` and the memory budget).  One mel per item, in order."""
+        """Several requests' chunks (first or later, any mix of requests): a segment that already streams
+        incrementally (its state lives in the buffers or a saved copy) continues alone on that path; every
+        other chunk joins one graph-replayed full-recompute solve per attention mode (split to stay within
+        :data:`ROW_SIZES` and the memory budget), which is exact.  One mel per item, in order."""
         if len(items) == 1:
             return [self.chunk(*items[0], stream=stream)]
-        # A batch (first chunks of several requests) shares one full-recompute solve, faster than one
-        # incremental solve per request; their incremental states start at their next chunk (from the
-        # prompt state), which is exact.  A finished segment drops its state.
-        for seg, _, _, call in items:
-            if call.finalize and seg is not None:
-                seg.flow_state = None
-        return flow_chunk_mel_batch(self.flow, items, stream, self.estimator, max_items=self.max_batch,
-                                    cost=self.solve_cost, budget=self.estimator.row_frames_budget(),
-                                    encode=self.encoder)
+        out: list[Tensor | None] = [None] * len(items)
+        shared = []
+        for i, (seg, inputs, tokens, call) in enumerate(items):
+            live = self.incremental is not None and seg is not None and not isinstance(seg.flow_state, (str, type(None)))
+            if live and stream and not call.finalize:
+                out[i] = self.incremental.chunk(seg, inputs, tokens, call, stream)
+            else:
+                if seg is not None:  # a recomputed segment keeps no incremental state (exact: recompute is)
+                    seg.flow_state = None if call.finalize else "full"
+                    seg.flow_info = None
+                shared.append(i)
+        mels = flow_chunk_mel_batch(self.flow, [items[i] for i in shared], stream, self.estimator,
+                                    max_items=self.max_batch, cost=self.solve_cost,
+                                    budget=self.estimator.row_frames_budget(), encode=self.encoder)
+        for i, mel in zip(shared, mels):
+            out[i] = mel
+        return out  # type: ignore[return-value]
 
     def warmup(self, prompt_tokens: Iterable[int] = (0, 25, 50, 75, 100), total_tokens: int = 300,
                params: StreamParams | None = None, extra: Sequence[tuple[int, bool]] = (),

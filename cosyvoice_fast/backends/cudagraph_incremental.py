@@ -1,6 +1,6 @@
 """The incremental flow with its estimator solve replayed as CUDA graphs over fixed-size state buffers.
 
-Eager incremental execution (:class:`~cosyvoice_fast.runtime.flow_state.IncrementalFlow`) computes only each
+Eager incremental execution (:class:`~cosyvoice_fast.backends.incremental_flow.IncrementalFlow`) computes only each
 chunk's new frames, but on a GPU it is launch-bound: ten Euler steps of a few hundred small kernels each,
 plus the bookkeeping of growing key/value lists.  Here the whole guided solve of one chunk (all Euler steps,
 CFG pair) is one graph replay.  A graph bakes in its memory addresses, so the state cannot be a per-request
@@ -34,7 +34,7 @@ same runner executes eagerly (no capture), which is how ``tests/test_incremental
 against upstream's full recompute.
 
 Capacity: a segment whose frames would exceed ``max_frames`` (default 1500 = 30 s of mel including the
-prompt) raises :class:`~cosyvoice_fast.runtime.flow_state.StateCapacityError`, and that segment continues on
+prompt) raises :class:`~cosyvoice_fast.backends.incremental_flow.StateCapacityError`, and that segment continues on
 the full-recompute path (exact, slower); the text frontend splits long texts into sentences well below that.
 """
 
@@ -53,9 +53,9 @@ from torch import Tensor, nn
 from ..models.cfm import NOISE_FRAMES, euler_schedule
 from ..models.flow_incremental import (EncoderCache, StaticDecoderCache, StaticWindow, check_estimator,
                                        encoder_commit_point, estimator_layout, guided_solve, static_mask)
-from ..runtime.flow_state import FlowState, IncrementalFlow, StateCapacityError
-from ..schedule import ChunkCall
-from .cudagraph_flow import bucket_frames
+from .incremental_flow import FlowState, IncrementalFlow, StateCapacityError
+from ..schedule import ChunkCall, bucket_frames
+from .graphs import capture
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class _Graph:
 
 class IncrementalEstimatorGraphs:
     """The estimator half of an incremental flow call (``decode`` of
-    :func:`~cosyvoice_fast.runtime.flow_state.run_increment`) over fixed-size buffers, replayed as graphs.
+    :func:`~cosyvoice_fast.backends.incremental_flow.run_increment`) over fixed-size buffers, replayed as graphs.
 
     ``capture=False`` (always on CPU) runs the same function eagerly on the same buffers.
     """
@@ -106,7 +106,8 @@ class IncrementalEstimatorGraphs:
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.lock = threading.RLock()
         self._resident: weakref.ref | None = None
-        self.captures = self.replays = self.saves = self.loads = 0
+        self.frozen = False  # after capture_all: shapes not captured run eagerly, nothing is captured
+        self.captures = self.replays = self.saves = self.loads = self.eager_calls = 0
         log.info("incremental flow buffers: %.2f GiB for %d frames (%.2f MB per frame)",
                  self.nbytes() / 2 ** 30, self.max_frames, self.frame_bytes / 1e6)
 
@@ -166,7 +167,9 @@ class IncrementalEstimatorGraphs:
                                 inp["mask"]) for i in range(self.steps)]
         return guided_solve(self.flow, inp["x0"], inp["mu"], inp["spks"], inp["cond"], windows, self.schedule)
 
-    def _graph(self, n: int, cap: int) -> _Graph:
+    def _graph(self, n: int, cap: int) -> _Graph | None:
+        """The graph of shape (``n`` frames, ``cap`` key positions): captured now unless :attr:`frozen`
+        (then ``None`` when missing: the call runs the same maths eagerly on the same buffers)."""
         key = (n, cap)
         g = self.graphs.get(key)
         if g is not None:
@@ -175,23 +178,42 @@ class IncrementalEstimatorGraphs:
         inp = self._new_inputs(n, cap)
         if not self.capture:
             g = _Graph(None, inp, None)
+        elif self.frozen:
+            return None
         else:
             self._evict()  # warm-up and capture write into the buffers
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side), torch.inference_mode():
-                self._solve(inp, cap)  # cuBLAS/cuDNN set-up outside the capture
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
-                out = self._solve(inp, cap)
+            graph, out = capture(lambda: self._solve(inp, cap), self.device, self.pool, warmup=1)
             g = _Graph(graph, inp, out)
             self.captures += 1
-            log.info("captured incremental flow graph: %d frames, %d key positions", n, cap)
+            log.debug("captured incremental flow graph: %d frames, %d key positions", n, cap)
         self.graphs[key] = g
         while len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
         return g
+
+    def shapes(self, max_solve_frames: int) -> list[tuple[int, int]]:
+        """Every (frames bucket, key capacity) a call of at most ``max_solve_frames`` new frames can use."""
+        out = []
+        for nb in range(self.granularity, min(max_solve_frames, self.max_frames) + 1, self.granularity):
+            for cap in range(self.kv_granularity, self.max_frames + self.kv_granularity, self.kv_granularity):
+                cap = min(cap, self.max_frames)
+                if cap >= nb and (nb, cap) not in out:
+                    out.append((nb, cap))
+        return out
+
+    def capture_all(self, max_solve_frames: int = 400, progress: bool = False) -> int:
+        """Capture every shape of :meth:`shapes` now (start-up), then freeze: a call of more new frames (a
+        first chunk whose voice has no prompt state and a long prompt) runs eagerly instead of capturing."""
+        from tqdm.auto import tqdm
+
+        shapes = self.shapes(max_solve_frames)
+        self.max_graphs = max(self.max_graphs, len(shapes))
+        with self.lock:
+            for nb, cap in tqdm(shapes, desc="capturing incremental flow graphs", unit="graph",
+                                disable=not progress, leave=False):
+                self._graph(nb, cap)
+        self.frozen = True
+        return len(shapes)
 
     # ----------------------------------------------------------------------------------------- decode
     def __call__(self, flow: nn.Module, mu: Tensor, spks: Tensor, cond: Tensor, x0: Tensor, cache: Any,
@@ -212,7 +234,7 @@ class IncrementalEstimatorGraphs:
         cap = min(bucket_frames(start + nb, self.kv_granularity), self.max_frames)
         dev = self.device
         with self.lock, torch.inference_mode():
-            g = self._graph(nb, cap)
+            g = self._graph(nb, cap) or _Graph(None, self._new_inputs(nb, cap), None)
             self._load(cache)
             inp = g.inputs
             for name, src in (("x0", x0), ("mu", mu), ("cond", cond)):
@@ -226,6 +248,8 @@ class IncrementalEstimatorGraphs:
             try:
                 if g.graph is None:
                     out = self._solve(inp, cap)
+                    if self.capture:  # a shape start-up did not capture
+                        self.eager_calls += 1
                 else:
                     g.graph.replay()
                     out = g.output
@@ -240,7 +264,7 @@ class IncrementalEstimatorGraphs:
 
 
 def recompute_encoder(encode: Any):
-    """An ``encode`` for :func:`~cosyvoice_fast.runtime.flow_state.run_increment` that re-runs the whole
+    """An ``encode`` for :func:`~cosyvoice_fast.backends.incremental_flow.run_increment` that re-runs the whole
     (chunk-causal) encoder with ``encode`` (``flow.encode``'s signature, e.g. a graph-replaying
     :class:`~cosyvoice_fast.backends.cudagraph_flow.GraphEncoder`) and keeps the new frames.
 

@@ -28,14 +28,11 @@ Batched decoding (``batched=True``, the default).  A decode step is GPU-bound by
 16 requests one after another costs 16x one step.  Instead all slots share one KV allocation of shape
 (slots, Hkv, max_len, D) per layer (each slot's cache is a view of its row, so prefill still runs per slot at
 batch 1), and one decode graph per (KV bucket, row count) steps rows ``0 .. n-1`` each at its own position
-(``pos`` (n, 1)); row counts are 1, 2, 4, ... up to S, and a step uses the smallest that covers its rows.  Rounds are
-driven by the per-request iterators (:class:`..kv_pool.StepRounds`): when a request wants a token that is not
-buffered for it, one batched step runs over every request whose next input is known, and each row's token is
-buffered for its own consumer.  Per step: a few tiny eager kernels (one exponential draw per row from its own
+(``pos`` (n, 1)); row counts are 1, 2, 4, ... up to S, and a step uses the smallest that covers its rows.  The engine decides
+which states take part in a step (:meth:`CudaGraphLLM.decode`); the backend only executes it.  Per step: a few tiny eager kernels (one exponential draw per row from its own
 generator, an input copy), one replay, one ``.tolist()`` of the (S,) tokens.
 
-- Rows below ``n`` that are not in a step (free slots, requests whose token is still buffered or that are
-  done) still run in the graph, at position ``max_len - 1`` with their last inputs.  That is harmless: a row only writes its own cache
+- Rows below ``n`` that are not in a step (free slots, requests the engine left out of it) still run in the graph, at position ``max_len - 1`` with their last inputs.  That is harmless: a row only writes its own cache
   row, and writing at any position >= the row's next write position is overwritten before any query of that
   row can attend to it (each step writes its position before attending, prefill rewrites 0..n-1), while
   ``max_len - 1`` keeps the whole bucket visible so the garbage stays finite (no fully masked softmax).
@@ -62,15 +59,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from ..config import ModelConfig
 from ..models.qwen2 import KVCache, KVCacheFullError
 from ..models.sampling import random_sample
-from .base import BackendUnavailable
-from .kv_pool import SlotPool, StepRounds
+from .base import BackendUnavailable, LLMState, StepResult, accept_token, new_llm_state
+from .graphs import capture
+from .kv_pool import SlotPool
 
 log = logging.getLogger(__name__)
 
@@ -214,20 +212,6 @@ class _Slot:
     prefill_graphs: dict[int, Any] = field(default_factory=dict)  # prefill per padded input length
 
 
-@dataclass(eq=False)
-class _Row:
-    """A running request's decode state between batched steps (host side)."""
-
-    slot: _Slot
-    gen: torch.Generator
-    history: list[int]
-    min_len: int
-    ignore_eos: bool
-    pos: int  # the cache position the next fed token is written at
-    step: int = 0  # index of the token the next step draws (selects the eos mask)
-    feed: int = 0  # the token fed at ``pos``
-
-
 class CudaGraphLLM:
     """Speech-token generation with pooled static KV caches and graph-replayed prefill and decode steps.
 
@@ -237,9 +221,10 @@ class CudaGraphLLM:
     kernel launch per op, tens of ms of CPU time at 0.5B); longer inputs prefill eagerly; ``()`` turns it off.
     Everything is allocated and captured here, so the first request pays nothing.
 
-    ``batched=True`` (default) steps all running requests in one graph replay per round (see the module
-    docstring); ``batched=False`` keeps per-slot decode graphs, one replay per request per token.
-    ``batched_steps`` / ``batched_rows`` count batched replays and the request-steps they carried.
+    ``batched=True`` (default) steps all states of a :meth:`decode` call in one graph replay (see the module
+    docstring); ``batched=False`` keeps per-slot decode graphs, one replay per state per token.
+    ``batched_steps`` / ``batched_rows`` count batched replays and the request-steps they carried.  Every
+    per-request value (slot, position, history, generator, limits) lives on the :class:`LLMState`.
     """
 
     def __init__(self, llm: torch.nn.Module, config: ModelConfig, *, slots: int = 16, max_len: int = 2048,
@@ -262,7 +247,8 @@ class CudaGraphLLM:
         # Graphs share one scratch pool: one replay (and its reads) at a time.  Re-entrant because a generator
         # finalised by the garbage collector inside a locked region of the same thread takes it in its cleanup.
         self._lock = threading.RLock()
-        self._rounds: StepRounds[_Row] = StepRounds(self._step_rows)
+        self.batched_steps = 0  # batched decode replays so far
+        self.batched_rows = 0  # request-steps they carried (batched_rows / batched_steps = mean batch)
         vocab = llm.cfg.vocab_out
         self._k = min(self.sampler.top_k, vocab)
         on_cuda = self.device.type == "cuda"
@@ -301,16 +287,6 @@ class CudaGraphLLM:
                      tok=torch.zeros(1, 1, dtype=torch.long, device=dev),
                      pos=torch.zeros(1, dtype=torch.long, device=dev),
                      bias=self._bias[i], q=self._q[i], logp=self._logp[i], token=self._token[i:i + 1])
-
-    @property
-    def batched_steps(self) -> int:
-        """Batched decode replays so far (each carries every request that had its next input ready)."""
-        return self._rounds.steps
-
-    @property
-    def batched_rows(self) -> int:
-        """Request-steps carried by those replays (``batched_rows / batched_steps`` = mean batch)."""
-        return self._rounds.rows_stepped
 
     # -------------------------------------------------------------------------------------- capture
 
@@ -375,17 +351,9 @@ class CudaGraphLLM:
                 self._prefill_math(s0, n)
         torch.cuda.synchronize(self.device)
         scratch = torch.cuda.graph_pool_handle()
-        # capture_begin/end rather than ``torch.cuda.graph``: that one runs gc.collect() and empty_cache() per graph.
-        with torch.cuda.stream(side):
-            for where, key, math in tqdm(jobs, desc="capturing LLM graphs", unit="graph", disable=not progress,
-                                         leave=False):
-                g = torch.cuda.CUDAGraph()
-                g.capture_begin(pool=scratch, capture_error_mode="thread_local")
-                try:
-                    math()
-                finally:
-                    g.capture_end()
-                where[key] = g
+        for where, key, math in tqdm(jobs, desc="capturing LLM graphs", unit="graph", disable=not progress,
+                                     leave=False):
+            where[key], _ = capture(math, self.device, scratch, warmup=0)  # warmed up above, once per shape
         torch.cuda.synchronize(self.device)
         return len(jobs)
 
@@ -449,39 +417,28 @@ class CudaGraphLLM:
             self.fallback_draws += 1
         return token
 
-    def _replay_rows(self, rows: Sequence[_Row]) -> None:
-        """Feed each row's token at its position and replay the batched graph (bucket: the largest position).
-
-        Rows not listed sit at ``max_len - 1`` (see the module docstring for why that is harmless)."""
+    def _replay_rows(self, rows: Sequence[LLMState]) -> None:
+        """Feed each state's last token at its position and replay the batched graph (bucket: the largest
+        position).  Rows not listed sit at ``max_len - 1`` (see the module docstring for why that is harmless)."""
         if self._copied is not None:  # the pinned buffer is read by an async copy: wait for the last one
             self._copied.synchronize()  # (normally long done: every step syncs on its tokens)
         host = self._host_np
         host[0, :] = 0
         host[1, :] = self.max_len - 1
-        for r in rows:
-            r.slot.cache.check_room(r.pos, 1)
-            host[0, r.slot.index] = r.feed
-            host[1, r.slot.index] = r.pos
+        slots = [self.pool.item(r.slot) for r in rows]
+        for r, s in zip(rows, slots):
+            s.cache.check_room(r.pos, 1)
+            host[0, s.index] = r.history[-1]
+            host[1, s.index] = r.pos
         self._step_in.copy_(self._host_in, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        for r in rows:
-            self._set_mask(r.slot, r.step, r.min_len, r.ignore_eos)
-            if r.gen.device.type == "cuda":  # each row's draw from its own generator, in its own order
-                r.slot.q.exponential_(1.0, generator=r.gen)
-        n = next(c for c in self.row_counts if c > max(r.slot.index for r in rows))
+        for r, s in zip(rows, slots):
+            self._set_mask(s, r.step, r.min_len, r.ignore_eos)
+            if r.generator.device.type == "cuda":  # each row's draw from its own generator, in its own order
+                s.q.exponential_(1.0, generator=r.generator)
+        n = next(c for c in self.row_counts if c > max(s.index for s in slots))
         self._batch_graphs[bucket_for(self.buckets, max(r.pos for r in rows)), n].replay()
-
-    def _step_rows(self, batch: list[tuple[int, _Row]]) -> list[int]:
-        """One batched decode step for ``batch`` (the :class:`StepRounds` step function): tokens per row."""
-        rows = [r for _, r in batch]
-        self._replay_rows(rows)
-        drawn = self._token.tolist()  # the one sync per batched step
-        out = []
-        for r in rows:  # RAS check (and any fallback draw) now, before the row's generator draws again
-            out.append(self._take(r.slot, r.history, r.gen, drawn[r.slot.index]))
-            r.pos += 1
-        return out
 
     def _check_generator(self, gen: torch.Generator) -> None:
         if gen.device.type == "cuda" and (gen.device.index or 0) != (self.device.index or 0):
@@ -489,89 +446,84 @@ class CudaGraphLLM:
 
     # -------------------------------------------------------------------------------------- public
 
-    def generate(self, inputs: Any, text: torch.Tensor, generator: torch.Generator, max_tokens: int | None,
-                 ignore_eos: bool) -> Iterator[int]:
-        """Yield speech tokens; the slot is taken at the first ``next`` (prefill) and freed when the iterator
-        finishes, fails or is closed, so an iterator that is never started holds nothing."""
-        stream = self._stream_batched if self.batched else self._stream
-        return stream(text, inputs.prompt_text, inputs.llm_prompt_speech_token, generator, max_tokens, ignore_eos)
+    @property
+    def capacity(self) -> int:
+        """Slots: states that can hold a KV cache at once."""
+        return self.pool.capacity
 
-    def _start(self, s: _Slot, text: torch.Tensor, prompt_text: torch.Tensor | None,
-               prompt_speech: torch.Tensor | None, gen: torch.Generator, min_len: int, max_len: int,
-               ignore_eos: bool, history: list[int]) -> tuple[int, int, int]:
-        """Prefill slot ``s`` and draw the first token: ``(next cache position, token budget, token)``."""
+    def free_slots(self) -> int:
+        return self.pool.capacity - self.pool.in_use
+
+    def new_state(self, inputs: Any, text: torch.Tensor, generator: torch.Generator, max_tokens: int | None,
+                  ignore_eos: bool) -> LLMState:
+        """Plain data: no slot is taken until :meth:`prefill`."""
+        self._check_generator(generator)
+        return new_llm_state(self.llm, inputs, text, generator, max_tokens, ignore_eos)
+
+    def release(self, state: LLMState) -> None:
+        """Give ``state``'s slot back (idempotent)."""
+        if state.slot is not None:
+            self.pool.release(state.slot)
+            state.slot = None
+
+    def _accept(self, st: LLMState, token: int) -> int | None:
+        tok = accept_token(st, token, self.llm.cfg.speech_token_size)
+        if st.done:
+            self.release(st)
+        return tok
+
+    def prefill(self, states: Sequence[LLMState]) -> list[StepResult]:
+        """Take a slot per state, prefill it (a captured graph per padded input length, eager beyond) and draw
+        its first token.  Raises :class:`~.kv_pool.PoolExhausted` if more states than free slots are passed (the
+        engine never does)."""
+        out: list[StepResult] = []
+        for st in states:
+            try:
+                st.slot, s = self.pool.acquire()
+                with torch.inference_mode(), self._lock:
+                    self._set_mask(s, 0, st.min_len, st.ignore_eos)
+                    lm_input = self.llm.build_lm_input(st.text, st.prompt_text, st.prompt_speech)
+                    st.pos = lm_input.shape[1]  # the next cache position to write
+                    st.max_len = token_budget(st.pos, st.max_len, self.max_len, st.ignore_eos)
+                    self._prefill(s, lm_input, st.generator)
+                    out.append(self._accept(st, self._take(s, st.history, st.generator)))
+            except Exception as e:  # noqa: BLE001 - a row's failure is that row's own
+                self.release(st)
+                out.append(e)
+        return out
+
+    def decode(self, states: Sequence[LLMState]) -> list[StepResult]:
+        """One decode step for every state: batched, one graph replay for all of them (per-slot replays when
+        ``batched=False``).  If the step itself fails, every row gets the error."""
+        if not states:
+            return []
         with torch.inference_mode(), self._lock:
-            self._set_mask(s, 0, min_len, ignore_eos)
-            lm_input = self.llm.build_lm_input(text, prompt_text, prompt_speech)
-            pos = lm_input.shape[1]  # the next cache position to write
-            max_len = token_budget(pos, max_len, self.max_len, ignore_eos)
-            self._prefill(s, lm_input, gen)
-            return pos, max_len, self._take(s, history, gen)
-
-    def _stream_batched(self, text: torch.Tensor, prompt_text: torch.Tensor | None,
-                        prompt_speech: torch.Tensor | None, gen: torch.Generator, max_tokens: int | None,
-                        ignore_eos: bool) -> Iterator[int]:
-        """:meth:`_stream` with decode steps shared: after yielding a token that will be fed back, the slot is
-        submitted to the rounds, so the next consumer that needs a token steps it along with everyone else."""
-        llm = self.llm
-        min_len, max_len = llm.length_limits(int(text.shape[-1]), max_tokens, ignore_eos)
-        if max_len <= 0:
-            return
-        self._check_generator(gen)
-        stop = llm.cfg.speech_token_size
-        index, s = self.pool.acquire()
-        row: _Row | None = None
-        try:
-            history: list[int] = []
-            pos, max_len, token = self._start(s, text, prompt_text, prompt_speech, gen, min_len, max_len,
-                                              ignore_eos, history)
-            row = _Row(slot=s, gen=gen, history=history, min_len=min_len, ignore_eos=ignore_eos, pos=pos)
-            for step in range(1, max_len + 1):
-                if token >= stop:
-                    return
-                history.append(token)
-                if step < max_len:  # it will be fed back: this slot joins the next batched step
-                    row.feed, row.step = token, step
-                    with self._lock:
-                        self._rounds.submit(index, row)
-                yield token
-                if step == max_len:
-                    return
-                with torch.inference_mode(), self._lock:
-                    token = self._rounds.take(index, row)
-        finally:
-            if row is not None:
-                with self._lock:
-                    self._rounds.withdraw(index, row)
-            self.pool.release(index)
-
-    def _stream(self, text: torch.Tensor, prompt_text: torch.Tensor | None, prompt_speech: torch.Tensor | None,
-                gen: torch.Generator, max_tokens: int | None, ignore_eos: bool) -> Iterator[int]:
-        llm = self.llm
-        min_len, max_len = llm.length_limits(int(text.shape[-1]), max_tokens, ignore_eos)
-        if max_len <= 0:
-            return
-        self._check_generator(gen)
-        stop = llm.cfg.speech_token_size
-        index, s = self.pool.acquire()
-        try:
-            history: list[int] = []
-            pos, max_len, token = self._start(s, text, prompt_text, prompt_speech, gen, min_len, max_len,
-                                              ignore_eos, history)
-            for step in range(1, max_len + 1):
-                if token >= stop:
-                    return
-                history.append(token)
-                yield token
-                if step == max_len:
-                    return
-                with torch.inference_mode(), self._lock:
-                    self._set_mask(s, step, min_len, ignore_eos)
-                    self._decode(s, token, pos, gen)
-                    pos += 1
-                    token = self._take(s, history, gen)
-        finally:
-            self.pool.release(index)
+            try:
+                if self.batched:
+                    self._replay_rows(states)
+                    drawn = self._token.tolist()  # the one sync per batched step
+                    self.batched_steps += 1
+                    self.batched_rows += len(states)
+                else:
+                    drawn = None
+            except Exception as e:  # noqa: BLE001 - the whole step failed: each row gets the error
+                for st in states:
+                    self.release(st)
+                return [e] * len(states)
+            out: list[StepResult] = []
+            for st in states:  # RAS check (and any fallback draw) now, before the row's generator draws again
+                try:
+                    s = self.pool.item(st.slot)
+                    if drawn is None:
+                        self._set_mask(s, st.step, st.min_len, st.ignore_eos)
+                        self._decode(s, st.history[-1], st.pos, st.generator)
+                    st.pos += 1
+                    tok = self._take(s, st.history, st.generator, None if drawn is None else drawn[s.index])
+                    out.append(self._accept(st, tok))
+                except Exception as e:  # noqa: BLE001
+                    self.release(st)
+                    out.append(e)
+            return out
 
     def teacher_forced_logp(self, lm_input: torch.Tensor, tokens: Sequence[int]) -> torch.Tensor:
         """(len(tokens) + 1, V) log-probs: after prefilling ``lm_input``, then after feeding each token through
@@ -584,13 +536,15 @@ class CudaGraphLLM:
                 token_budget(lm_input.shape[1], len(tokens) + 1, self.max_len, True)
                 self._prefill(s, lm_input, gen)
                 rows = [s.logp.clone()]
-                row = _Row(slot=s, gen=gen, history=[], min_len=0, ignore_eos=False, pos=lm_input.shape[1])
+                row = LLMState(text=lm_input, prompt_text=None, prompt_speech=None, generator=gen, min_len=0,
+                               max_len=len(tokens) + 1, ignore_eos=False, slot=index)
                 for i, tok in enumerate(tokens):
+                    row.history.append(int(tok))
+                    row.pos = lm_input.shape[1] + i
                     if self.batched:  # the batched graph, this row alone (others idle at max_len - 1)
-                        row.feed, row.step, row.pos = int(tok), i + 1, lm_input.shape[1] + i
                         self._replay_rows([row])
                     else:
-                        self._decode(s, int(tok), lm_input.shape[1] + i, gen)
+                        self._decode(s, int(tok), row.pos, gen)
                     rows.append(s.logp.clone())
             return torch.stack(rows)
         finally:

@@ -2,26 +2,78 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from ..config import ModelConfig
-from ..schedule import ChunkCall
+from ..schedule import ChunkCall, plan_solves
+from .base import LLMState, StepResult, accept_token, new_llm_state
 
 
 class EagerLLM:
-    """Speech-token generation with the model's own KV cache, one token per ``next``."""
+    """Speech-token generation with the model's own KV cache per state, the reference for every faster LLM.
+
+    Batch calls loop their rows (each state has its own cache sized to its prompt + ``max_len``): eager PyTorch
+    at batch 1 is the reference, and a row's math is exactly :meth:`Qwen2LM.generate`'s, so the same seed gives
+    the same tokens however the engine groups the rows.  No slots: ``capacity`` is ``None``."""
+
+    capacity: int | None = None
 
     def __init__(self, llm: torch.nn.Module, config: ModelConfig):
         self.llm = llm
         self.config = config
+        self.sampler = llm.default_sampler()
 
-    def generate(self, inputs: Any, text: torch.Tensor, generator: torch.Generator, max_tokens: int | None,
-                 ignore_eos: bool) -> Iterator[int]:
-        return self.llm.generate(text=text, prompt_text=inputs.prompt_text,
-                                 prompt_speech_token=inputs.llm_prompt_speech_token, generator=generator,
-                                 max_tokens=max_tokens, ignore_eos=ignore_eos)
+    def new_state(self, inputs: Any, text: torch.Tensor, generator: torch.Generator, max_tokens: int | None,
+                  ignore_eos: bool) -> LLMState:
+        return new_llm_state(self.llm, inputs, text, generator, max_tokens, ignore_eos)
+
+    def free_slots(self) -> int | None:
+        return None
+
+    def _draw(self, st: LLMState, logp: torch.Tensor) -> int | None:
+        """Mask as :meth:`Qwen2LM.generate` does for this step, draw, record the token on ``st``."""
+        cfg = self.llm.cfg
+        if st.ignore_eos:
+            logp[cfg.speech_token_size:] = -float("inf")
+        elif st.step < st.min_len:
+            logp[cfg.eos_token] = -float("inf")
+        tok = accept_token(st, int(self.sampler(logp, st.history, st.generator)), cfg.speech_token_size)
+        if st.done:
+            self.release(st)
+        return tok
+
+    def _rows(self, states: Sequence[LLMState], one: Callable[[LLMState], int | None]) -> list[StepResult]:
+        out: list[StepResult] = []
+        for st in states:
+            try:
+                with torch.inference_mode():
+                    out.append(one(st))
+            except Exception as e:  # noqa: BLE001 - a row's failure is that row's own
+                self.release(st)
+                out.append(e)
+        return out
+
+    def _prefill_one(self, st: LLMState) -> int | None:
+        lm_input = self.llm.build_lm_input(st.text, st.prompt_text, st.prompt_speech)
+        st.cache = self.llm.new_cache(lm_input.shape[1] + st.max_len)
+        st.pos = lm_input.shape[1]
+        return self._draw(st, self.llm.prefill(lm_input, st.cache)[0])
+
+    def _decode_one(self, st: LLMState) -> int | None:
+        logp = self.llm.decode_step(st.history[-1], st.cache, st.pos)[0]
+        st.pos += 1
+        return self._draw(st, logp)
+
+    def prefill(self, states: Sequence[LLMState]) -> list[StepResult]:
+        return self._rows(states, self._prefill_one)
+
+    def decode(self, states: Sequence[LLMState]) -> list[StepResult]:
+        return self._rows(states, self._decode_one)
+
+    def release(self, state: LLMState) -> None:
+        state.cache = None
 
 
 def fold_to_flow_vocab(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -62,26 +114,6 @@ def flow_chunk_mel(flow: torch.nn.Module, inputs: Any, tokens: torch.Tensor, cal
 
 #: ``(seg, inputs, tokens, call)``: one request's pending flow call, as passed to ``FlowStage.chunk``.
 ChunkItem = tuple[Any, Any, torch.Tensor, ChunkCall]
-
-
-def plan_solves(frames: list[int], max_items: int, cost: Callable[[int, int], float] | None = None,
-                budget: float | None = None, same_length: bool = False) -> list[list[int]]:
-    """Split item indices (with estimator lengths ``frames``) into batched solves.
-
-    Items are taken shortest first (similar lengths share a solve: less padding), at most ``max_items`` per
-    solve, and while ``cost(n_items, longest_frames) <= budget`` when both are given (a solve that would
-    exceed the budget starts a new one; a single item always fits).  ``same_length`` lets only equal lengths
-    share a solve (no padding at all)."""
-    order = sorted(range(len(frames)), key=lambda i: frames[i])
-    groups: list[list[int]] = []
-    for i in order:  # ascending, so item i is the longest of the solve it joins
-        g = groups[-1] if groups else None
-        if g is not None and len(g) < max_items and (not same_length or frames[g[0]] == frames[i]) and (
-                cost is None or budget is None or cost(len(g) + 1, frames[i]) <= budget):
-            g.append(i)
-        else:
-            groups.append([i])
-    return groups
 
 
 def flow_chunk_mel_batch(flow: torch.nn.Module, items: Sequence[ChunkItem], stream: bool = True,
@@ -148,11 +180,6 @@ class EagerFlow:
             return [self.chunk(*item, stream=stream) for item in items]
         return flow_chunk_mel_batch(self.flow, items, stream, max_items=self.max_batch,
                                     same_length=not self.share_padded)
-
-
-def chunk_batch_loop(stage: Any, items: Sequence[ChunkItem]) -> list[torch.Tensor]:
-    """The default ``chunk_batch`` for a flow stage without a batched path: one ``chunk`` per item."""
-    return [stage.chunk(*item) for item in items]
 
 
 class EagerVocoder:

@@ -15,12 +15,12 @@ import importlib.util
 import json
 import logging
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from ..config import ModelConfig
-from .base import BackendUnavailable
+from .base import BackendUnavailable, LLMState, StepResult, accept_token, new_llm_state
 
 log = logging.getLogger(__name__)
 
@@ -64,26 +64,55 @@ class TrtLlmLLM:
             logits.fill_(float("-inf"))
             logits[..., self.offset:self.offset + self.rows] = speech
 
-    def generate(self, inputs: Any, text: torch.Tensor, generator: torch.Generator, max_tokens: int | None,
-                 ignore_eos: bool) -> Iterator[int]:
+    capacity: int | None = None  # TensorRT-LLM's runner batches its own requests
+
+    def new_state(self, inputs: Any, text: torch.Tensor, generator: torch.Generator, max_tokens: int | None,
+                  ignore_eos: bool) -> LLMState:
+        return new_llm_state(self.llm, inputs, text, generator, max_tokens, ignore_eos)
+
+    def free_slots(self) -> int | None:
+        return None
+
+    def _tokens(self, st: LLMState) -> Iterator[int]:
+        """The runner's token stream for one state (kept in ``st.extra``; TensorRT-LLM owns its scheduling)."""
         from .trtllm_export import ExtendedVocab
 
         vocab = ExtendedVocab(self.offset, self.rows)
-        ids = vocab.lm_input_ids(text.cpu(), inputs.prompt_text.cpu(), inputs.llm_prompt_speech_token.cpu())
-        min_len, max_len = self.llm.length_limits(text.shape[1], max_tokens, ignore_eos)
-        if ignore_eos:
-            min_len = max_len  # TensorRT-LLM cannot mask the stop ids per step: forbid stopping early instead
-        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device).item())
+        ids = vocab.lm_input_ids(st.text.cpu(), st.prompt_text.cpu(), st.prompt_speech.cpu())
+        min_len = st.max_len if st.ignore_eos else st.min_len  # it cannot mask stop ids per step: no early stop
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=st.generator, device=st.generator.device).item())
         stream = self.runner.generate(
-            [torch.tensor(ids, dtype=torch.int32)], max_new_tokens=max_len, end_id=self.offset + self.eos,
+            [torch.tensor(ids, dtype=torch.int32)], max_new_tokens=st.max_len, end_id=self.offset + self.eos,
             pad_id=self.offset + self.eos, top_k=self.config.llm.top_k, top_p=self.config.llm.top_p,
             min_tokens=min_len, random_seed=seed, streaming=True, return_dict=True, logits_processor_names=["cosyvoice_speech_head"])
         emitted = 0
         for out in stream:
             seq = out["output_ids"][0][0].tolist()[len(ids):]
             for tok in seq[emitted:]:
-                sid = tok - self.offset
-                if not 0 <= sid < self.config.llm.speech_token_size:
-                    return
                 emitted += 1
-                yield sid
+                yield tok - self.offset
+
+    def _next(self, st: LLMState) -> StepResult:
+        try:
+            tok = next(st.extra, None)
+            out = accept_token(st, self.config.llm.speech_token_size if tok is None or tok < 0 else tok,
+                               self.config.llm.speech_token_size)
+        except Exception as e:  # noqa: BLE001 - a row's failure is that row's own
+            st.done = True
+            out = e
+        if st.done:
+            self.release(st)
+        return out
+
+    def prefill(self, states: Sequence[LLMState]) -> list[StepResult]:
+        for st in states:
+            st.extra = self._tokens(st)
+        return [self._next(st) for st in states]
+
+    def decode(self, states: Sequence[LLMState]) -> list[StepResult]:
+        return [self._next(st) for st in states]
+
+    def release(self, state: LLMState) -> None:
+        if state.extra is not None:
+            state.extra.close()
+            state.extra = None

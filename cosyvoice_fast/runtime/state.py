@@ -10,10 +10,11 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
+from ..backends.base import LLMState
 from ..request import ModelInputs, SynthesisRequest
 from ..schedule import ChunkCall, ChunkCursor
 from ..telemetry import RequestTelemetry
@@ -22,12 +23,16 @@ from .vocoder_stream import VocoderCache
 
 @dataclass(eq=False)
 class SegmentState:
-    """One text segment's speech-token stream: LM iterator, tokens so far, chunk cursor, vocoder carry-over."""
+    """One text segment's speech-token stream: LM state, tokens so far, chunk cursor, vocoder carry-over.
+
+    ``llm`` is the LM's whole per-request state (slot, position, history, generator, limits); the backend only
+    executes batch calls over such states.  ``llm_started``: prefilled (a segment may wait for a free slot)."""
 
     index: int
     text: torch.Tensor
     cursor: ChunkCursor
-    token_iter: Iterator[int] | None = None
+    llm: LLMState | None = None
+    llm_started: bool = False
     tokens: list[int] = field(default_factory=list)
     llm_done: bool = False
     pending: list[tuple[ChunkCall, float]] = field(default_factory=list)  # (call, tokens_ready time)
@@ -35,11 +40,11 @@ class SegmentState:
     flow_state: Any = None  # owned by the flow backend (e.g. incremental caches)
     flow_info: tuple[str, int, int] | None = None  # (mode, estimator frames, state bytes) of the last flow call
 
-    def close(self) -> None:
-        """Free the LM's KV cache (closing the generator) and any flow state."""
-        if self.token_iter is not None and hasattr(self.token_iter, "close"):
-            self.token_iter.close()
-        self.token_iter = None
+    def close(self, llm_stage: Any = None) -> None:
+        """Give the LM's slot/KV cache back to ``llm_stage`` and drop the flow and vocoder state."""
+        if self.llm is not None and llm_stage is not None:
+            llm_stage.release(self.llm)
+        self.llm = None
         self.flow_state = None
         self.voc_cache = None
 
@@ -69,6 +74,6 @@ class RequestState:
 
     def close(self) -> None:
         if self.segment is not None:
-            self.segment.close()
+            self.segment.close(getattr(self.stages, "llm", None))
         self.segment = None
         self.done = True

@@ -43,7 +43,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from ..backends.eager import flow_chunk_mel, fold_to_flow_vocab
+from .eager import flow_chunk_mel, fold_to_flow_vocab
 from ..models.cfm import NOISE_FRAMES
 from ..models.flow_incremental import (DecoderCache, EncoderCache, StaticDecoderCache, check_estimator,
                                        decode_increment, encode_increment)

@@ -1,0 +1,87 @@
+"""The serving core on a GPU (tiny fixture model, all-cudagraph stage set): more requests than streams and LLM slots
+all complete (they wait instead of failing), and once the engine has started nothing is captured while serving.
+
+Run with ``python -m pytest -m gpu tests/test_serving_gpu.py`` (skipped without CUDA).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from cosyvoice_fast.backends import graphs
+from cosyvoice_fast.config import BackendConfig, StreamParams
+from cosyvoice_fast.engine import Engine
+from cosyvoice_fast.engine_config import EngineConfig
+from cosyvoice_fast.request import ModelInputs, SynthesisRequest
+
+PARAMS = (StreamParams(), StreamParams(token_hop_len_first=7, token_hop_len=13, pre_lookahead_len=0),
+          StreamParams(token_hop_len_first=10, pre_lookahead_len=1))
+
+
+def _request(case: dict, i: int) -> SynthesisRequest:
+    g = torch.Generator().manual_seed(3000 + i)
+    n_prompt = 8 + (i * 7) % 23  # mixed prompt lengths: mixed flow, encoder and vocoder shapes
+    inputs = ModelInputs(text_segments=[torch.randint(0, 1000, (1, 5 + i % 4), generator=g)],
+                         prompt_text=torch.randint(0, 1000, (1, 3), generator=g),
+                         llm_prompt_speech_token=case["prompt_token"][:, :n_prompt],
+                         flow_prompt_speech_token=case["prompt_token"][:, :n_prompt],
+                         prompt_feat=case["prompt_feat"][:, :2 * n_prompt],
+                         embedding=case["embedding"] + 0.05 * torch.randn(1, 192, generator=g))
+    return SynthesisRequest(inputs=inputs, seed=i, max_tokens=40 + 17 * (i % 5), ignore_eos=True,
+                            stream_params=PARAMS[i % len(PARAMS)], request_id=f"gpu{i}")
+
+
+def _serve(eng: Engine, reqs: list[SynthesisRequest]) -> dict[int, object]:
+    out: dict[int, object] = {}
+
+    def run(i: int, req: SynthesisRequest) -> None:
+        try:
+            out[i] = sum(len(c.samples) for c in eng.stream(req))
+        except Exception as e:  # noqa: BLE001
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i, r)) for i, r in enumerate(reqs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a request hung"
+    return out
+
+
+@pytest.mark.gpu
+def test_gpu_more_requests_than_slots_wait_and_nothing_is_captured_while_serving(fixture_dir, load_case):
+    from cosyvoice_fast.modelfiles import load_models
+
+    case = load_case("case_flow_stream")
+    models = load_models(fixture_dir, device="cuda")
+    cfg = EngineConfig(max_streams=6, llm_slots=4, max_context=512, queue_limit=32,
+                       flow_buckets=(50, 100, 150, 200, 300, 400, 600), flow_rows=(1, 2, 4), vocoder_rows=(1,))
+    # recompute flow: which stream gets the incremental buffers depends on timing, and with it the encoder's
+    # exact shapes; the incremental graphs' start-up capture is covered in tests/test_incremental_graphs.py
+    backend = BackendConfig(llm="cudagraph", flow="cudagraph", vocoder="cudagraph", dtype="fp32", incremental=False)
+    eng = Engine(models, backend=backend, config=cfg)
+    try:
+        stages = eng.stages(backend)
+        after_start = graphs.captures()
+        est = stages.flow.estimator
+        fixed = est.captures
+        assert stages.llm.capacity == 4 and est.captures > 0 and all(c.frozen for c in est.caches.values())
+        reqs = [_request(case, i) for i in range(12)]
+        first = _serve(eng, reqs)  # 12 requests, 6 streams, 4 LLM slots: the rest wait, none fails
+        for i, r in enumerate(reqs):
+            assert first[i] == r.max_tokens * 960, f"request {i}: {first[i]!r}"
+        assert est.captures == fixed  # LLM and estimator graphs were all captured at start-up
+        warm = graphs.captures()  # + the exact-shape encoder/HiFT graphs of the lengths served once
+        again = _serve(eng, list(reversed([_request(case, i) for i in range(12)])))
+        assert all(again[i] == first[11 - i] for i in range(12)), again
+        assert graphs.captures() == warm, "a graph was captured while serving lengths already seen"
+        assert est.captures == fixed
+        stats = eng.stats()
+        assert stats["rejected"] == 0 and stats["graph_captures"] == warm >= after_start
+        assert stats["decode_rows"] > stats["decode_steps"]  # decode steps were shared
+    finally:
+        eng.close()
