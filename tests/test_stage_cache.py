@@ -31,7 +31,7 @@ def counting(monkeypatch):
         log.append(("llm", name))
         return Built("llm", name, module)
 
-    def flow(models, name, module):
+    def flow(models, name, module, engine):
         log.append(("flow", name))
         return Built("flow", name, module)
 
@@ -141,7 +141,7 @@ def test_views_do_not_wait_for_a_build(counting, monkeypatch):
 
     started, release = threading.Event(), threading.Event()
 
-    def slow_flow(models, name, module):
+    def slow_flow(models, name, module, engine):
         started.set()
         assert release.wait(10)
         return Built("flow", name, module)
