@@ -13,15 +13,16 @@ import os
 import pickle
 from pathlib import Path
 
-import gradio as gr
 import numpy as np
 import pytest
-import soundfile as sf
 import torch
 
-from cosyvoice_fast.config import BackendConfig, ConfigError, StreamParams
-from cosyvoice_fast.modelfiles import ModelFileError, load_models, validate_model_dir
-from cosyvoice_fast.request import SynthesisRequest
+gr = pytest.importorskip("gradio", reason="gradio is not installed here (pip install -r requirements.txt)")
+sf = pytest.importorskip("soundfile", reason="soundfile is not installed here (pip install -r requirements.txt)")
+
+from cosyvoice_fast.config import BackendConfig, ConfigError, StreamParams  # noqa: E402
+from cosyvoice_fast.modelfiles import ModelFileError, load_models, validate_model_dir  # noqa: E402
+from cosyvoice_fast.request import SynthesisRequest  # noqa: E402
 
 TINY = dict(max_tokens=12, ignore_eos=True)
 
