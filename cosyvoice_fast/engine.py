@@ -223,6 +223,7 @@ class Engine:
 
     def _admit(self, request: SynthesisRequest) -> RequestState:
         tele = RequestTelemetry(request.request_id)
+        tele.params = {"mode": request.mode, "chars": len(request.text)}  # known even when admission refuses it
         try:
             return self._admit_checked(request, tele)
         except Exception as e:  # refused before reaching the worker (bad prompt, backend, engine full): observed
@@ -234,7 +235,7 @@ class Engine:
         if self._closed:
             raise EngineClosed("the engine is shut down")
         cfg = request.backend or self.default_backend
-        tele.params = {"backend": f"{cfg.llm}/{cfg.flow}/{cfg.vocoder}", "dtype": cfg.dtype,
+        tele.params = {**tele.params, "backend": f"{cfg.llm}/{cfg.flow}/{cfg.vocoder}", "dtype": cfg.dtype,
                        "incremental_flow": cfg.incremental,
                        "stream": request.stream, "seed": request.seed,
                        **{k: getattr(request.stream_params, k) for k in StreamParams.__slots__}}
