@@ -42,7 +42,7 @@ def cmd_synth(a: argparse.Namespace) -> int:
                                        pre_lookahead_len=a.pre_lookahead_len),
             backend=BackendConfig(llm=a.llm_backend, flow=a.flow_backend, vocoder=a.vocoder_backend,
                                   dtype=a.dtype, incremental=not a.recompute_flow),
-            speed=a.speed)
+            speed=a.speed, max_tokens=a.max_tokens)
         if svc.synthetic:
             log.warning(svc.banner)
         wav, tele = svc.engine.synthesize(req)
@@ -141,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speed", type=float, default=1.0)
     p.add_argument("--token-hop-len-first", type=int, default=25)
     p.add_argument("--pre-lookahead-len", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, metavar="N",
+                   help="cap on speech tokens per text segment (25 tokens = 1 s of audio; default: until the LM "
+                        "stops; keep a cap on random-weight models, which rarely stop)")
     p.add_argument("--llm-backend", default="eager")
     p.add_argument("--flow-backend", default="eager")
     p.add_argument("--vocoder-backend", default="eager")

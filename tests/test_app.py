@@ -182,9 +182,9 @@ def test_ab_returns_two_results_and_a_difference_table(app, tmp_path):
     (dict(text="   "), "Text is empty"),
     (dict(mode="zero_shot", prompt_text=""), "transcript"),
     (dict(prompt_upload=None), "needs a prompt voice"),
-    (dict(token_hop_len_first=0), "minimum"),
+    (dict(token_hop_len_first=0), "token_hop_len_first=0 is out of range: use a whole number from 1 to 100"),
     (dict(speed=1.5), "only without streaming"),
-    (dict(llm="trtllm"), "not in the list of choices"),
+    (dict(llm="trtllm"), "llm='trtllm' is not available here: "),
 ])
 def test_bad_inputs_come_back_as_messages(app, over, expect):
     client = app[0]

@@ -20,6 +20,17 @@ def test_synth_streams_to_a_wav_and_prints_the_breakdown(tmp_path, capsys):
     assert sr == 24000 and len(wav) > 0 and len(wav) % 960 == 0  # whole tokens of audio
 
 
+def test_synth_max_tokens_caps_the_audio(tmp_path, capsys):
+    out = tmp_path / "out.wav"
+    assert main(["synth", "--synthetic", "tiny", "--text", "Hello there, a longer sentence to speak.", "--max-tokens",
+                 "12", "--out", str(out), "--speaker-cache", str(tmp_path / "spk")]) == 0
+    wav, sr = sf.read(out)
+    assert 0 < len(wav) <= 12 * 960 and len(wav) % 960 == 0
+    assert main(["synth", "--synthetic", "tiny", "--text", "Hi.", "--max-tokens", "0", "--out", str(out),
+                 "--speaker-cache", str(tmp_path / "spk")]) == 2
+    assert capsys.readouterr().err.strip().endswith("error: max_tokens=0: use 1 to 4000")
+
+
 def test_backends_lists_every_stage(capsys):
     assert main(["backends", "--device", "cpu"]) == 0
     rows = capsys.readouterr().out.splitlines()
