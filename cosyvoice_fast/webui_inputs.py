@@ -5,7 +5,6 @@ which input was wrong ("Value 0 is less than minimum value 1.", "Value: cudagrap
 ['eager']") and a server traceback for each.  These subclasses do the same checks with our messages: the field's
 API name, the allowed range, and for a backend that cannot run here, the reason.  Whole-number sliders are typed
 ``integer`` in ``view_api()`` and a fractional value is refused instead of being silently truncated.
-Each class sets Gradio's ``is_template`` marker, so the page draws Gradio's own widget of the parent class.
 """
 
 from __future__ import annotations
@@ -41,48 +40,35 @@ def check_number(field: str, payload: Any, minimum: float, maximum: float, integ
     return int(payload) if integer else float(payload)
 
 
-class FieldSlider(gr.Slider):
+def _bind(component: gr.components.Component, **methods: Any) -> Any:
+    """Replace methods on this one component.  Not a subclass: Gradio writes a ``.pyi`` stub beside the module of
+    every Component subclass, and sends the parent's widget and parameters only for its own classes."""
+    for name, fn in methods.items():
+        setattr(component, name, fn)
+    return component
+
+
+def field_slider(minimum: float, maximum: float, value: float, *, field: str, step: float = 1,
+                **kw: Any) -> gr.Slider:
     """A slider for the API field ``field``; whole-number steps make it an ``integer`` input."""
-
-    is_template = True  # Gradio draws it with the parent's widget (and names it so in the API)
-
-    def get_config(self, cls: type | None = None) -> dict[str, Any]:
-        return super().get_config(cls or gr.Slider)  # the parent's parameters (label, info, value, ...)
-
-    def __init__(self, minimum: float, maximum: float, value: float, *, field: str, step: float = 1, **kw: Any):
-        self.field = field
-        self.integer = float(step).is_integer() and float(minimum).is_integer()
-        super().__init__(minimum, maximum, value, step=step, precision=0 if self.integer else None, **kw)
-
-    def preprocess(self, payload: Any) -> int | float:
-        return check_number(self.field, payload, self.minimum, self.maximum, self.integer)
-
-    def api_info(self) -> dict[str, Any]:
-        kind = "whole number" if self.integer else "number"
-        return {"type": "integer" if self.integer else "number",
-                "description": f"{kind} from {_fmt(self.minimum)} to {_fmt(self.maximum)}"}
+    integer = float(step).is_integer() and float(minimum).is_integer()
+    kind = "whole number" if integer else "number"
+    slider = gr.Slider(minimum, maximum, value, step=step, precision=0 if integer else None, **kw)
+    return _bind(slider,
+                 preprocess=lambda payload: check_number(field, payload, minimum, maximum, integer),
+                 api_info=lambda: {"type": "integer" if integer else "number",
+                                   "description": f"{kind} from {_fmt(minimum)} to {_fmt(maximum)}"})
 
 
-class FieldNumber(gr.Number):
+def field_number(value: int, *, field: str, minimum: int, maximum: int, **kw: Any) -> gr.Number:
     """A whole-number box (the seed) with our range message."""
-
-    is_template = True  # Gradio draws it with the parent's widget (and names it so in the API)
-
-    def get_config(self, cls: type | None = None) -> dict[str, Any]:
-        return super().get_config(cls or gr.Number)  # the parent's parameters (label, info, value, ...)
-
-    def __init__(self, value: int, *, field: str, minimum: int, maximum: int, **kw: Any):
-        self.field = field
-        super().__init__(value, precision=0, minimum=minimum, maximum=maximum, **kw)
-
-    def preprocess(self, payload: Any) -> int | None:
-        if payload is None:
-            return None
-        return int(check_number(self.field, payload, self.minimum, self.maximum, True))
+    box = gr.Number(value, precision=0, minimum=minimum, maximum=maximum, **kw)
+    return _bind(box, preprocess=lambda payload: None if payload is None
+                 else int(check_number(field, payload, minimum, maximum, True)))
 
 
 def _check_choice(field: str, payload: Any, choices: Sequence[Any], unavailable: Mapping[str, str]) -> Any:
-    if payload in choices:
+    if payload is None or payload in choices:
         return payload
     allowed = ", ".join(repr(c) for c in choices)
     if isinstance(payload, str) and payload in unavailable:
@@ -90,39 +76,16 @@ def _check_choice(field: str, payload: Any, choices: Sequence[Any], unavailable:
     raise _refuse(f"{field}={payload!r} is not one of the choices: {allowed}.")
 
 
-class FieldDropdown(gr.Dropdown):
+def field_dropdown(choices: Sequence[Any], *, field: str, unavailable: Mapping[str, str] | None = None,
+                  **kw: Any) -> gr.Dropdown:
     """A dropdown whose refusal names the field and, for a choice that exists but cannot run here, why."""
-
-    is_template = True  # Gradio draws it with the parent's widget (and names it so in the API)
-
-    def get_config(self, cls: type | None = None) -> dict[str, Any]:
-        return super().get_config(cls or gr.Dropdown)  # the parent's parameters (label, info, value, ...)
-
-    def __init__(self, choices: Sequence[Any], *, field: str, unavailable: Mapping[str, str] | None = None,
-                 **kw: Any):
-        self.field = field
-        self.unavailable = dict(unavailable or {})
-        super().__init__(choices, **kw)
-
-    def preprocess(self, payload: Any) -> Any:
-        if payload is None:
-            return None
-        return _check_choice(self.field, payload, [v for _, v in self.choices], self.unavailable)
+    dropdown = gr.Dropdown(choices, **kw)
+    why = dict(unavailable or {})
+    return _bind(dropdown, preprocess=lambda payload: _check_choice(field, payload,
+                                                                    [v for _, v in dropdown.choices], why))
 
 
-class FieldRadio(gr.Radio):
+def field_radio(choices: Sequence[Any], *, field: str, **kw: Any) -> gr.Radio:
     """Radio buttons (the mode) whose refusal names the field and the choices."""
-
-    is_template = True  # Gradio draws it with the parent's widget (and names it so in the API)
-
-    def get_config(self, cls: type | None = None) -> dict[str, Any]:
-        return super().get_config(cls or gr.Radio)  # the parent's parameters (label, info, value, ...)
-
-    def __init__(self, choices: Sequence[Any], *, field: str, **kw: Any):
-        self.field = field
-        super().__init__(choices, **kw)
-
-    def preprocess(self, payload: Any) -> Any:
-        if payload is None:
-            return None
-        return _check_choice(self.field, payload, [v for _, v in self.choices], {})
+    radio = gr.Radio(choices, **kw)
+    return _bind(radio, preprocess=lambda payload: _check_choice(field, payload, [v for _, v in radio.choices], {}))
