@@ -67,14 +67,14 @@ def config_panel(h: Handlers, *, hop_first: int = 25, lookahead: int = 3, max_to
     """Tuning sliders + backend per stage + dtype, in the order of ``CONFIG_FIELDS``."""
     comps = [
         field_slider(1, 100, hop_first, field="token_hop_len_first", label="token_hop_len_first",
-                    info=TIPS["token_hop_len_first"]),
+                     info=TIPS["token_hop_len_first"]),
         field_slider(1, 200, 25, field="token_hop_len", label="token_hop_len", info=TIPS["token_hop_len"]),
         field_slider(0, 3, lookahead, field="pre_lookahead_len", label="pre_lookahead_len",
-                    info=TIPS["pre_lookahead_len"]),
+                     info=TIPS["pre_lookahead_len"]),
         field_slider(1.0, 4.0, 2.0, step=0.5, field="stream_scale_factor", label="stream_scale_factor",
-                    info=TIPS["stream_scale_factor"]),
+                     info=TIPS["stream_scale_factor"]),
         field_slider(0, 2000, max_tokens, step=5, field="max_tokens", label="max speech tokens",
-                    info=TIPS["max_tokens"]),
+                     info=TIPS["max_tokens"]),
     ]
     with gr.Row():
         for stage in ("llm", "flow", "vocoder"):
@@ -86,13 +86,13 @@ def config_panel(h: Handlers, *, hop_first: int = 25, lookahead: int = 3, max_to
                                               "incremental_flow=True")
             value = backend if backend in choices else "eager"
             comps.append(field_dropdown(choices, field=stage, unavailable=unavailable, value=value,
-                                       label=f"{stage} backend", info=note,
-                                       elem_id=f"{key}{stage}-backend" if key else None))
+                                        label=f"{stage} backend", info=note,
+                                        elem_id=f"{key}{stage}-backend" if key else None))
         dtypes, note = h.dtype_choices()
         # the fast backends are meant to run in bf16; the eager reference keeps the first choice (fp32)
         dtype = "bf16" if backend and backend != "eager" and "bf16" in dtypes else dtypes[0]
         comps.append(field_dropdown(dtypes, field="dtype", value=dtype, label="dtype", info=note,
-                                   unavailable={d: note for d in ("fp32", "bf16", "fp16") if d not in dtypes}))
+                                    unavailable={d: note for d in ("fp32", "bf16", "fp16") if d not in dtypes}))
     comps.append(gr.Checkbox(True, label="incremental flow", info=TIPS["incremental_flow"]))
     return comps
 
@@ -138,7 +138,7 @@ def build_demo(service: Any) -> gr.Blocks:
                     text = gr.Textbox(examples[0]["text"] if examples else "", label="Text to speak", lines=3,
                                       max_lines=12, elem_id="tts-text")
                     mode = field_radio([(lab, k) for k, lab in MODE_LABELS.items()], field="mode", value="zero_shot",
-                                      label="Mode")
+                                       label="Mode")
                     with gr.Row():
                         # no initial value: the API then shows no default file (it showed Gradio's sample URL);
                         # the page still opens with the first example's voice (demo.load below)
@@ -157,13 +157,13 @@ def build_demo(service: Any) -> gr.Blocks:
                             del_btn = gr.Button("Delete selected speaker", scale=1)
                     with gr.Row():
                         seed = field_number(0, field="seed", minimum=0, maximum=2**63 - 1, label="Seed", scale=2,
-                                           elem_id="seed",
-                                         info="same seed + same inputs = same audio")
+                                            elem_id="seed",
+                                            info="same seed + same inputs = same audio")
                         dice = gr.Button("🎲", scale=0, min_width=50, elem_id="dice")
                         stream = gr.Checkbox(True, label="Stream", scale=1)
                         speed = field_slider(0.5, 2.0, 1.0, step=0.05, field="speed",
-                                            label="Speed (only without streaming)",
-                                          interactive=False, scale=3)
+                                             label="Speed (only without streaming)",
+                                             interactive=False, scale=3)
                 with gr.Column(scale=2):
                     with gr.Accordion("Tuning: chunking, backends, dtype", open=True):
                         cfg = config_panel(h, max_tokens=default_cap, backend=fast)  # GPU: fastest by default

@@ -168,7 +168,8 @@ def test_warm_up_request_stays_out_of_the_metrics(served):
     svc.start_warmup(background=False)
     assert svc.warming() == [] and svc.warmup_error is None
     def ok_count(exposition: bytes) -> list[str]:
-        return [ln for ln in exposition.decode().splitlines() if ln.startswith('cosyvoice_requests_total{outcome="ok"}')]
+        prefix = 'cosyvoice_requests_total{outcome="ok"}'
+        return [ln for ln in exposition.decode().splitlines() if ln.startswith(prefix)]
 
     assert ok_count(svc.metrics.exposition()) == ok_count(before)
 
