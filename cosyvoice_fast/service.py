@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import request_log
 from .config import TORCH_DTYPES, BackendConfig
 from .engine import Engine
-from . import request_log
 from .metrics import EngineMetrics, health
 from .modelfiles import LoadedModels, find_model_dir, load_models
 from .request import SynthesisRequest
@@ -57,8 +57,9 @@ class Service:
         shape on a GPU).  Without it the first user's request paid 2-8 s on CPU while /health said ready.
 
         ``/health`` lists the steps still running under ``warming`` and answers 503 until they are done.  The
-        warm-up request is logged like any other (id ``warmup-…``) but kept out of the metrics."""
-        steps = (["frontend"] if self.frontend is not None else []) + ["engine"]
+        warm-up request is logged like any other (id ``warmup-…``) but kept out of the metrics.  Without a frontend
+        (no tokenizer / ONNX files) there is nothing to warm: the engine cannot take text."""
+        steps = ["frontend", "engine"] if self.frontend is not None else []
         with self._warm_lock:
             self._warming = list(steps)
         if not background:
@@ -67,6 +68,20 @@ class Service:
         t = threading.Thread(target=self._warm_up, name="cosyvoice-warmup", daemon=True)
         t.start()
         return t
+
+    def warm_backends(self) -> list[BackendConfig]:
+        """The engine's default backends, and on a GPU also what the app selects by default there (``cudagraph``
+        where a stage has it, in bf16), so the first user of either meets built stages."""
+        from .backends.base import available_backends
+
+        configs = [self.engine.default_backend]
+        ok = {(b.stage, b.name) for b in available_backends(self.models.device) if b.available}
+        if self.models.device.type == "cuda" and ("flow", "cudagraph") in ok:
+            pick = {st: "cudagraph" if (st, "cudagraph") in ok else "eager" for st in ("llm", "flow", "vocoder")}
+            fast = BackendConfig(llm=pick["llm"], flow=pick["flow"], vocoder=pick["vocoder"], dtype="bf16")
+            if fast != configs[0]:
+                configs.append(fast)
+        return configs
 
     def _done(self, step: str) -> None:
         with self._warm_lock:
@@ -81,12 +96,13 @@ class Service:
             if self.frontend is not None:
                 self.frontend.prompt_features(wav, sr)  # type: ignore[attr-defined]
                 self._done("frontend")
-            if self.frontend is not None:
-                req = SynthesisRequest(text="Warming up.", mode="cross_lingual", prompt_wav=wav, prompt_sr=sr,
-                                       max_tokens=40, ignore_eos=True, request_id=f"{WARMUP_PREFIX}{id(self):x}")
-                for _ in self.engine.stream(req):
-                    pass
-            self._done("engine")
+                for i, backend in enumerate(self.warm_backends()):
+                    req = SynthesisRequest(text="Warming up.", mode="cross_lingual", prompt_wav=wav, prompt_sr=sr,
+                                           max_tokens=40, ignore_eos=True, backend=backend,
+                                           request_id=f"{WARMUP_PREFIX}{i}-{id(self):x}")
+                    for _ in self.engine.stream(req):
+                        pass
+                self._done("engine")
         except Exception as e:  # noqa: BLE001 - a failed warm-up must not stop the server: users get the cold path
             self.warmup_error = f"{type(e).__name__}: {e}"
             log.warning("warm-up failed (%s); serving anyway, the first request will be slower", self.warmup_error)
