@@ -33,24 +33,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     a = parse_args(argv)
-    from cosyvoice_fast.service import load_service
-    from cosyvoice_fast.webui import build_demo, serve
+    import importlib.util
 
-    print("loading the model …", flush=True)
+    if importlib.util.find_spec("torch") is None:
+        print("error: torch is not installed. Run `python install.py`: it installs the CPU or CUDA build that fits "
+              "this machine, then the rest of requirements.txt.", file=sys.stderr)
+        return 2
+    from cosyvoice_fast.launch import PortInUse, check_port, serve_until_stopped, setup_logging
+
+    setup_logging()
+    try:
+        check_port(a.host, a.port)  # before the model loads: a taken port should cost seconds, not a model load
+    except PortInUse as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from cosyvoice_fast.service import load_service
+    from cosyvoice_fast.webui import build_demo
+
+    logging.getLogger(__name__).info("loading the model …")
     try:
         svc = load_service(**a.run.service_kwargs(), speaker_cache_dir=a.speaker_cache, progress=True)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(svc.banner, flush=True)
+    print(svc.banner, flush=True)  # after the loading bar has closed: never on the bar's line
+    svc.start_warmup()  # /health answers 503 with what is still warming until it is done
     auth = tuple(a.auth.split(":", 1)) if a.auth else None
     try:
-        serve(build_demo(svc), host=a.host, port=a.port, share=a.share, auth=auth, concurrency=a.concurrency,
-              max_queue=a.max_queue)
-    finally:
+        serve_until_stopped(build_demo(svc), svc, host=a.host, port=a.port, share=a.share, auth=auth,
+                            concurrency=a.concurrency, max_queue=a.max_queue)
+    except PortInUse as e:
         svc.close()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

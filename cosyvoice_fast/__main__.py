@@ -36,7 +36,7 @@ def cmd_synth(a: argparse.Namespace) -> int:
             stream_params=StreamParams(token_hop_len_first=a.token_hop_len_first,
                                        pre_lookahead_len=a.pre_lookahead_len),
             backend=run.backend,
-            speed=a.speed)
+            speed=a.speed, max_tokens=a.max_tokens)
         if svc.synthetic:
             log.warning(svc.banner)
         wav, tele = svc.engine.synthesize(req)
@@ -139,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speed", type=float, default=1.0)
     p.add_argument("--token-hop-len-first", type=int, default=25)
     p.add_argument("--pre-lookahead-len", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, metavar="N",
+                   help="cap on speech tokens per text segment (25 tokens = 1 s of audio; default: until the LM "
+                        "stops; keep a cap on random-weight models, which rarely stop)")
     p.add_argument("--out", default="out.wav")
     p.add_argument("--telemetry-json")
     p.set_defaults(fn=cmd_synth)

@@ -263,6 +263,7 @@ class Engine:
 
     def _admit(self, request: SynthesisRequest) -> RequestState:
         tele = RequestTelemetry(request.request_id)
+        tele.params = {"mode": request.mode, "chars": len(request.text)}  # known even when admission refuses it
         try:
             return self._admit_checked(request, tele)
         except Exception as e:  # refused before reaching the worker (bad prompt, backend, engine full): observed
@@ -286,7 +287,7 @@ class Engine:
         with self._cv:  # refuse before the frontend's work when the queue is already full
             self._check_room()
         cfg = request.backend or self.default_backend
-        tele.params = {"backend": f"{cfg.llm}/{cfg.flow}/{cfg.vocoder}", "dtype": cfg.dtype,
+        tele.params = {**tele.params, "backend": f"{cfg.llm}/{cfg.flow}/{cfg.vocoder}", "dtype": cfg.dtype,
                        "incremental_flow": cfg.incremental,
                        "stream": request.stream, "seed": request.seed,
                        **{k: getattr(request.stream_params, k) for k in StreamParams.__slots__}}

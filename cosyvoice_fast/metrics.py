@@ -116,7 +116,10 @@ def health(service: Any) -> dict[str, Any]:
     for b in available_backends(models.device):
         if b.available:
             backends.setdefault(b.stage, []).append(b.name)
-    return {"ready": bool(running), "status": "ok" if running else "engine stopped",
+    warming = list(getattr(service, "warming", lambda: [])())  # start-up work still running (service.start_warmup)
+    return {"ready": bool(running) and not warming,
+            "status": ("warming up: " + ", ".join(warming)) if running and warming
+            else "ok" if running else "engine stopped", "warming": warming,
             "model_loaded": models is not None, "model": service.model_name, "synthetic": bool(service.synthetic),
             "device": str(models.device), "dtype": str(models.dtype).replace("torch.", ""),
             "frontend": service.frontend is not None, "backends": backends,

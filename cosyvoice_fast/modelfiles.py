@@ -58,21 +58,28 @@ def find_model_dir(model_dir: str | Path | None) -> Path | None:
     return DEFAULT_MODEL_DIR if DEFAULT_MODEL_DIR.is_dir() else None
 
 
+def _shown(path: Path) -> str:
+    """A path as the operator can find it: absolute (several model folders may hold an ``llm.pt``).  These
+    messages go to the terminal of whoever starts the server; web users never see them."""
+    return str(Path(path).absolute())
+
+
 def validate_model_dir(model_dir: str | Path) -> ModelFiles:
     """Check that every required file exists; the error lists all that are missing."""
     root = Path(model_dir)
     if not root.is_dir():
-        raise ModelFileError(f"model directory {root.name or str(root)!r} does not exist or is not a directory; "
-                             f"pass --model-dir pointing at CosyVoice2-0.5B, or {_HINT_DOWNLOAD}")
+        raise ModelFileError(f"Model directory {_shown(root)} does not exist or is not a directory. Pass "
+                             f"--model-dir pointing at CosyVoice2-0.5B, or {_HINT_DOWNLOAD}.")
     missing = [f for f in REQUIRED_FILES if not (root / f).is_file()]
     if "cosyvoice2.yaml" in missing:  # say so when it is another generation's directory, not a broken one
         for other, family in (("cosyvoice.yaml", "CosyVoice1"), ("cosyvoice3.yaml", "CosyVoice3")):
             if (root / other).is_file():
-                raise ModelFileError(f"model directory {root.name!r} holds {other}: it looks like a {family} "
+                raise ModelFileError(f"Model directory {_shown(root)} holds {other}: it looks like a {family} "
                                      "model; cosyvoice_fast runs CosyVoice2 only. Point --model-dir at a "
                                      "CosyVoice2-0.5B directory.")
     if missing:
-        raise ModelFileError(f"model directory {root.name!r} is missing {', '.join(missing)}; {_HINT_DOWNLOAD}")
+        raise ModelFileError(f"Model directory {_shown(root)} is missing {', '.join(missing)}. To fix it, "
+                             f"{_HINT_DOWNLOAD}.")
     return ModelFiles(root)
 
 
@@ -80,21 +87,53 @@ def read_config(files: ModelFiles) -> ModelConfig:
     return ModelConfig.from_files(files.path("cosyvoice2.yaml"), files.path("CosyVoice-BlankEN/config.json"))
 
 
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6: a zip archive
+_PICKLE_MAGIC = b"\x80"  # the legacy torch.save format and plain pickle files start with a protocol opcode
+
+
 def load_state_dict_file(path: Path) -> dict[str, torch.Tensor]:
-    """``torch.load(weights_only=True)`` with errors that say what went wrong in user terms."""
-    name = path.name
+    """``torch.load(weights_only=True)`` with errors that say, in whole sentences, what is wrong with which file
+    (its absolute path) and what to do.  The file's first bytes decide the diagnosis: torch's own exceptions for a
+    random or cut-off file are arbitrary (IndexError, KeyError, "invalid load key"), so they are not shown."""
+    shown = _shown(path)
+    redownload = f"To fix it, {_HINT_DOWNLOAD}."
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        raise ModelFileError(f"{shown} cannot be opened ({e.strerror or type(e).__name__}). Check that the file "
+                             "exists and that this user may read it.") from e
+    if size == 0:
+        raise ModelFileError(f"{shown} is empty (0 bytes): the download or copy did not finish. {redownload}")
+    if head == _ZIP_MAGIC and not zipfile.is_zipfile(path):
+        raise ModelFileError(f"{shown} is truncated: it starts like a PyTorch checkpoint but its end is missing "
+                             f"({size} bytes). {redownload}")
+    if head != _ZIP_MAGIC and not head.startswith(_PICKLE_MAGIC):
+        raise ModelFileError(f"{shown} is not a PyTorch checkpoint (a file written by torch.save starts with a zip "
+                             f"header; this one starts with bytes {head.hex(' ')}). {redownload}")
     try:
         sd = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
+        if "weights only load failed" not in str(e).lower():
+            raise ModelFileError(f"{shown} is damaged or not a PyTorch checkpoint (the safe loader could not read "
+                                 f"it). {redownload}") from e
         raise ModelFileError(
-            f"{name}: refused by the safe loader (torch.load weights_only=True): it contains pickled Python objects, "
-            "not just tensors. Only load checkpoints you trust; re-save it as torch.save(model.state_dict())."
+            f"{shown} was refused by the safe loader (torch.load weights_only=True): it contains pickled Python "
+            "objects, not just tensors. Only load checkpoints you trust, and re-save it with "
+            "torch.save(model.state_dict())."
         ) from e
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as e:
-        raise ModelFileError(f"{name}: cannot be read ({type(e).__name__}: {str(e)[:160]}); the file is truncated "
-                             f"or corrupt: {_HINT_DOWNLOAD}") from e
-    if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
-        raise ModelFileError(f"{name}: expected a state dict (names → tensors), found {type(sd).__name__}")
+    except Exception as e:  # noqa: BLE001 - torch raises anything from a damaged archive; all mean the same here
+        raise ModelFileError(f"{shown} is damaged: PyTorch could not read it ({type(e).__name__}). "
+                             f"{redownload}") from e
+    if not isinstance(sd, dict):
+        raise ModelFileError(f"{shown} holds a {type(sd).__name__}, not a state dict (names → tensors). Save the "
+                             "weights with torch.save(model.state_dict()).")
+    bad = next(((k, v) for k, v in sd.items() if not (isinstance(k, str) and isinstance(v, torch.Tensor))), None)
+    if bad is not None:
+        raise ModelFileError(f"{shown} is not a plain state dict: its entry {bad[0]!r} is of type "
+                             f"{type(bad[1]).__name__}, not a tensor. Save the weights with "
+                             "torch.save(model.state_dict()).")
     return sd
 
 
@@ -114,7 +153,7 @@ def load_strict(module: nn.Module, sd: dict[str, torch.Tensor], fname: str, fami
     if shapes:
         problems.append(f"wrong shape {shapes[0]}" + (f" (+{len(shapes) - 1} more)" if len(shapes) > 1 else ""))
     if problems:
-        raise ModelFileError(f"{fname}: {'; '.join(problems)}; {family_hint}")
+        raise ModelFileError(f"{fname}: {'; '.join(problems)}. {family_hint}")
     module.load_state_dict(sd, strict=True)
 
 
@@ -131,7 +170,7 @@ class LoadedModels:
     dtype: torch.dtype
 
 
-_FAMILY = ("is this a CosyVoice2 (not CosyVoice1/3) model, and do cosyvoice2.yaml and "
+_FAMILY = ("Is this a CosyVoice2 (not CosyVoice1/3) model, and do cosyvoice2.yaml and "
            "CosyVoice-BlankEN/config.json belong to the same download?")
 
 
@@ -168,7 +207,7 @@ def load_models(model_dir: str | Path, device: str | torch.device = "cpu", dtype
         sd = load_state_dict_file(files.path(fname))
         if fix is not None:
             sd = fix(sd)
-        load_strict(module, sd, fname, _FAMILY)
+        load_strict(module, sd, _shown(files.path(fname)), _FAMILY)
         log.info("loaded %s (%d tensors)", fname, len(sd))
     dev = torch.device(device)
     llm = llm.to(dev, dtype).eval()

@@ -18,6 +18,7 @@ import gradio as gr
 from . import dashboard as db
 from .request import MODE_LABELS
 from .webui_handlers import CONFIG_FIELDS, VOICE_FIELDS, Handlers, random_seed
+from .webui_inputs import field_dropdown, field_number, field_radio, field_slider
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 MAX_UPLOAD = "10mb"
@@ -65,28 +66,43 @@ def config_panel(h: Handlers, *, hop_first: int = 25, lookahead: int = 3, max_to
                  backend: str | None = None, key: str = "") -> list[Any]:
     """Tuning sliders + backend per stage + dtype, in the order of ``CONFIG_FIELDS``."""
     comps = [
-        gr.Slider(1, 100, hop_first, step=1, label="token_hop_len_first", info=TIPS["token_hop_len_first"]),
-        gr.Slider(1, 200, 25, step=1, label="token_hop_len", info=TIPS["token_hop_len"]),
-        gr.Slider(0, 3, lookahead, step=1, label="pre_lookahead_len", info=TIPS["pre_lookahead_len"]),
-        gr.Slider(1.0, 4.0, 2.0, step=0.5, label="stream_scale_factor", info=TIPS["stream_scale_factor"]),
-        gr.Slider(0, 2000, max_tokens, step=5, label="max speech tokens", info=TIPS["max_tokens"]),
+        field_slider(1, 100, hop_first, field="token_hop_len_first", label="token_hop_len_first",
+                     info=TIPS["token_hop_len_first"]),
+        field_slider(1, 200, 25, field="token_hop_len", label="token_hop_len", info=TIPS["token_hop_len"]),
+        field_slider(0, 3, lookahead, field="pre_lookahead_len", label="pre_lookahead_len",
+                     info=TIPS["pre_lookahead_len"]),
+        field_slider(1.0, 4.0, 2.0, step=0.5, field="stream_scale_factor", label="stream_scale_factor",
+                     info=TIPS["stream_scale_factor"]),
+        field_slider(0, 2000, max_tokens, step=5, field="max_tokens", label="max speech tokens",
+                     info=TIPS["max_tokens"]),
     ]
     with gr.Row():
         for stage in ("llm", "flow", "vocoder"):
             choices, note = h.backend_choices(stage)
+            unavailable = {b.name: b.reason for b in h.backends if b.stage == stage and not b.available}
+            if stage == "flow":  # the incremental_flow checkbox is how incremental is chosen, not a backend
+                choices = [c for c in choices if c != "incremental"]
+                unavailable["incremental"] = ("it is not a separate backend: use flow='eager' with "
+                                              "incremental_flow=True")
             value = backend if backend in choices else "eager"
-            comps.append(gr.Dropdown(choices, value=value, label=f"{stage} backend", info=note,
-                                     elem_id=f"{key}{stage}-backend" if key else None))
+            comps.append(field_dropdown(choices, field=stage, unavailable=unavailable, value=value,
+                                        label=f"{stage} backend", info=note,
+                                        elem_id=f"{key}{stage}-backend" if key else None))
         dtypes, note = h.dtype_choices()
         # the fast backends are meant to run in bf16; the eager reference keeps the first choice (fp32)
         dtype = "bf16" if backend and backend != "eager" and "bf16" in dtypes else dtypes[0]
-        comps.append(gr.Dropdown(dtypes, value=dtype, label="dtype", info=note))
+        comps.append(field_dropdown(dtypes, field="dtype", value=dtype, label="dtype", info=note,
+                                    unavailable={d: note for d in ("fp32", "bf16", "fp16") if d not in dtypes}))
     comps.append(gr.Checkbox(True, label="incremental flow", info=TIPS["incremental_flow"]))
     return comps
 
 
 def named(fn: Any, names: Sequence[str]) -> Any:
-    """``fn(*values)`` with a signature naming each input, so the API page and gradio_client show real names."""
+    """``fn(*values)`` with a signature naming each input, so the API page and gradio_client show real names.
+
+    Every parameter defaults to None: ``view_api()`` then shows an input without an initial value (microphone,
+    instruction, saved speaker) as not required, as it is; one that a mode needs is refused by the handler with a
+    message saying so.  Inputs with an initial value show that value as their default."""
     if inspect.isgeneratorfunction(fn):
         def wrapper(*values: Any) -> Any:
             yield from fn(*values)
@@ -94,7 +110,7 @@ def named(fn: Any, names: Sequence[str]) -> Any:
         def wrapper(*values: Any) -> Any:
             return fn(*values)
     wrapper.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
+        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None) for n in names])
     wrapper.__name__ = fn.__name__
     wrapper.__doc__ = fn.__doc__
     return wrapper
@@ -121,14 +137,17 @@ def build_demo(service: Any) -> gr.Blocks:
                 with gr.Column(scale=3):
                     text = gr.Textbox(examples[0]["text"] if examples else "", label="Text to speak", lines=3,
                                       max_lines=12, elem_id="tts-text")
-                    mode = gr.Radio([(lab, k) for k, lab in MODE_LABELS.items()], value="zero_shot", label="Mode")
+                    mode = field_radio([(lab, k) for k, lab in MODE_LABELS.items()], field="mode", value="zero_shot",
+                                       label="Mode")
                     with gr.Row():
-                        upload = gr.Audio(examples[0]["prompt_wav"] if examples else None, sources=["upload"],
+                        # no initial value: the API then shows no default file (it showed Gradio's sample URL);
+                        # the page still opens with the first example's voice (demo.load below)
+                        upload = gr.Audio(None, sources=["upload"],
                                           type="filepath", label="Prompt voice: upload (3–30 s)")
                         mic = gr.Audio(sources=["microphone"], type="filepath", label="…or record")
                     prompt_text = gr.Textbox(examples[0]["prompt_text"] if examples else "",
                                              label="Prompt transcript", info="exactly what is said in the prompt")
-                    instruct = gr.Textbox(label="Instruction", visible=False,
+                    instruct = gr.Textbox("", label="Instruction", visible=False,
                                           placeholder="e.g. Speak slowly, in a calm voice.")
                     speaker = gr.Dropdown(h.speaker_names(), value=None, label="Saved speaker", visible=False)
                     with gr.Accordion("Saved voices", open=False):
@@ -137,12 +156,14 @@ def build_demo(service: Any) -> gr.Blocks:
                             save_btn = gr.Button("Save voice", scale=1)
                             del_btn = gr.Button("Delete selected speaker", scale=1)
                     with gr.Row():
-                        seed = gr.Number(0, precision=0, label="Seed", minimum=0, scale=2, elem_id="seed",
-                                         info="same seed + same inputs = same audio")
+                        seed = field_number(0, field="seed", minimum=0, maximum=2**63 - 1, label="Seed", scale=2,
+                                            elem_id="seed",
+                                            info="same seed + same inputs = same audio")
                         dice = gr.Button("🎲", scale=0, min_width=50, elem_id="dice")
                         stream = gr.Checkbox(True, label="Stream", scale=1)
-                        speed = gr.Slider(0.5, 2.0, 1.0, step=0.05, label="Speed (only without streaming)",
-                                          interactive=False, scale=3)
+                        speed = field_slider(0.5, 2.0, 1.0, step=0.05, field="speed",
+                                             label="Speed (only without streaming)",
+                                             interactive=False, scale=3)
                 with gr.Column(scale=2):
                     with gr.Accordion("Tuning: chunking, backends, dtype", open=True):
                         cfg = config_panel(h, max_tokens=default_cap, backend=fast)  # GPU: fastest by default
@@ -204,13 +225,17 @@ def build_demo(service: Any) -> gr.Blocks:
                      api_name="ab")
         clear_btn.click(h.clear_history, None, [hist_plot, history], api_visibility="private", queue=False)
         dice.click(random_seed, None, seed, api_name="random_seed", queue=False)
-        save_btn.click(h.save_speaker, [save_name, upload, mic, prompt_text], speaker, api_name="save_speaker")
-        del_btn.click(h.delete_speaker, [speaker], speaker, api_name="delete_speaker")
+        save_btn.click(named(h.save_speaker, ("name", "prompt_upload", "prompt_mic", "prompt_text")),
+                       [save_name, upload, mic, prompt_text], speaker, api_name="save_speaker")
+        del_btn.click(named(h.delete_speaker, ("speaker",)), [speaker], speaker, api_name="delete_speaker")
         mode.change(_mode_visibility, mode, [upload, mic, prompt_text, instruct, speaker], queue=False,
                     api_visibility="private")
         stream.change(lambda s: gr.update(interactive=not s, value=1.0), stream, speed, queue=False,
                       api_visibility="private")
         demo.load(h.refresh_speakers, None, speaker, api_visibility="private")
+        if examples and examples[0]["prompt_wav"]:
+            first_voice = gr.Audio(examples[0]["prompt_wav"], type="filepath", render=False).value["path"]
+            demo.load(lambda: first_voice, None, upload, api_visibility="private", queue=False)
     demo.cosyvoice_service = service  # read by serve() to mount /health and /metrics
     return demo
 

@@ -20,7 +20,9 @@ import numpy as np
 from . import dashboard as db
 from .backends.base import available_backends
 from .config import BackendConfig, StreamParams
+from .engine import EngineClosed
 from .request import MODE_LABELS, SynthesisRequest
+from .request_log import log_refused
 from .telemetry import RequestTelemetry, now
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,15 @@ def redact_paths(text: str) -> str:
     """Replace every absolute path in ``text`` by its file name: messages shown to users must not reveal the
     server's directories (Gradio's upload cache, the model directory, the home directory)."""
     return _ABS_PATH.sub(lambda m: m.group(1) or "<path>", text)
+
+
+def user_error(message: str) -> gr.Error:
+    """The error a user sees in the page or ``gradio_client``.  Gradio would print a traceback for each one; a user
+    mistake is not a server failure, so the request log's one line is all the server log gets."""
+    return gr.Error(message, print_exception=False)
+
+
+SHUTTING_DOWN = "The server is shutting down, so this request was stopped. Try again once it is back."
 
 
 def _message(e: BaseException) -> str:
@@ -104,19 +115,19 @@ class Handlers:
         """Check what the widgets hold and build the request; any problem is a gr.Error the user can act on."""
         text = (voice.get("text") or "").strip()
         if not text:
-            raise gr.Error("Text is empty: type something to synthesise.")
+            raise user_error("Text is empty: type something to synthesise.")
         mode = voice.get("mode") or "zero_shot"
         wav = voice.get("prompt_upload") or voice.get("prompt_mic")
         if mode != "speaker" and wav is None:
-            raise gr.Error(f"Mode '{MODE_LABELS.get(mode, mode)}' needs a prompt voice: upload or record one "
+            raise user_error(f"Mode '{MODE_LABELS.get(mode, mode)}' needs a prompt voice: upload or record one "
                            "(or pick the 'saved speaker' mode).")
         if mode == "zero_shot" and not (voice.get("prompt_text") or "").strip():
-            raise gr.Error("Zero-shot needs the prompt's transcript (what is said in the prompt audio); "
+            raise user_error("Zero-shot needs the prompt's transcript (what is said in the prompt audio); "
                            "without one use cross-lingual mode.")
         if mode == "instruct2" and not (voice.get("instruct_text") or "").strip():
-            raise gr.Error("Instruct mode needs an instruction, e.g. 'Speak slowly and calmly.'")
+            raise user_error("Instruct mode needs an instruction, e.g. 'Speak slowly and calmly.'")
         if mode == "speaker" and not voice.get("speaker"):
-            raise gr.Error("Pick a saved speaker first (save one from a prompt voice under 'Saved voices').")
+            raise user_error("Pick a saved speaker first (save one from a prompt voice under 'Saved voices').")
         try:
             seed = int(voice.get("seed") or 0)
             max_tokens = int(cfg.get("max_tokens") or 0) or None
@@ -135,27 +146,31 @@ class Handlers:
                 stream=bool(voice.get("stream")), stream_params=params, backend=backend,
                 speed=float(voice.get("speed") or 1.0), max_tokens=max_tokens)
         except (ValueError, TypeError, KeyError) as e:
-            raise gr.Error(_message(e)) from e
+            raise user_error(_message(e)) from e
 
     def _checked_request(self, voice: dict[str, Any], cfg: dict[str, Any]) -> SynthesisRequest:
         """:meth:`request_from`, counting a refusal in the service's metrics (the engine never sees it)."""
         try:
             return self.request_from(voice, cfg)
-        except gr.Error:
+        except gr.Error as e:
             metrics = getattr(self.service, "metrics", None)
             if metrics is not None:
                 metrics.count_rejected()
+            log_refused(secrets.token_hex(6), str(voice.get("mode") or "-"), len(str(voice.get("text") or "")),
+                        str(e.message))
             raise
 
     def _open(self, req: SynthesisRequest) -> Iterator[Any]:
         """Start the request: the frontend runs here, so prompt problems surface before any audio."""
         try:
             return self.engine.stream(req)
+        except EngineClosed as e:
+            raise user_error(SHUTTING_DOWN) from e
         except (ValueError, RuntimeError) as e:  # frontend validation, ConfigError, BackendUnavailable, engine full
-            raise gr.Error(_message(e)) from e
+            raise user_error(_message(e)) from e
         except Exception as e:  # anything else (OSError, ...): a message without server paths, never a raw trace
             log.exception("request %s failed before synthesis", req.request_id)
-            raise gr.Error(f"could not start synthesis: {_message(e)}") from e
+            raise user_error(f"could not start synthesis: {_message(e)}") from e
 
     @staticmethod
     def _live(req: SynthesisRequest, t0: float, timings: list[Any], chunk: Any) -> RequestTelemetry:
@@ -199,13 +214,15 @@ class Handlers:
                        db.summary_rows(tele), status, skip, skip)
         except gr.Error:
             raise
+        except EngineClosed as e:  # shutdown: every open stream ends with this message, not a hang
+            raise user_error(SHUTTING_DOWN) from e
         except Exception as e:  # a failure inside the engine: report it, keep serving
             log.exception("request %s failed", req.request_id)
-            raise gr.Error(f"synthesis failed: {_message(e)}") from e
+            raise user_error(f"synthesis failed: {_message(e)}") from e
         finally:
             chunks.close()  # cancels the engine request if the user pressed Stop or left
         if tele is None:
-            raise gr.Error("the engine produced no audio for this request")
+            raise user_error("the engine produced no audio for this request")
         wav = np.concatenate(parts)
         history = (history + [db.history_record(tele, len(history) + 1)])[-MAX_HISTORY:]
         s = tele.summary()
@@ -225,13 +242,15 @@ class Handlers:
             for ch in chunks:
                 parts.append(ch.samples)
                 tele = ch.telemetry or tele
+        except EngineClosed as e:
+            raise user_error(SHUTTING_DOWN) from e
         except Exception as e:
             log.exception("request %s failed", req.request_id)
-            raise gr.Error(f"synthesis failed: {_message(e)}") from e
+            raise user_error(f"synthesis failed: {_message(e)}") from e
         finally:
             chunks.close()
         if tele is None or not parts:
-            raise gr.Error("the engine produced no audio for this request")
+            raise user_error("the engine produced no audio for this request")
         return np.concatenate(parts), tele
 
     def _warm_prompt(self, req: SynthesisRequest) -> None:
@@ -241,7 +260,7 @@ class Handlers:
         try:
             self.frontend.prompt_features(req.prompt_wav, req.prompt_sr)
         except (ValueError, RuntimeError, OSError) as e:
-            raise gr.Error(_message(e)) from e
+            raise user_error(_message(e)) from e
 
     def ab(self, *values: Any) -> Iterator[tuple]:
         """Same text, voice and seed through configuration A, then B (one after the other, so neither steals the
@@ -266,7 +285,7 @@ class Handlers:
     # ------------------------------------------------------------------------------------------ saved voices
     def _frontend(self) -> Any:
         if self.frontend is None:
-            raise gr.Error("this model directory has no frontend files, so voices cannot be saved")
+            raise user_error("this model directory has no frontend files, so voices cannot be saved")
         return self.frontend
 
     def speaker_names(self) -> list[str]:
@@ -279,26 +298,26 @@ class Handlers:
         fe = self._frontend()
         name = (name or "").strip()
         if not name:
-            raise gr.Error("Type a name for the voice first.")
+            raise user_error("Type a name for the voice first.")
         path = upload or mic
         if path is None:
-            raise gr.Error("Upload or record the prompt voice to save first.")
+            raise user_error("Upload or record the prompt voice to save first.")
         try:
             wav, sr = read_audio(path)
             fe.add_speaker(name, wav, sr, (transcript or "").strip())
         except (ValueError, RuntimeError, OSError) as e:
-            raise gr.Error(_message(e)) from e
+            raise user_error(_message(e)) from e
         gr.Info(f"Saved voice '{name}'. Pick the 'saved speaker' mode to use it.")
         return gr.update(choices=self.speaker_names(), value=name)
 
     def delete_speaker(self, name: str | None) -> dict:
         fe = self._frontend()
         if not name:
-            raise gr.Error("Pick a saved speaker to delete.")
+            raise user_error("Pick a saved speaker to delete.")
         try:
             fe.delete_speaker(name)
         except (ValueError, KeyError, OSError) as e:
-            raise gr.Error(_message(e)) from e
+            raise user_error(_message(e)) from e
         gr.Info(f"Deleted voice '{name}'.")
         return gr.update(choices=self.speaker_names(), value=None)
 

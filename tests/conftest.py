@@ -1,4 +1,10 @@
-"""Shared test fixtures.  The parity fixture directory is read only through ``../shared/fixtures/cosyvoice2-tiny``."""
+"""Shared test fixtures.  The parity fixture directory is read only through ``../shared/fixtures/cosyvoice2-tiny``
+(or ``COSYVOICE_FIXTURE_DIR``).
+
+A clone on its own has no fixtures: tests that need them skip with a reason naming ``COSYVOICE_FIXTURE_DIR``, so a
+newcomer gets a clean run.  CI sets ``COSYVOICE_REQUIRE_FIXTURES=1`` (``.ci/run``): there a missing fixture fails,
+so parity can never pass by being skipped.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +17,37 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # COSYVOICE_FIXTURE_DIR points elsewhere where ../shared is not beside the checkout (e.g. a GPU box)
 FIXTURE_DIR = Path(os.environ.get("COSYVOICE_FIXTURE_DIR") or REPO_ROOT / ".." / "shared" / "fixtures" / "cosyvoice2-tiny")
+REQUIRE_FIXTURES = os.environ.get("COSYVOICE_REQUIRE_FIXTURES", "") not in ("", "0")
+_missing_fixture_tests: list[str] = []
+
+
+def missing_fixtures_message(path: Path) -> str:
+    """What a test that needs the parity fixtures says when they are absent (pinned by tests/test_conftest.py)."""
+    return (f"parity fixtures not found at {path.resolve()}: put ../shared/fixtures/cosyvoice2-tiny beside the "
+            "checkout or set COSYVOICE_FIXTURE_DIR=/path/to/cosyvoice2-tiny")
 
 
 @pytest.fixture(scope="session")
 def fixture_dir() -> Path:
+    """The parity fixture directory; skips the test (fails it under COSYVOICE_REQUIRE_FIXTURES=1) when absent."""
     if not FIXTURE_DIR.is_dir():
-        pytest.fail(f"parity fixtures not found at {FIXTURE_DIR}: check out ../shared beside the repo")
+        msg = missing_fixtures_message(FIXTURE_DIR)
+        if REQUIRE_FIXTURES:
+            pytest.fail(f"{msg} (COSYVOICE_REQUIRE_FIXTURES=1: the fixtures are required here)", pytrace=False)
+        pytest.skip(msg)
     return FIXTURE_DIR
+
+
+def pytest_runtest_logreport(report):  # noqa: ANN001 - pytest hook
+    """Count the tests skipped for want of fixtures, for one summary line instead of a line per test."""
+    if report.skipped and isinstance(report.longrepr, tuple) and "COSYVOICE_FIXTURE_DIR" in str(report.longrepr[2]):
+        _missing_fixture_tests.append(report.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter):  # noqa: ANN001 - pytest hook
+    if _missing_fixture_tests:
+        terminalreporter.write_line(
+            f"{len(_missing_fixture_tests)} tests skipped: {missing_fixtures_message(FIXTURE_DIR)}", yellow=True)
 
 
 @pytest.fixture(scope="session")

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import soundfile as sf
 import torch
+
+sf = pytest.importorskip("soundfile", reason="soundfile is not installed here (pip install -r requirements.txt)")
 
 from cosyvoice_fast.frontend.audio import (PromptAudioError, load_audio, load_prompt, prepare_prompt, resample,
                                            speech_bounds, trim_silence)
-from cosyvoice_fast.frontend.features import whisper_log_mel
+from cosyvoice_fast.frontend.features import whisper_log_mel  # noqa: E402
 from cosyvoice_fast.frontend.speaker import (OnnxSpeakerEmbedder, OnnxSpeechTokenizer, PromptFeatures,
                                              SpeakerCache, SpeakerCacheError, align_prompt, extract_prompt,
                                              validate_speaker_name)

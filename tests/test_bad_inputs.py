@@ -13,15 +13,16 @@ import os
 import pickle
 from pathlib import Path
 
-import gradio as gr
 import numpy as np
 import pytest
-import soundfile as sf
 import torch
 
-from cosyvoice_fast.config import BackendConfig, ConfigError, StreamParams
-from cosyvoice_fast.modelfiles import ModelFileError, load_models, validate_model_dir
-from cosyvoice_fast.request import SynthesisRequest
+gr = pytest.importorskip("gradio", reason="gradio is not installed here (pip install -r requirements.txt)")
+sf = pytest.importorskip("soundfile", reason="soundfile is not installed here (pip install -r requirements.txt)")
+
+from cosyvoice_fast.config import BackendConfig, ConfigError, StreamParams  # noqa: E402
+from cosyvoice_fast.modelfiles import ModelFileError, load_models, validate_model_dir  # noqa: E402
+from cosyvoice_fast.request import SynthesisRequest  # noqa: E402
 
 TINY = dict(max_tokens=12, ignore_eos=True)
 
@@ -271,16 +272,15 @@ class NotAWeight:
 def test_model_dir_missing(tmp_path):
     with pytest.raises(ModelFileError) as e:
         validate_model_dir(tmp_path / "CosyVoice2-0.5B")
-    assert "model directory 'CosyVoice2-0.5B' does not exist or is not a directory" in str(e.value)
-    assert str(tmp_path) not in str(e.value)
+    assert f"Model directory {tmp_path / 'CosyVoice2-0.5B'} does not exist or is not a directory." in str(e.value)
 
 
 def test_model_dir_missing_a_file(fixture_dir, tmp_path):
     d = _model_copy(fixture_dir, tmp_path / "m", skip=("hift.pt", "CosyVoice-BlankEN/config.json"))
     with pytest.raises(ModelFileError) as e:
         load_models(d, progress=False)
-    assert "model directory 'm' is missing hift.pt, CosyVoice-BlankEN/config.json" in str(e.value)
-    assert "python -m cosyvoice_fast download" in str(e.value) and str(tmp_path) not in str(e.value)
+    assert f"Model directory {tmp_path / 'm'} is missing hift.pt, CosyVoice-BlankEN/config.json." in str(e.value)
+    assert "python -m cosyvoice_fast download" in str(e.value)
 
 
 def test_truncated_checkpoint(fixture_dir, tmp_path):
@@ -288,15 +288,16 @@ def test_truncated_checkpoint(fixture_dir, tmp_path):
     (d / "llm.pt").write_bytes((fixture_dir / "llm.pt").read_bytes()[:100_000])
     with pytest.raises(ModelFileError) as e:
         load_models(d, progress=False)
-    assert str(e.value).startswith("llm.pt: cannot be read (")
-    assert "the file is truncated or corrupt" in str(e.value) and str(tmp_path) not in str(e.value)
+    assert str(e.value).startswith(f"{d / 'llm.pt'} is truncated: it starts like a PyTorch checkpoint but its end "
+                                   "is missing (100000 bytes). To fix it, download CosyVoice2-0.5B again")
 
 
 def test_empty_checkpoint(fixture_dir, tmp_path):
     d = _model_copy(fixture_dir, tmp_path / "m", skip=("hift.pt",))
     (d / "hift.pt").write_bytes(b"")
-    with pytest.raises(ModelFileError, match=r"hift.pt: cannot be read .* truncated or corrupt"):
+    with pytest.raises(ModelFileError) as e:
         load_models(d, progress=False)
+    assert str(e.value).startswith(f"{d / 'hift.pt'} is empty (0 bytes): the download or copy did not finish.")
 
 
 def test_pickle_with_code_is_refused_by_weights_only(fixture_dir, tmp_path):
@@ -304,7 +305,7 @@ def test_pickle_with_code_is_refused_by_weights_only(fixture_dir, tmp_path):
     torch.save({"weight": torch.zeros(2), "extra": NotAWeight()}, d / "flow.pt")
     with pytest.raises(ModelFileError) as e:
         load_models(d, progress=False)
-    assert "flow.pt: refused by the safe loader (torch.load weights_only=True)" in str(e.value)
+    assert f"{d / 'flow.pt'} was refused by the safe loader (torch.load weights_only=True)" in str(e.value)
     assert "contains pickled Python objects" in str(e.value)
 
 
@@ -329,15 +330,17 @@ def test_checkpoint_of_the_wrong_model(fixture_dir, tmp_path):
     torch.save({"conv_pre.weight": torch.zeros(3, 3)}, d / "hift.pt")
     with pytest.raises(ModelFileError) as e:
         load_models(d, progress=False)
-    assert str(e.value).startswith("hift.pt: missing key")
-    assert "is this a CosyVoice2 (not CosyVoice1/3) model" in str(e.value)
+    assert str(e.value).startswith(f"{d / 'hift.pt'}: missing key")
+    assert ". Is this a CosyVoice2 (not CosyVoice1/3) model" in str(e.value)
 
 
 def test_not_a_state_dict(fixture_dir, tmp_path):
     d = _model_copy(fixture_dir, tmp_path / "m", skip=("llm.pt",))
     torch.save([torch.zeros(1)], d / "llm.pt")
-    with pytest.raises(ModelFileError, match=r"llm.pt: expected a state dict \(names → tensors\), found list"):
+    with pytest.raises(ModelFileError) as e:
         load_models(d, progress=False)
+    assert str(e.value) == (f"{d / 'llm.pt'} holds a list, not a state dict (names → tensors). Save the weights "
+                            "with torch.save(model.state_dict()).")
 
 
 COSYVOICE1_YAML = """\

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import soundfile as sf
+import pytest
 
-from cosyvoice_fast.__main__ import main
+sf = pytest.importorskip("soundfile", reason="soundfile is not installed here (pip install -r requirements.txt)")
+
+from cosyvoice_fast.__main__ import main  # noqa: E402
 
 
 def test_synth_streams_to_a_wav_and_prints_the_breakdown(tmp_path, capsys):
@@ -16,6 +18,17 @@ def test_synth_streams_to_a_wav_and_prints_the_breakdown(tmp_path, capsys):
         assert stage in printed
     wav, sr = sf.read(out)
     assert sr == 24000 and len(wav) > 0 and len(wav) % 960 == 0  # whole tokens of audio
+
+
+def test_synth_max_tokens_caps_the_audio(tmp_path, capsys):
+    out = tmp_path / "out.wav"
+    assert main(["synth", "--synthetic", "tiny", "--text", "Hello there, a longer sentence to speak.", "--max-tokens",
+                 "12", "--out", str(out), "--speaker-cache", str(tmp_path / "spk")]) == 0
+    wav, sr = sf.read(out)
+    assert 0 < len(wav) <= 12 * 960 and len(wav) % 960 == 0
+    assert main(["synth", "--synthetic", "tiny", "--text", "Hi.", "--max-tokens", "0", "--out", str(out),
+                 "--speaker-cache", str(tmp_path / "spk")]) == 2
+    assert capsys.readouterr().err.strip().endswith("error: max_tokens=0: use 1 to 4000")
 
 
 def test_backends_lists_every_stage(capsys):

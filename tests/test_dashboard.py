@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import math
 
-import plotly.graph_objects as go
 import pytest
 
-from cosyvoice_fast import dashboard as db
-from cosyvoice_fast.telemetry import STAGES, ChunkTiming, RequestTelemetry
+plotly = pytest.importorskip("plotly", reason="plotly is not installed here (pip install -r requirements.txt)")
+import plotly.graph_objects as go  # noqa: E402
+
+from cosyvoice_fast import dashboard as db  # noqa: E402
+from cosyvoice_fast.telemetry import STAGES, ChunkTiming, RequestTelemetry  # noqa: E402
 
 
 def _tele(late_s: float = 0.5, backend: str = "eager/eager/eager", hop_first: int = 25) -> RequestTelemetry:

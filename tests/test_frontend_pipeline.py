@@ -7,15 +7,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import soundfile as sf
 import torch
 
-from cosyvoice_fast.config import ConfigError
-from cosyvoice_fast.frontend.audio import PromptAudioError
-from cosyvoice_fast.frontend.pipeline import Frontend, FrontendConfig
-from cosyvoice_fast.frontend.speaker import SpeakerCacheError
-from cosyvoice_fast.request import SynthesisRequest
-from cosyvoice_fast.synthetic import synthetic_model_dir
+sf = pytest.importorskip("soundfile", reason="soundfile is not installed here (pip install -r requirements.txt)")
+
+from cosyvoice_fast.config import ConfigError  # noqa: E402
+from cosyvoice_fast.frontend.audio import PromptAudioError  # noqa: E402
+from cosyvoice_fast.frontend.pipeline import Frontend, FrontendConfig  # noqa: E402
+from cosyvoice_fast.frontend.speaker import SpeakerCacheError  # noqa: E402
+from cosyvoice_fast.request import SynthesisRequest  # noqa: E402
+from cosyvoice_fast.synthetic import synthetic_model_dir  # noqa: E402
 
 PROMPT = Path(__file__).resolve().parents[2] / "shared" / "prompts" / "zero_shot_prompt.wav"
 

@@ -3,12 +3,13 @@ one metrics registry per service, none global."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
-from prometheus_client import REGISTRY
-from prometheus_client.parser import text_string_to_metric_families
 
-gr_client = pytest.importorskip("gradio_client")
+httpx = pytest.importorskip("httpx", reason="httpx is not installed here (pip install -r requirements.txt)")
+gr_client = pytest.importorskip("gradio_client",
+                                reason="gradio_client is not installed here (pip install -r requirements.txt)")
+from prometheus_client import REGISTRY  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from gradio_client import Client, handle_file  # noqa: E402
 from gradio_client.exceptions import AppError  # noqa: E402
 

@@ -40,7 +40,7 @@ def test_prompt_mel_matches_upstream(audio_case):
     # becomes up to 9e-3 in log and differs between CPUs' FFT kernels.
     assert float(((mel.exp() - ref.exp()).abs()).max() / ref.exp().max()) <= 1e-6
     loud = ref > -5
-    assert loud.sum() > 500 and float((mel - ref)[loud].abs().max()) <= 1e-4
+    assert loud.sum() >= ref.numel() // 20 and float((mel - ref)[loud].abs().max()) <= 1e-4
 
 
 def test_prompt_mel_accepts_1d_and_numpy(audio_case):
@@ -50,7 +50,7 @@ def test_prompt_mel_accepts_1d_and_numpy(audio_case):
 
 def test_whisper_log_mel_matches_upstream(fe_case):
     ref = fe_case["whisper_logmel_128"]
-    got = whisper_log_mel(fe_case["wav_16k_torchaudio_resample"], n_mels=128)
+    got = whisper_log_mel(fe_case["wav_16k_torchaudio_resample"], n_mels=ref.shape[1])
     assert got.shape == ref.shape
     # Whisper ships its filters as float32 values of librosa's; we rebuild them with librosa, and the README
     # records 2e-5 for that route.  Measured 2.06e-5.
@@ -59,8 +59,9 @@ def test_whisper_log_mel_matches_upstream(fe_case):
 
 def test_kaldi_fbank_matches_upstream(fe_case):
     wav = fe_case["wav_16k_torchaudio_resample"]
-    raw = kaldi_fbank(wav, num_mel_bins=80, mean_normalise=False)
-    norm = kaldi_fbank(wav, num_mel_bins=80)
+    bins = fe_case["kaldi_fbank_80"].shape[1]
+    raw = kaldi_fbank(wav, num_mel_bins=bins, mean_normalise=False)
+    norm = kaldi_fbank(wav, num_mel_bins=bins)
     # kaldi-native-fbank (C++) vs torchaudio's port of the same Kaldi recipe: float32 FFT and log of small
     # energies accumulate differently, 1.4e-4 measured on log energies of magnitude up to ~11 (1e-5 relative).
     # The README documents 1.5e-4 for this pair, hence 5e-4 rather than the usual 1e-4.
@@ -79,8 +80,9 @@ def test_soxr_resampling_close_to_torchaudio(fe_case):
     err = float(np.abs(got - ref).max())
     assert err <= 0.01
     # Away from Nyquist they agree much better: the Whisper log-mel below 4 kHz is within 0.01.
-    diff = (whisper_log_mel(got) - fe_case["whisper_logmel_128"])[0].abs()
-    assert float(diff[:64].max()) < 0.01
+    ref_mel = fe_case["whisper_logmel_128"]
+    diff = (whisper_log_mel(got, n_mels=ref_mel.shape[1]) - ref_mel)[0].abs()
+    assert float(diff[: ref_mel.shape[1] // 2].max()) < 0.01
 
 
 def test_prompt_path_shapes_on_fixture_signal(fe_case, audio_case):

@@ -79,28 +79,52 @@ def _noise_z(hift: HiFTGenerator, f0: torch.Tensor, source: torch.Tensor) -> tor
 # --------------------------------------------------------------------------------------------- checkpoint
 
 
+_NEW = ("parametrizations.weight.original0", "parametrizations.weight.original1")
+_OLD = ("weight_g", "weight_v")
+
+
+def _layout(sd: dict) -> str:
+    """Which weight-norm naming a checkpoint uses; a faithful hift.pt uses exactly one of the two."""
+    new = any(k.endswith(_NEW) for k in sd)
+    old = any(k.rpartition(".")[2] in _OLD for k in sd)
+    assert new != old, "hift.pt mixes both weight-norm layouts (or has no weight-normed layer)"
+    return "parametrizations" if new else "weight_g/weight_v"
+
+
+def _to_legacy(sd: dict) -> dict:
+    out = {}
+    for key, value in sd.items():
+        for new, old in zip(_NEW, _OLD):
+            if key.endswith(new):
+                key = key[: -len(new)] + old
+        out[key] = value
+    return out
+
+
 def test_state_dict_keys_match_checkpoint(config, hift_state):
+    """Either layout, once renamed, is exactly our module's key set (the loader accepts both)."""
     model = HiFTGenerator(config.hift)
-    assert set(model.state_dict()) == set(hift_state)
+    assert _layout(hift_state) in ("parametrizations", "weight_g/weight_v")
+    assert set(model.state_dict()) == set(convert_legacy_weight_norm(hift_state))
     assert "stft_window" not in model.state_dict()  # derived, not stored
 
 
-def test_legacy_weight_norm_layout_loads_identically(config, hift_state, case):
-    """A checkpoint saved with weight_g / weight_v names loads to the very same vocoder."""
-    legacy = {}
-    for key, value in hift_state.items():
-        key = key.replace("parametrizations.weight.original0", "weight_g")
-        key = key.replace("parametrizations.weight.original1", "weight_v")
-        legacy[key] = value
-    assert sum(k.endswith(".weight_g") for k in legacy) == sum(k.endswith("original0") for k in hift_state) > 50
-    converted = convert_legacy_weight_norm(legacy)
-    assert converted.keys() == hift_state.keys()
-    assert all(converted[k] is hift_state[k] for k in hift_state)  # renamed, not copied or altered
+@pytest.mark.parametrize("layout", ["weight_g/weight_v", "parametrizations"])
+def test_both_weight_norm_layouts_load_identically(config, hift_state, case, layout):
+    """The fixture's hift.pt rewritten into each layout loads to the very same vocoder."""
+    new_layout = convert_legacy_weight_norm(hift_state)
+    sd = _to_legacy(new_layout) if layout == "weight_g/weight_v" else new_layout
+    assert _layout(sd) == layout
+    n_normed = sum(k.endswith(_NEW[0]) for k in HiFTGenerator(config.hift).state_dict())
+    assert n_normed > 0 and sum(k.endswith((_NEW[0], "." + _OLD[0])) for k in sd) == n_normed
+    converted = convert_legacy_weight_norm(sd)
+    assert list(converted) == list(new_layout)
+    assert all(converted[k] is new_layout[k] for k in new_layout)  # renamed, not copied or altered
     model = HiFTGenerator(config.hift)
     model.load_state_dict(converted, strict=True)
     with torch.inference_mode():
         assert_wav_close(model.decode(case["mel"], case["source"]), case["wav"])
-    assert convert_legacy_weight_norm(hift_state).keys() == hift_state.keys()
+    assert convert_legacy_weight_norm(converted).keys() == converted.keys()  # idempotent on the new layout
 
 
 def test_legacy_conversion_matches_torch_old_weight_norm():

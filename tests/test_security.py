@@ -13,12 +13,13 @@ import struct
 from pathlib import Path
 from urllib.parse import quote
 
-import httpx
 import numpy as np
 import pytest
-import soundfile as sf
 
-gr_client = pytest.importorskip("gradio_client")
+httpx = pytest.importorskip("httpx", reason="httpx is not installed here (pip install -r requirements.txt)")
+sf = pytest.importorskip("soundfile", reason="soundfile is not installed here (pip install -r requirements.txt)")
+gr_client = pytest.importorskip("gradio_client",
+                                reason="gradio_client is not installed here (pip install -r requirements.txt)")
 from gradio_client import Client, handle_file  # noqa: E402
 from gradio_client.exceptions import AppError  # noqa: E402
 
