@@ -1,0 +1,125 @@
+"""Bi-streaming on the eager LM: the reference that batched backends are checked against.
+
+:class:`~cosyvoice_fast.models.bistream.BistreamState` decides what to feed; this module feeds it through the
+eager :class:`~cosyvoice_fast.models.llm.Qwen2LM` with the request's own KV cache and decides each token.  A
+step may feed several rows at once (text rows, prompt speech, ``task``) and attends to the whole cache, which
+is exactly ``Qwen2LM.prefill`` at the current cache length.  The cache grows on demand because a bi-streamed
+text has no length known in advance.
+
+Sampling: upstream's repetition-aware sampler by default (:class:`~cosyvoice_fast.models.sampling.RasSampler`)
+over the schedule's history (speech tokens *and* fills, as upstream), or any :class:`Sampler`, e.g.
+:func:`~cosyvoice_fast.models.sampling.greedy_sample` for the parity fixture's rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Sequence
+
+import torch
+
+from ..models.bistream import BistreamSpec, BistreamState, StepPlan
+from ..models.llm import Qwen2LM
+from ..models.qwen2 import KVCache
+from ..models.sampling import Sampler
+
+
+def bistream_spec(llm: Qwen2LM) -> BistreamSpec:
+    """The schedule constants of ``llm`` (CosyVoice2 interleaves 5 text rows with 15 speech rows)."""
+    return BistreamSpec(speech_token_size=llm.cfg.speech_token_size)
+
+
+def masked(logp: torch.Tensor, banned: Sequence[int]) -> torch.Tensor:
+    """A copy of ``logp`` (V,) with ``banned`` ids at -inf."""
+    out = logp.clone()
+    if banned:
+        out[list(banned)] = -float("inf")
+    return out
+
+
+def decide(plan: StepPlan, logp: torch.Tensor, history: Sequence[int], sampler: Sampler,
+           generator: torch.Generator) -> int:
+    """The token of one step: the forced one, else the sampler's pick with the phase's banned ids masked."""
+    if plan.forced is not None:
+        return plan.forced
+    return int(sampler(masked(logp, plan.banned), history, generator))
+
+
+def ensure_room(llm: Qwen2LM, cache: KVCache | None, needed: int, chunk: int = 256) -> KVCache:
+    """``cache`` if it holds ``needed`` positions, else a larger one (rounded up to ``chunk``) with its
+    contents copied: a bi-streamed request's length is unknown until its text ends."""
+    if cache is not None and needed <= cache.max_len:
+        return cache
+    size = -(-max(needed, 2 * (cache.max_len if cache else 0)) // chunk) * chunk
+    grown = llm.new_cache(size)
+    if cache is not None:
+        for dst, src in zip(grown.k + grown.v, cache.k + cache.v):
+            dst[:, :, :cache.max_len].copy_(src)
+    return grown
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """What one step did: its plan, the log-probs after its rows (V,), the decided token, what was yielded."""
+
+    plan: StepPlan
+    logp: torch.Tensor
+    token: int
+    yielded: int | None
+
+
+class EagerBistream:
+    """Runs :class:`BistreamState` steps on the eager LM.  Holds no per-request state: the KV cache travels
+    with the caller (``cache`` in, possibly grown cache out)."""
+
+    def __init__(self, llm: Qwen2LM, sampler: Sampler | None = None):
+        self.llm = llm
+        self.spec = bistream_spec(llm)
+        self.sampler = sampler if sampler is not None else llm.default_sampler()
+
+    def new_state(self, prompt_text: Sequence[int] | torch.Tensor, prompt_speech: Sequence[int] | torch.Tensor,
+                  max_tokens: int | None = None) -> BistreamState:
+        return BistreamState(self.spec, _ids(prompt_text), _ids(prompt_speech), max_tokens=max_tokens)
+
+    def forward(self, state: BistreamState, plan: StepPlan, cache: KVCache | None) -> tuple[torch.Tensor, KVCache]:
+        """Feed ``plan``'s rows at their positions; (log-probs (V,) after the last row, the cache)."""
+        with torch.inference_mode():
+            rows = self.llm.embed_segments(plan.segments, state.text_ids, state.prompt_speech, state.out)
+            cache = ensure_room(self.llm, cache, plan.position + rows.shape[1])
+            return self.llm.prefill(rows, cache, start=plan.position)[0], cache
+
+    def step(self, state: BistreamState, cache: KVCache | None, generator: torch.Generator,
+             sampler: Sampler | None = None) -> tuple[StepRecord | None, KVCache | None]:
+        """One forward and decision if the state can step (else ``None``); returns the (possibly grown) cache."""
+        plan = state.next_step()
+        if plan is None:
+            return None, cache
+        logp, cache = self.forward(state, plan, cache)
+        token = decide(plan, logp, state.out, sampler or self.sampler, generator)
+        return StepRecord(plan, logp, token, state.accept(token)), cache
+
+    def tokens(self, prompt_text: Sequence[int] | torch.Tensor, prompt_speech: Sequence[int] | torch.Tensor,
+               chunks: Iterable[Sequence[int] | torch.Tensor], generator: torch.Generator,
+               max_tokens: int | None = None, sampler: Sampler | None = None) -> Iterator[int]:
+        """Speech tokens of a text given as an iterable of id chunks, pulled as the schedule needs them (like
+        upstream's generator argument).  Closing the iterator ends the request and frees its cache."""
+        state = self.new_state(prompt_text, prompt_speech, max_tokens)
+        source = iter(chunks)
+        cache: KVCache | None = None
+        while not state.done:
+            if state.waiting:
+                chunk = next(source, None)
+                if chunk is None:
+                    state.end_text()
+                else:
+                    ids = _ids(chunk)
+                    if ids:
+                        state.push_text(ids)
+                continue
+            record, cache = self.step(state, cache, generator, sampler)
+            if record is not None and record.yielded is not None:
+                yield record.yielded
+
+
+def _ids(x: Sequence[int] | torch.Tensor) -> list[int]:
+    return [int(i) for i in (x.reshape(-1).tolist() if isinstance(x, torch.Tensor) else x)]
