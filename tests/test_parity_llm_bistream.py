@@ -205,3 +205,67 @@ def test_token_iterator_yields_the_recorded_tokens(lm, bistream_case):
     it = runner.tokens(case["prompt_text"], case["prompt_speech_token"], iter(case["text_chunks"]),
                        torch.Generator(), max_tokens=int(case["max_yield"]))
     assert list(islice(it, len(case["tokens"]) + 1)) == case["tokens"].tolist()
+
+
+# ------------------------------------------------------------------------------------------ batched graph path
+
+
+def _run_batched(lm, cases: list[tuple[str, dict, dict]]) -> dict[str, dict]:
+    """Every sub-case at once through :class:`GraphBistream`: one forward per round for every request that can
+    step (feeds of 1, 5, 9, 10 or 54 rows share a padded forward), text pushed when a request waits."""
+    from cosyvoice_fast.backends.bistream_graph import GraphBistream
+
+    runner = GraphBistream(lm, slots=len(cases), max_len=256, kv_buckets=(128, 256))
+    live = []
+    for name, top, case in cases:
+        st = BistreamState(_spec(top), case["prompt_text"].reshape(-1).tolist(),
+                           case["prompt_speech_token"].reshape(-1).tolist(), max_tokens=int(case["max_yield"]))
+        live.append({"name": name, "state": st, "slot": runner.acquire(), "top": top, "case": case,
+                     "chunks": [c.reshape(-1).tolist() for c in case["text_chunks"]], "logp": [],
+                     "sampler": _scripted_greedy(case["overrides"])})
+    g = torch.Generator()
+    while any(not r["state"].done for r in live):
+        for r in live:
+            st = r["state"]
+            while st.waiting:
+                st.push_text(r["chunks"].pop(0)) if r["chunks"] else st.end_text()
+        ready = [r for r in live if not r["state"].done]
+        logps = runner.step([(r["state"], r["slot"]) for r in ready])
+        for r, logp in zip(ready, logps):
+            st = r["state"]
+            plan = st.next_step()
+            token = decide(plan, logp, st.out, r["sampler"], g)
+            r["logp"].append(logp[token].item())
+            st.accept(token)
+            if st.done:
+                runner.release(r["slot"])
+    return {r["name"]: r for r in live} | {"_runner": runner}
+
+
+def test_batched_graph_path_gives_the_recorded_ids(lm, fixture_dir, fake_graphs):
+    """The graph path's bookkeeping (row padding, per-row positions, idle rows at the top of the cache, KV
+    buckets) on CPU with replays that re-run the captured function: every sub-case, all stepped together."""
+    cases = _sets(fixture_dir)
+    runs = _run_batched(lm, cases)
+    runner = runs.pop("_runner")
+    for name, _, case in cases:
+        st = runs[name]["state"]
+        assert st.out == case["out_tokens"].tolist(), name
+        assert (torch.tensor(runs[name]["logp"]) - case["step_token_logp"]).abs().max().item() <= TOL, name
+    assert runner.eager_steps == 0
+    keys = {key for cache in runner._graphs.values() for key in cache.graphs}
+    assert {rows for _, rows in keys} == {1, 8, 64}  # single tokens, text after a fill / the final feed, the start
+
+
+@pytest.mark.gpu
+def test_batched_graph_path_on_cuda_gives_the_recorded_ids(tiny_models, fixture_dir):
+    """The same with real CUDA graphs in fp32 (run through the device tool with the fixture carried along)."""
+    import copy
+
+    lm = copy.deepcopy(tiny_models.llm).to("cuda")
+    cases = _sets(fixture_dir)
+    runs = _run_batched(lm, cases)
+    runs.pop("_runner")
+    for name, _, case in cases:
+        assert runs[name]["state"].out == case["out_tokens"].tolist(), name
+        assert (torch.tensor(runs[name]["logp"]) - case["step_token_logp"]).abs().max().item() <= TOL, name
