@@ -231,3 +231,26 @@ def test_prompt_side_is_prepared_once_and_matches_prepare(tmp_path):
         assert torch.equal(getattr(built, name), getattr(whole, name)), name
     assert torch.equal(side.lm_prompt[0], whole.prompt_text)
     assert torch.equal(side.lm_prompt[1], whole.llm_prompt_speech_token)
+
+
+def test_text_feed_hands_released_ids_to_the_schedule_and_times_them(tok):
+    """Each push that releases ids is one chunk of the LM's text stream; arrival times are kept per piece, and
+    the moment the 5th text token reached the schedule is recorded (first audio is measured from it)."""
+    from cosyvoice_fast.models.bistream import BistreamSpec, BistreamState
+    from cosyvoice_fast.runtime.bistream import TextFeed
+
+    clock = FakeClock(1.0)
+    feed = TextFeed(IncrementalText(tok), BistreamState(BistreamSpec(), [], []), clock=clock)
+    text = TEXTS["en"]
+    pieces = _token_pieces(tok, text, 3)
+    released = [feed.push(p) for p in pieces]
+    released.append(feed.end())
+    assert feed.text.ids == whole_text_ids(text, tok)
+    assert feed.t_first_piece == 1.0 and [a.t for a in feed.arrivals] == [float(i + 1) for i in range(len(pieces))]
+    assert [a.ids_released for a in feed.arrivals] == released[:-1]
+    cumulative = [sum(released[:i + 1]) for i in range(len(released))]
+    fifth = next(i for i, c in enumerate(cumulative) if c >= 5)
+    assert feed.t_text_token_5 == feed.arrivals[fifth].t
+    st = feed.state  # no LM steps here: it read chunks until it could decode, the rest wait unread
+    assert st.text_ended and st.chunks_read + st.chunks_unread == sum(1 for n in released if n)
+    assert st.text_ids == feed.text.ids[:len(st.text_ids)] and not st.waiting

@@ -186,6 +186,11 @@ class BistreamState:
         return self._source_ended
 
     @property
+    def chunks_unread(self) -> int:
+        """Chunks pushed but not read yet (the schedule reads one only when it needs text)."""
+        return len(self._inbox)
+
+    @property
     def queued_text(self) -> int:
         """Text rows read but not fed yet."""
         return len(self.text_ids) - self._queue_start
