@@ -210,12 +210,13 @@ def test_token_iterator_yields_the_recorded_tokens(lm, bistream_case):
 # ------------------------------------------------------------------------------------------ batched graph path
 
 
-def _run_batched(lm, cases: list[tuple[str, dict, dict]]) -> dict[str, dict]:
-    """Every sub-case at once through :class:`GraphBistream`: one forward per round for every request that can
-    step (feeds of 1, 5, 9, 10 or 54 rows share a padded forward), text pushed when a request waits."""
+def _run_batched(lm, cases: list[tuple[str, dict, dict]], runner=None) -> dict[str, dict]:
+    """Every sub-case at once, the way an engine round works: text pushed to every request that waits, then
+    one ``step_batch`` over every request that can step (in :class:`GraphBistream`, feeds of 1, 5, 9, 10 or 54
+    rows share one padded forward), then each request's own decision."""
     from cosyvoice_fast.backends.bistream_graph import GraphBistream
 
-    runner = GraphBistream(lm, slots=len(cases), max_len=256, kv_buckets=(128, 256))
+    runner = runner or GraphBistream(lm, slots=len(cases), max_len=256, kv_buckets=(128, 256))
     live = []
     for name, top, case in cases:
         st = BistreamState(_spec(top), case["prompt_text"].reshape(-1).tolist(),
@@ -230,7 +231,7 @@ def _run_batched(lm, cases: list[tuple[str, dict, dict]]) -> dict[str, dict]:
             while st.waiting:
                 st.push_text(r["chunks"].pop(0)) if r["chunks"] else st.end_text()
         ready = [r for r in live if not r["state"].done]
-        logps = runner.step([(r["state"], r["slot"]) for r in ready])
+        logps = runner.step_batch([(r["state"], r["slot"]) for r in ready])
         for r, logp in zip(ready, logps):
             st = r["state"]
             plan = st.next_step()
@@ -255,6 +256,16 @@ def test_batched_graph_path_gives_the_recorded_ids(lm, fixture_dir, fake_graphs)
     assert runner.eager_steps == 0
     keys = {key for cache in runner._graphs.values() for key in cache.graphs}
     assert {rows for _, rows in keys} == {1, 8, 64}  # single tokens, text after a fill / the final feed, the start
+
+
+def test_eager_slots_driven_like_an_engine_round(lm, fixture_dir):
+    """The eager runner's slot calls (the same as the graph runner's) interleave requests without mixing them."""
+    cases = _sets(fixture_dir)
+    runs = _run_batched(lm, cases, runner=EagerBistream(lm))
+    runner = runs.pop("_runner")
+    for name, _, case in cases:
+        assert runs[name]["state"].out == case["out_tokens"].tolist(), name
+    assert runner._caches == {}  # every slot released
 
 
 @pytest.mark.gpu

@@ -69,13 +69,39 @@ class StepRecord:
 
 
 class EagerBistream:
-    """Runs :class:`BistreamState` steps on the eager LM.  Holds no per-request state: the KV cache travels
-    with the caller (``cache`` in, possibly grown cache out)."""
+    """Runs :class:`BistreamState` steps on the eager LM.
+
+    Two ways to hold the KV cache: :meth:`step` / :meth:`forward` take it from the caller and hand back the
+    (possibly grown) cache; :meth:`acquire` / :meth:`step_batch` / :meth:`release` keep one per slot, the same
+    calls :class:`~.bistream_graph.GraphBistream` offers, so an engine drives either runner alike."""
 
     def __init__(self, llm: Qwen2LM, sampler: Sampler | None = None):
         self.llm = llm
         self.spec = bistream_spec(llm)
         self.sampler = sampler if sampler is not None else llm.default_sampler()
+        self._caches: dict[int, KVCache | None] = {}
+        self._next_slot = 0
+
+    def acquire(self) -> int:
+        """A slot for one request's cache (unbounded: the eager cache grows per request)."""
+        slot, self._next_slot = self._next_slot, self._next_slot + 1
+        self._caches[slot] = None
+        return slot
+
+    def release(self, slot: int) -> None:
+        self._caches.pop(slot, None)
+
+    def step_batch(self, items: Sequence[tuple[BistreamState, int]]) -> list[torch.Tensor]:
+        """One forward per ``(state, slot)`` (a loop: eager gains nothing from batching on CPU); each state's
+        log-probs (V,).  The caller decides the tokens (:func:`decide`) and calls ``state.accept``."""
+        out = []
+        for st, slot in items:
+            plan = st.next_step()
+            if plan is None:
+                raise ValueError("a state without a step (waiting for text or done) cannot join a forward")
+            logp, self._caches[slot] = self.forward(st, plan, self._caches[slot])
+            out.append(logp)
+        return out
 
     def new_state(self, prompt_text: Sequence[int] | torch.Tensor, prompt_speech: Sequence[int] | torch.Tensor,
                   max_tokens: int | None = None) -> BistreamState:

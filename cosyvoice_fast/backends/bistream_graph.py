@@ -37,7 +37,7 @@ from .cudagraph_llm import bucket_for, choose_kv_buckets
 class GraphBistream:
     """``slots`` requests with static KV caches of ``max_len`` positions, stepped together.
 
-    ``acquire()`` gives a slot (a request's cache row), ``release(slot)`` returns it; :meth:`step` runs one
+    ``acquire()`` gives a slot (a request's cache row), ``release(slot)`` returns it; :meth:`step_batch` runs one
     forward for several ``(state, slot)`` pairs and returns each request's log-probs (V,) on the CPU."""
 
     def __init__(self, llm: Qwen2LM, *, slots: int = 4, max_len: int = 1024, row_buckets: Sequence[int] = (1, 8, 64),
@@ -78,7 +78,7 @@ class GraphBistream:
         h = hidden.gather(1, last.view(n, 1, 1).expand(n, 1, hidden.shape[-1]))[:, 0]
         return (self.llm.log_probs(h),)
 
-    def step(self, items: Sequence[tuple[BistreamState, int]]) -> list[torch.Tensor]:
+    def step_batch(self, items: Sequence[tuple[BistreamState, int]]) -> list[torch.Tensor]:
         """One forward for every ``(state, slot)`` (each state must have a plan: not waiting, not done)."""
         plans: list[StepPlan] = []
         feeds = []
