@@ -216,7 +216,7 @@ def _run_batched(lm, cases: list[tuple[str, dict, dict]], runner=None) -> dict[s
     rows share one padded forward), then each request's own decision."""
     from cosyvoice_fast.backends.bistream_graph import GraphBistream
 
-    runner = runner or GraphBistream(lm, slots=len(cases), max_len=256, kv_buckets=(128, 256))
+    runner = runner or GraphBistream(lm, slots=len(cases), max_len=256, kv_buckets=(128, 256), use_graphs=True)
     live = []
     for name, top, case in cases:
         st = BistreamState(_spec(top), case["prompt_text"].reshape(-1).tolist(),
@@ -266,6 +266,23 @@ def test_eager_slots_driven_like_an_engine_round(lm, fixture_dir):
     for name, _, case in cases:
         assert runs[name]["state"].out == case["out_tokens"].tolist(), name
     assert runner._caches == {}  # every slot released
+
+
+def test_graph_runner_without_graphs_runs_the_same_math_eagerly(lm, fixture_dir):
+    """On a CPU (no CUDA graphs) the padded batched forward runs as is, with the same ids; asking for graphs
+    there is refused with a message."""
+    from cosyvoice_fast.backends.bistream_graph import GraphBistream
+
+    cases = _sets(fixture_dir)
+    runner = GraphBistream(lm, slots=len(cases), max_len=256)
+    assert not runner.use_graphs
+    runs = _run_batched(lm, cases, runner=runner)
+    runs.pop("_runner")
+    for name, _, case in cases:
+        assert runs[name]["state"].out == case["out_tokens"].tolist(), name
+    assert runner.eager_steps > 0
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        GraphBistream(lm, use_graphs=True)
 
 
 @pytest.mark.gpu

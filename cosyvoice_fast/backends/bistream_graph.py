@@ -41,7 +41,7 @@ class GraphBistream:
     forward for several ``(state, slot)`` pairs and returns each request's log-probs (V,) on the CPU."""
 
     def __init__(self, llm: Qwen2LM, *, slots: int = 4, max_len: int = 1024, row_buckets: Sequence[int] = (1, 8, 64),
-                 kv_buckets: Sequence[int] | None = None):
+                 kv_buckets: Sequence[int] | None = None, use_graphs: bool | None = None):
         if slots < 1:
             raise ValueError(f"slots={slots}: need at least one")
         self.llm = llm
@@ -52,9 +52,15 @@ class GraphBistream:
         self.row_counts = tuple(sorted({min(slots, 2 ** i) for i in range(slots.bit_length() + 1)}))
         self.cache = llm.new_cache(max_len, batch=slots)
         self._free = list(range(slots))
-        self._graphs = {kv: graphs.GraphCache(partial(self._math, kv), self.device, name=f"bistream kv{kv}")
-                        for kv in self.kv_buckets}
-        self.eager_steps = 0  # steps whose feed was longer than the largest row bucket
+        # without CUDA the same padded batched math runs eagerly (``use_graphs`` defaults to "on a GPU")
+        self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        try:
+            self._graphs = {kv: graphs.GraphCache(partial(self._math, kv), self.device, name=f"bistream kv{kv}")
+                            for kv in self.kv_buckets} if self.use_graphs else {}
+        except RuntimeError as e:
+            raise ValueError(f"CUDA graphs need a CUDA device, the LM is on {self.device} ({e}); "
+                             "pass use_graphs=False") from None
+        self.eager_steps = 0  # steps run without a graph (no graphs, or a feed past the largest row bucket)
 
     # ------------------------------------------------------------------------------------------ slots
 
@@ -104,7 +110,7 @@ class GraphBistream:
             last[slot] = feed.shape[0] - 1
         kv = bucket_for(self.kv_buckets, max(p.position + rows - 1 for p in plans))
         with torch.inference_mode():
-            if rows in self.row_buckets:
+            if self.use_graphs and rows in self.row_buckets:
                 args = (emb, pos, last)
                 (logp,) = self._graphs[kv].get((n, rows), args).run(*args)
             else:

@@ -141,6 +141,7 @@ class BistreamState:
     text_ids: list[int] = field(init=False)
     out: list[int] = field(default_factory=list, init=False)
     events: list[Event] = field(default_factory=list, init=False)
+    next_fill: int = field(default=0, init=False)  # index in ``out`` of the next forced fill
     chunks_read: int = field(default=0, init=False)
     cache_len: int = field(default=0, init=False)
     phase: int = field(default=PHASE_TEXT, init=False)
