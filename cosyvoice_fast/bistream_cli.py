@@ -76,8 +76,10 @@ def main(argv: list[str] | None = None, stdin: BinaryIO | None = None) -> int:
         side = svc.frontend.prepare_prompt(req)  # the voice, once, before any text is read
         llm, dev = svc.models.llm, svc.models.device
         runner = EagerBistream(llm, sampler=greedy_sample if a.greedy else None)
-        feed = TextFeed(svc.frontend.text_stream(), runner.new_state(*side.lm_prompt, max_tokens=a.max_tokens))
-        state, decoder = feed.state, codecs.getincrementaldecoder("utf-8")("replace")
+        state = runner.new_state(*side.lm_prompt, max_tokens=a.max_tokens,
+                                 max_token_text_ratio=llm.cfg.max_token_text_ratio)
+        feed = TextFeed(svc.frontend.text_stream(), state)
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
         gen, cache, tokens, t_first = torch.Generator().manual_seed(a.seed), None, [], None
         try:
             while not state.done:

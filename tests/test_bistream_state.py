@@ -77,6 +77,20 @@ def test_cap_stops_after_max_tokens_yielded():
     assert st.events[-1].label == "cap" and st.events[-1].n == 2
 
 
+def test_ratio_cap_applies_once_the_text_has_ended():
+    st = BistreamState(SPEC, [1] * 4, [], max_token_text_ratio=2.0)
+    st.push_text([1, 2])  # 6 rows: decoding starts, 2 target-text tokens so far
+    for _ in range(15):
+        step(st, 3)  # no cap while text may still come: 15 tokens for 2 text tokens
+    assert st.cap is None and not st.done
+    assert st.next_step().forced == SPEC.fill_id
+    st.accept(SPEC.fill_id)
+    st.push_text([5, 6])
+    st.end_text()  # 4 target-text tokens in all: cap 8, already 15 yielded -> the next token is the last
+    assert st.cap == 8
+    assert step(st, 3) == 3 and st.done and st.events[-1].label == "cap"
+
+
 def test_misuse_is_refused_with_a_message():
     st = BistreamState(SPEC, [1] * 5, [])
     with pytest.raises(BistreamError, match="without a step"):
@@ -107,3 +121,5 @@ def test_spec_errors_name_the_field(field, value):
         Segment("word", 0, 1)
     with pytest.raises(ValueError, match="max_tokens"):
         BistreamState(SPEC, [], [], max_tokens=0)
+    with pytest.raises(ValueError, match="max_token_text_ratio"):
+        BistreamState(SPEC, [], [], max_token_text_ratio=0)

@@ -104,8 +104,11 @@ class EagerBistream:
         return out
 
     def new_state(self, prompt_text: Sequence[int] | torch.Tensor, prompt_speech: Sequence[int] | torch.Tensor,
-                  max_tokens: int | None = None) -> BistreamState:
-        return BistreamState(self.spec, _ids(prompt_text), _ids(prompt_speech), max_tokens=max_tokens)
+                  max_tokens: int | None = None, max_token_text_ratio: float | None = None) -> BistreamState:
+        """A request's schedule; ``max_token_text_ratio`` (e.g. the model's ``max_token_text_ratio``, 20) caps a
+        final phase that never picks eos, see :class:`BistreamState`."""
+        return BistreamState(self.spec, _ids(prompt_text), _ids(prompt_speech), max_tokens=max_tokens,
+                             max_token_text_ratio=max_token_text_ratio)
 
     def forward(self, state: BistreamState, plan: StepPlan, cache: KVCache | None) -> tuple[torch.Tensor, KVCache]:
         """Feed ``plan``'s rows at their positions; (log-probs (V,) after the last row, the cache)."""

@@ -132,12 +132,16 @@ class BistreamState:
     source) and :meth:`next_step` / :meth:`accept` (the LM); :attr:`waiting` says it needs more text first.
 
     ``max_tokens`` caps the speech tokens yielded (the consumer closing the stream); ``None`` = until eos.
+    ``max_token_text_ratio`` adds upstream's usual safety cap once the text has ended: at most that many speech
+    tokens per target-text token in all (upstream's bi-streaming has none, so a model that never picks eos would
+    run forever; real speech ends with eos long before it).
     """
 
     spec: BistreamSpec
     prompt_text: Sequence[int]
     prompt_speech: Sequence[int]
     max_tokens: int | None = None
+    max_token_text_ratio: float | None = None
     text_ids: list[int] = field(init=False)
     out: list[int] = field(default_factory=list, init=False)
     events: list[Event] = field(default_factory=list, init=False)
@@ -152,6 +156,8 @@ class BistreamState:
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens!r}: use a whole number >= 1 or None (until eos)")
+        if self.max_token_text_ratio is not None and not self.max_token_text_ratio > 0:
+            raise ValueError(f"max_token_text_ratio={self.max_token_text_ratio!r}: use a number > 0 or None")
         self.text_ids = [int(i) for i in self.prompt_text]
         self.prompt_speech = [int(i) for i in self.prompt_speech]
         s = len(self.prompt_speech)
@@ -243,10 +249,20 @@ class BistreamState:
             return None
         self.yielded += 1
         self._pending = [Segment("speech", index, 1)]
-        if self.max_tokens is not None and self.yielded >= self.max_tokens:
+        if self.cap is not None and self.yielded >= self.cap:
             self._event("cap", len(self.out))
             self.done = True
         return token
+
+    @property
+    def cap(self) -> int | None:
+        """Speech tokens after which the stream stops: ``max_tokens``, and once the text has ended also
+        ``max_token_text_ratio`` x target-text tokens (at least 1); ``None`` = until eos."""
+        caps = [self.max_tokens] if self.max_tokens is not None else []
+        if self.max_token_text_ratio is not None and self.phase == PHASE_FINAL:
+            target = len(self.text_ids) - len(self.prompt_text)
+            caps.append(max(1, int(target * self.max_token_text_ratio)))
+        return min(caps) if caps else None
 
     def close(self) -> None:
         """The consumer stopped: no further steps."""
