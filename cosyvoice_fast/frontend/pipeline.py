@@ -34,6 +34,7 @@ from .speaker import (OnnxSpeakerEmbedder, OnnxSpeechTokenizer, PromptFeatures, 
                       extract_prompt, validate_speaker_name)
 from .text import DEFAULT_MAX_CHARS, TextTokenizer, normalize, normalize_and_split
 from .text_normalize import WetextTN
+from .text_stream import IncrementalText
 
 END_OF_PROMPT = "<|endofprompt|>"
 PROMPT_SAMPLE_RATE = 24000  # the prompt mel's rate; CosyVoice2's flow and HiFT run at 24 kHz
@@ -57,6 +58,28 @@ class FrontendConfig:
     onnx_device: str = "auto"
     token_mel_ratio: int = 2
     limits: PromptLimits = field(default_factory=lambda: DEFAULT_LIMITS)
+
+
+@dataclass(frozen=True)
+class PromptSide:
+    """The prompt half of a request's model inputs (features, the LM layout's mode, prompt text ids) and
+    whether it came from a cache; :meth:`model_inputs` adds the text."""
+
+    prompt: PromptFeatures
+    mode: str
+    prompt_text: torch.Tensor | None
+    speaker: str | None
+    cache_hit: bool
+
+    def model_inputs(self, segments: list[torch.Tensor]) -> ModelInputs:
+        return Frontend.build_inputs(segments, self.prompt, self.mode, self.prompt_text, speaker=self.speaker)
+
+    @property
+    def lm_prompt(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompt text ids, prompt speech tokens) as the LM sees them (see the module table), each (1, n)."""
+        empty = torch.zeros(1, 0, dtype=torch.int32)
+        text = self.prompt_text if self.prompt_text is not None and self.mode in ("zero_shot", "instruct2") else empty
+        return text, self.prompt.speech_token if self.mode == "zero_shot" else empty
 
 
 def _content_key(source: AudioSource, sr: int | None) -> str | None:
@@ -181,14 +204,21 @@ class Frontend:
     def prepare(self, request: SynthesisRequest) -> tuple[ModelInputs, bool]:
         """The request's model inputs and whether the prompt came from a cache (saved speaker or LRU)."""
         segments = self.text_segments(request.text)
+        side = self.prepare_prompt(request)
+        return side.model_inputs(segments), side.cache_hit
+
+    def prepare_prompt(self, request: SynthesisRequest) -> "PromptSide":
+        """Everything the request's voice and mode contribute, without its text: done once per request, so a
+        bi-streamed text (which arrives later, in pieces) never waits for prompt work after its first piece.
+        Reads only the prompt fields of ``request`` (mode, prompt audio, transcript, instruction, speaker)."""
         mode = request.mode
         if mode == "speaker":
             if not request.speaker:
                 raise SpeakerCacheError("mode 'speaker' needs a saved speaker name: pick one or save a voice first")
             prompt = self._cache().get(request.speaker)
             has_text = prompt.prompt_text_tokens is not None and prompt.prompt_text_tokens.shape[1] > 0
-            return self.build_inputs(segments, prompt, "zero_shot" if has_text else "cross_lingual",
-                                     prompt.prompt_text_tokens, speaker=request.speaker), True
+            return PromptSide(prompt, "zero_shot" if has_text else "cross_lingual", prompt.prompt_text_tokens,
+                              request.speaker, True)
         if request.prompt_wav is None:
             raise PromptAudioError(f"mode '{mode}' needs a prompt voice: upload or record 3 to 10 s of clear speech")
         prompt_text = None
@@ -205,7 +235,11 @@ class Frontend:
                 instruct += END_OF_PROMPT
             prompt_text = self.encode_prompt_text(instruct)
         prompt, hit = self.prompt_features(request.prompt_wav, request.prompt_sr)
-        return self.build_inputs(segments, prompt, mode, prompt_text), hit
+        return PromptSide(prompt, mode, prompt_text, None, hit)
+
+    def text_stream(self, lang: str | None = None) -> IncrementalText:
+        """An incremental normaliser + tokeniser with this frontend's tokenizer, rules and length limit."""
+        return IncrementalText(self.tokenizer, lang=lang, max_chars=self.config.max_chars, tn=self.tn)
 
     @staticmethod
     def build_inputs(segments: list[torch.Tensor], prompt: PromptFeatures, mode: str,

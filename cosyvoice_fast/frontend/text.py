@@ -275,6 +275,16 @@ class TextTokenizer:
         """Token ids of ``text``; special tokens written in the text map to their single ids."""
         return self._tok.encode(text).ids
 
+    @property
+    def added_tokens(self) -> tuple[str, ...]:
+        """Every token matched whole before pre-tokenisation (eos, CosyVoice2's markup, the config's tokens)."""
+        return tuple(t.content for t in self._tok.get_added_tokens_decoder().values())
+
+    def pretokenize(self, text: str) -> list[tuple[int, int]]:
+        """(start, end) character spans of Qwen2's pre-tokens of ``text`` (no added tokens inside): the units
+        BPE never merges across, so ids of text cut at a span boundary concatenate to the ids of the whole."""
+        return [span for _, span in self._tok.pre_tokenizer.pre_tokenize_str(text)]
+
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool | None = None) -> str:
         skip = self.skip_special_tokens if skip_special_tokens is None else skip_special_tokens
         text = self._tok.decode([int(i) for i in ids], skip_special_tokens=skip)

@@ -16,7 +16,7 @@ All three go through :meth:`Qwen2LM.build_lm_input` with empty tensors (or ``Non
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -82,6 +82,32 @@ class Qwen2LM(nn.Module):
         speech = _as_ids(prompt_speech_token, dev)
         if speech is not None:
             parts.append(self.speech_embedding(speech))
+        return torch.cat(parts, dim=1)
+
+    def embed_segments(self, segments: Sequence[tuple[str, int, int]] | Sequence[Any], text_ids: Sequence[int],
+                       prompt_speech: Sequence[int], out_tokens: Sequence[int]) -> torch.Tensor:
+        """The LM input rows a bi-streaming step feeds, (1, rows, H), from its segment descriptions.
+
+        Each segment is ``(kind, start, length)`` (or an object with those attributes, see
+        :class:`~cosyvoice_fast.models.bistream.Segment`): ``sos``/``task`` are ``llm_embedding`` rows, ``text``
+        rows ``start ..`` of ``embed_tokens(text_ids)``, ``prompt_speech`` rows of
+        ``speech_embedding(prompt_speech)``, ``speech`` the ``speech_embedding`` of ``out_tokens[start]``.
+        Only the ids a segment names are embedded, so a step costs its own rows, not the whole stream's."""
+        dev = self._param().device
+        parts = []
+        for seg in segments:
+            kind, start, length = seg if isinstance(seg, tuple) else (seg.kind, seg.start, seg.length)
+            if kind in ("sos", "task"):
+                row = self.cfg.sos_id if kind == "sos" else self.cfg.task_id
+                parts.append(self.llm_embedding.weight[row].reshape(1, 1, -1).expand(1, length, -1))
+                continue
+            source, table = {"text": (text_ids, self.decoder.embed_tokens),
+                             "prompt_speech": (prompt_speech, self.speech_embedding),
+                             "speech": (out_tokens, self.speech_embedding)}[kind]
+            if start + length > len(source):
+                raise ValueError(f"segment {kind} rows {start}..{start + length - 1} but only {len(source)} ids exist")
+            ids = torch.as_tensor(list(source[start:start + length]), dtype=torch.long, device=dev)
+            parts.append(table(ids)[None])
         return torch.cat(parts, dim=1)
 
     def length_limits(self, n_text_tokens: int, max_tokens: int | None = None,
