@@ -371,7 +371,7 @@ class StreamParams:
               "use 0 to 3 tokens (the model was trained with 3)")
 
 
-BACKEND_NAMES = ("eager", "cudagraph", "tensorrt", "trtllm")
+BACKEND_NAMES = ("eager", "cudagraph", "fused", "tensorrt", "trtllm")
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -394,7 +394,7 @@ class BackendConfig:
     incremental: bool = True
 
     def __post_init__(self) -> None:
-        allowed = {"llm": ("eager", "cudagraph", "trtllm"),
+        allowed = {"llm": ("eager", "cudagraph", "fused", "trtllm"),
                    "flow": ("eager", "incremental", "cudagraph", "tensorrt"),
                    "vocoder": ("eager", "cudagraph")}
         for stage, ok in allowed.items():

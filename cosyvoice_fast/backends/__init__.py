@@ -1,4 +1,5 @@
-"""Stage backends: eager (the reference), cudagraph, tensorrt (flow estimator), trtllm (speech LM)."""
+"""Stage backends: eager (the reference), cudagraph, fused (Triton kernels in the graphs), tensorrt (flow
+estimator), trtllm (speech LM)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ def build_stage_set(models, config: BackendConfig) -> StageSet:  # noqa: ANN001 
         from .cudagraph_llm import CudaGraphLLM
 
         llm_stage = CudaGraphLLM(llm, models.config)
+    elif config.llm == "fused":
+        from .fused_llm import FusedLLM
+
+        llm_stage = FusedLLM(llm, models.config)
     else:
         from .trtllm import TrtLlmLLM
 
