@@ -42,12 +42,13 @@ class _FusedView:
 
 
 class FusedLLM(CudaGraphLLM):
-    """:class:`CudaGraphLLM` over the fused decode step; same constructor arguments, same public behaviour."""
+    """:class:`CudaGraphLLM` over the fused decode step; same constructor arguments and public behaviour, plus
+    ``splits``: the attention's key splits (default: chosen per row count)."""
 
-    def __init__(self, llm: torch.nn.Module, config: ModelConfig, **kwargs: Any):
+    def __init__(self, llm: torch.nn.Module, config: ModelConfig, *, splits: int | None = None, **kwargs: Any):
         reason = why_unavailable(llm)
         if reason is not None:
             raise BackendUnavailable(reason)
         from ..kernels.qwen2_decode import FusedDecoder
 
-        super().__init__(_FusedView(llm, FusedDecoder(llm.decoder)), config, **kwargs)
+        super().__init__(_FusedView(llm, FusedDecoder(llm.decoder, splits)), config, **kwargs)

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import qwen2_proj
 from .qwen2_proj import dot_precision, row_block
 
 
@@ -36,7 +37,7 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, kv_l
     heads = kvh * REP + i
     dd = tl.arange(0, D)
     q = tl.load(q_ptr + b * (HQ * D) + heads[:, None] * D + dd[None, :], mask=imask[:, None], other=0.0)
-    n_keys = tl.minimum(tl.load(pos_ptr + b) + 1, kv_len)
+    n_keys = tl.minimum(tl.load(pos_ptr + b).to(tl.int32) + 1, kv_len)
     chunk = (n_keys + SPLITS - 1) // SPLITS
     start = sid * chunk
     end = tl.minimum(start + chunk, n_keys)
@@ -112,7 +113,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, pos, o_part, m_part, l_part, kv_len, head_dim ** -0.5,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HQ=n_heads, HKV=n_kv, D=head_dim, SPLITS=splits, QB=max(16, triton.next_power_of_2(rep)),
-        BLOCK_S=32, PREC=dot_precision(q.dtype), num_warps=4, num_stages=2)
+        BLOCK_S=qwen2_proj.TILES.attn_keys, PREC=dot_precision(q.dtype), num_warps=4, num_stages=2)
 
 
 def oproj_residual(o_part: torch.Tensor, m_part: torch.Tensor, l_part: torch.Tensor, w: torch.Tensor,
@@ -120,7 +121,7 @@ def oproj_residual(o_part: torch.Tensor, m_part: torch.Tensor, l_part: torch.Ten
     """resid (B, N) fp32 += merged attention (B, Hq*D) @ Wo^T with ``w`` (N, Hq*D)."""
     rows, n_heads, splits, head_dim = o_part.shape
     n = w.shape[0]
-    bm, bn = row_block(rows), 16
+    bm, bn = row_block(rows), qwen2_proj.TILES.oproj
     _oproj_residual_kernel[(triton.cdiv(n, bn), triton.cdiv(rows, bm))](
         o_part, m_part, l_part, w, resid, rows, n, HQ=n_heads, D=head_dim, SPLITS=splits, BLOCK_M=bm,
         BLOCK_N=bn, PREC=dot_precision(w.dtype), num_warps=4, num_stages=2)

@@ -20,11 +20,34 @@ Accumulation is fp32 everywhere; fp32 weights use IEEE products (no TF32) so fp3
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 MAX_ROW_BLOCK = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Tiles:
+    """Output columns per program of each projection (and keys per attention tile).  Narrow tiles give one
+    row's weight stream many programs (~1 per SM or more for the big matrices); ``tl.dot`` needs >= 16."""
+
+    qkv: int = 16  # per half-head: a program owns 2 x qkv columns of one head (capped at head_dim / 2)
+    oproj: int = 16
+    gate_up: int = 32  # of gate and of up each
+    down: int = 16
+    attn_keys: int = 32
+
+    def __post_init__(self) -> None:
+        for name in ("qkv", "oproj", "gate_up", "down", "attn_keys"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"Tiles.{name} must be a power of two >= 16, got {v}")
+
+
+TILES = Tiles()  # what the launchers use (read at each launch, so a benchmark can swap it)
 
 
 # ------------------------------------------------------------------------------------------ shared pieces
@@ -68,34 +91,34 @@ def _qkv_rope_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_p
                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
     """Program (column block, row block): columns ``d`` and ``d + D/2`` of one q, k or v head."""
     HALF: tl.constexpr = D // 2
-    NB: tl.constexpr = HALF // BLOCK_N
+    NB: tl.constexpr = (HALF + BLOCK_N - 1) // BLOCK_N
     pid = tl.program_id(0)
     head = pid // NB
     d = (pid % NB) * BLOCK_N + tl.arange(0, BLOCK_N)
+    dmask = d < HALF  # all true unless head_dim / 2 < 16 (test-sized models): tl.dot needs 16 columns
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < B
     rstd = _row_rstd(x_ptr, rows, rmask, K, eps, BLOCK_M, BLOCK_K)
     col1 = head * D + d
     col2 = col1 + HALF
-    ones = d >= 0
     acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         xn = _normed_tile(x_ptr, rows, rmask, k, K, rstd, nw_ptr)
-        acc1 = tl.dot(xn, _w_tile(w_ptr, col1, ones, k, K), acc1, input_precision=PREC)
-        acc2 = tl.dot(xn, _w_tile(w_ptr, col2, ones, k, K), acc2, input_precision=PREC)
-    acc1 += tl.load(b_ptr + col1).to(tl.float32)[None, :]
-    acc2 += tl.load(b_ptr + col2).to(tl.float32)[None, :]
+        acc1 = tl.dot(xn, _w_tile(w_ptr, col1, dmask, k, K), acc1, input_precision=PREC)
+        acc2 = tl.dot(xn, _w_tile(w_ptr, col2, dmask, k, K), acc2, input_precision=PREC)
+    acc1 += tl.load(b_ptr + col1, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    acc2 += tl.load(b_ptr + col2, mask=dmask, other=0.0).to(tl.float32)[None, :]
     pos = tl.load(pos_ptr + rows, mask=rmask, other=0)
     # q and k heads rotate (half-split pairing: out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin); v heads do not
     rot = head < HQ + HKV
-    ang = pos.to(tl.float32)[:, None] * tl.load(freq_ptr + d)[None, :]
+    ang = pos.to(tl.float32)[:, None] * tl.load(freq_ptr + d, mask=dmask, other=0.0)[None, :]
     c = tl.where(rot, tl.cos(ang), 1.0)
     s = tl.where(rot, tl.sin(ang), 0.0)
     o1 = acc1 * c - acc2 * s
     o2 = acc2 * c + acc1 * s
-    m2 = rmask[:, None]
+    m2 = rmask[:, None] & dmask[None, :]
     if head < HQ:
         base = q_ptr + rows[:, None] * (HQ * D) + head * D + d[None, :]
         tl.store(base, o1.to(q_ptr.dtype.element_ty), mask=m2)
@@ -185,11 +208,11 @@ def qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, b: torch.Te
     """q (B, Hq, D) <- RoPE(norm(x) Wq + bq); cache rows b at ``pos[b]`` <- RoPE(k), v.  ``x``: fp32 (B, K)."""
     rows, k_dim = x.shape
     half = head_dim // 2
-    block_n = min(16, half)
-    if half % block_n or half & (half - 1):
-        raise ValueError(f"head_dim {head_dim}: the fused q/k/v kernel needs a power-of-two head_dim >= 2")
+    if half < 1 or half & (half - 1):
+        raise ValueError(f"head_dim {head_dim}: the fused kernels need a power-of-two head_dim >= 2")
+    block_n = max(16, min(TILES.qkv, half))
     bm = row_block(rows)
-    grid = ((n_heads + 2 * n_kv) * (half // block_n), triton.cdiv(rows, bm))
+    grid = ((n_heads + 2 * n_kv) * triton.cdiv(half, block_n), triton.cdiv(rows, bm))
     _qkv_rope_kernel[grid](x, norm_w, w, b, inv_freq, pos, q_out, k_cache, v_cache, rows, k_dim, eps,
                            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                            HQ=n_heads, HKV=n_kv, D=head_dim, BLOCK_N=block_n, BLOCK_M=bm,
@@ -200,7 +223,7 @@ def gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, h_out: torch
     """h (B, I) <- silu(norm(x) Wg) * (norm(x) Wu) with ``w`` the fused (2I, K) gate/up weight."""
     rows, k_dim = x.shape
     n = w.shape[0] // 2
-    bm, bn = row_block(rows), 32
+    bm, bn = row_block(rows), TILES.gate_up
     grid = (triton.cdiv(n, bn), triton.cdiv(rows, bm))
     _gate_up_kernel[grid](x, norm_w, w, h_out, rows, k_dim, n, eps, BLOCK_M=bm, BLOCK_N=bn,
                           BLOCK_K=_k_block(k_dim), PREC=dot_precision(w.dtype), num_warps=4, num_stages=3)
@@ -210,7 +233,7 @@ def down_residual(h: torch.Tensor, w: torch.Tensor, resid: torch.Tensor) -> None
     """resid (B, N) fp32 += h (B, K) W^T with ``w`` (N, K)."""
     rows, k_dim = h.shape
     n = w.shape[0]
-    bm, bn = row_block(rows), 16
+    bm, bn = row_block(rows), TILES.down
     grid = (triton.cdiv(n, bn), triton.cdiv(rows, bm))
     _down_residual_kernel[grid](h, w, resid, rows, k_dim, n, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=_k_block(k_dim),
                                 PREC=dot_precision(w.dtype), num_warps=4, num_stages=3)
