@@ -58,13 +58,15 @@ def test_qkv_rope_writes_q_and_the_cache_at_each_rows_position():
     dec = _decoder(1).fuse_projections()
     layer, rows, max_len = dec.layers[0], 3, 24
     a = layer.self_attn
-    x = torch.randn(rows, CFG.hidden_size, device=DEV)
+    resid = torch.randn(rows, CFG.hidden_size, device=DEV)
+    parts = torch.randn(3, rows, CFG.hidden_size, device=DEV)  # a previous down projection's K-split sums
+    x = resid + parts[0] + parts[1] + parts[2]
     pos = _positions(rows, max_len)
     cache = KVCache.for_config(CFG, max_len, rows, device=DEV)
     for t in cache.k + cache.v:
         t.fill_(float("nan"))
     q = _nan(rows, CFG.num_attention_heads, CFG.head_dim)
-    proj_k.qkv_rope(x, layer.input_layernorm.weight, a.qkv_weight, a.qkv_bias, dec.rotary.inv_freq, pos, q,
+    proj_k.qkv_rope(resid, parts, layer.input_layernorm.weight, a.qkv_weight, a.qkv_bias, dec.rotary.inv_freq, pos, q,
                     cache.k[0], cache.v[0], layer.input_layernorm.eps, a.n_heads, a.n_kv, a.head_dim)
     cos, sin = dec.rotary.rows(pos[:, None], x.dtype)
     q_ref, k_ref, v_ref = a._qkv(layer.input_layernorm(x[:, None]), cos, sin)
@@ -91,7 +93,7 @@ def _attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: li
 
 @torch.inference_mode()
 @pytest.mark.parametrize("splits", [1, 4])
-def test_split_attention_and_o_projection_equal_softmax_attention(splits):
+def test_split_attention_merges_to_softmax_attention(splits):
     rows, max_len, kv_len = 3, 40, 32
     hq, hkv, d = CFG.num_attention_heads, CFG.num_key_value_heads, CFG.head_dim
     # row 0 early, row 1 mid-way, row 2 an idle row parked past kv_len (attends over the first kv_len keys)
@@ -103,17 +105,39 @@ def test_split_attention_and_o_projection_equal_softmax_attention(splits):
         k[b, :, n:] = float("nan")
         v[b, :, n:] = float("nan")
     q = torch.randn(rows, hq, d, device=DEV)
+    out = _nan(rows, hq, d)
     o_part, m_part, l_part = _nan(rows, hq, splits, d), _nan(rows, hq, splits), _nan(rows, hq, splits)
-    attn_k.decode_attention(q, k, v, pos, kv_len, o_part, m_part, l_part)
-    w = torch.randn(CFG.hidden_size, hq * d, device=DEV)
-    resid = torch.randn(rows, CFG.hidden_size, device=DEV)
-    ref = resid + _attention_ref(q, k, v, n_keys) @ w.t()
-    attn_k.oproj_residual(o_part, m_part, l_part, w, resid)
-    assert _err(resid, ref) <= TOL
+    counters = torch.zeros(rows, hkv, dtype=torch.int32, device=DEV)
+    ref = _attention_ref(q, k, v, n_keys)
+    for _ in range(2):  # the counters are back at zero, so the same scratch serves the next layer
+        attn_k.decode_attention(q, k, v, pos, kv_len, out, o_part, m_part, l_part, counters)
+        assert _err(out.reshape(rows, -1), ref) <= TOL
+        assert counters.eq(0).all()
+        out.fill_(float("nan"))
 
 
 @torch.inference_mode()
-def test_gate_up_silu_and_down_residual_over_more_than_one_row_block():
+@pytest.mark.parametrize("split", [1, 3])
+def test_projection_adds_the_residual_or_writes_k_split_partials(split):
+    rows, k_dim, n = 5, 80, 48  # K not a multiple of the K tile or of the split
+    a = torch.randn(rows, k_dim, device=DEV)
+    w = torch.randn(n, k_dim, device=DEV)
+    resid = torch.randn(rows, n, device=DEV)
+    parts_in = torch.randn(2, rows, n, device=DEV)
+    ref = resid + parts_in[0] + parts_in[1] + a @ w.t()
+    if split == 1:
+        proj_k.proj_residual(a, w, resid, parts_in=parts_in)
+        assert _err(resid, ref) <= TOL
+    else:
+        before = resid.clone()
+        parts_out = _nan(split, rows, n)
+        proj_k.proj_residual(a, w, resid, parts_out=parts_out)
+        assert torch.equal(resid, before)  # left to the readers
+        assert _err(parts_out.sum(0), a @ w.t()) <= TOL
+
+
+@torch.inference_mode()
+def test_gate_up_silu_and_projection_over_more_than_one_row_block():
     dec = _decoder(2).fuse_projections()
     layer = dec.layers[1]
     rows = proj_k.MAX_ROW_BLOCK + 3  # two row blocks: the second one mostly masked
@@ -126,17 +150,18 @@ def test_gate_up_silu_and_down_residual_over_more_than_one_row_block():
     assert _err(h, h_ref) <= TOL
     resid = torch.randn(rows, CFG.hidden_size, device=DEV)
     ref = resid + layer.mlp.down_proj(h_ref)
-    proj_k.down_residual(h, layer.mlp.down_proj.weight, resid)
+    proj_k.proj_residual(h, layer.mlp.down_proj.weight, resid)
     assert _err(resid, ref) <= TOL
 
 
 @torch.inference_mode()
-def test_final_rmsnorm_matches_the_module():
+def test_final_rmsnorm_adds_the_partials_and_matches_the_module():
     dec = _decoder(3)
     x = torch.randn(5, CFG.hidden_size, device=DEV) * 3
+    parts = torch.randn(2, 5, CFG.hidden_size, device=DEV)
     out = _nan(5, CFG.hidden_size)
-    proj_k.rmsnorm(x, dec.norm.weight, out, dec.norm.eps)
-    assert _err(out, dec.norm(x)) <= TOL
+    proj_k.rmsnorm(x, parts, dec.norm.weight, out, dec.norm.eps)
+    assert _err(out, dec.norm(x + parts[0] + parts[1])) <= TOL
 
 
 @torch.inference_mode()
@@ -161,6 +186,13 @@ def test_decode_steps_equal_the_decoder_per_row_and_shared_positions():
     assert _err(FusedDecoder(dec, splits=2)(x, p, one[1], kv_len=16), dec(x, p, one[0], kv_len=16)) <= 1e-4
 
 
+def test_tiles_are_validated_by_field():
+    with pytest.raises(ValueError, match="Tiles.down must be a power of two >= 16, got 8"):
+        proj_k.Tiles(down=8)
+    with pytest.raises(ValueError, match="Tiles.down_split must be 1..16, got 0"):
+        proj_k.Tiles(down_split=0)
+
+
 def test_attention_splits_fill_the_gpu_for_few_rows_and_stay_powers_of_two():
     got = {rows: attn_k.attention_splits(rows, 2) for rows in (1, 2, 3, 4, 16, 32, 64)}
     assert got == {1: 16, 2: 16, 3: 8, 4: 8, 16: 2, 32: 1, 64: 1}
@@ -170,7 +202,7 @@ def test_attention_splits_fill_the_gpu_for_few_rows_and_stay_powers_of_two():
 def test_fused_decoder_passes_prefill_through_and_rejects_bad_calls(monkeypatch):
     dec = _decoder(5)
     fused = FusedDecoder(dec)
-    assert fused.layers is dec.layers and kernels_per_step(CFG.num_hidden_layers) == 12
+    assert fused.layers is dec.layers and kernels_per_step(CFG.num_hidden_layers) == 13
     x = torch.randn(1, 4, CFG.hidden_size, device=DEV)
     pos = torch.arange(4, device=DEV)
     caches = [KVCache.for_config(CFG, 8, 1, device=DEV) for _ in range(2)]

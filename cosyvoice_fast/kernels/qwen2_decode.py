@@ -1,8 +1,10 @@
-"""One Qwen2 decode step (one token per row, static KV cache) as 5 Triton kernels per layer + 2 per step.
+"""One Qwen2 decode step (one token per row, static KV cache) as 5 Triton kernels per layer + 3 per step.
 
-Per layer: (1) RMSNorm + q/k/v + bias + RoPE + KV-cache write, (2) split-K decode attention, (3) split merge +
-o-projection + residual, (4) RMSNorm + gate/up + SiLU*mul, (5) down-projection + residual.  Per step: the copy of
-the input embeddings into the fp32 residual stream and the final RMSNorm.
+Per layer: (1) RMSNorm + q/k/v + bias + RoPE + KV-cache write, (2) decode attention split over keys with the
+split merge in the same kernel, (3) o-projection + residual, (4) RMSNorm + gate/up + SiLU*mul, (5) the
+down projection as K-split partial sums that the next layer's (1) and (3) (or the final norm) add to the
+residual.  Per step: the copy of the input embeddings into the fp32 residual stream, the zeroing of the
+attention's merge counters, and the final RMSNorm.
 
 :class:`FusedDecoder` is a drop-in for :class:`~cosyvoice_fast.models.qwen2.Qwen2Decoder` *as a CUDA-graph
 runner calls it*: ``decoder(inputs_embeds, pos, cache, kv_len=...)``.  One-token calls with a cache take the
@@ -26,8 +28,9 @@ from . import qwen2_proj as proj_k
 
 
 def kernels_per_step(n_layers: int) -> int:
-    """Kernel launches of one fused decode step: 5 per layer, the embedding copy and the final norm."""
-    return 5 * n_layers + 2
+    """Kernel launches of one fused decode step: 5 per layer, the embedding copy, the counter memset and the
+    final norm."""
+    return 5 * n_layers + 3
 
 
 def can_run_on(device: torch.device) -> bool:
@@ -75,26 +78,32 @@ def decode_step(decoder: Qwen2Decoder, inputs_embeds: torch.Tensor, pos: torch.T
     resid = torch.empty(rows, hidden, dtype=torch.float32, device=dev)
     resid.copy_(inputs_embeds.reshape(rows, hidden))
     q = torch.empty(rows, n_heads, head_dim, dtype=dtype, device=dev)
+    attn = torch.empty(rows, n_heads, head_dim, dtype=dtype, device=dev)
     splits = attn_k.attention_splits(rows, n_kv) if splits is None else int(splits)
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"attention splits must be a power of two >= 1, got {splits}")
     o_part = torch.empty(rows, n_heads, splits, head_dim, dtype=torch.float32, device=dev)
     m_part = torch.empty(rows, n_heads, splits, dtype=torch.float32, device=dev)
     l_part = torch.empty(rows, n_heads, splits, dtype=torch.float32, device=dev)
+    counters = torch.zeros(rows, n_kv, dtype=torch.int32, device=dev)
     h = torch.empty(rows, cfg.intermediate_size, dtype=dtype, device=dev)
+    parts = torch.empty(proj_k.TILES.down_split, rows, hidden, dtype=torch.float32, device=dev)
+    prev: torch.Tensor | None = None  # the previous layer's down-projection partials, not yet in ``resid``
     inv_freq = decoder.rotary.inv_freq
     for i, layer in enumerate(decoder.layers):
         a, mlp = layer.self_attn, layer.mlp
         kc, vc = cache.k[i], cache.v[i]
-        proj_k.qkv_rope(resid, layer.input_layernorm.weight, _contig(a.qkv_weight), _contig(a.qkv_bias), inv_freq,
-                        positions, q, kc, vc, layer.input_layernorm.eps, n_heads, n_kv, head_dim)
-        attn_k.decode_attention(q, kc, vc, positions, kv_len, o_part, m_part, l_part)
-        attn_k.oproj_residual(o_part, m_part, l_part, _contig(a.o_proj.weight), resid)
+        proj_k.qkv_rope(resid, prev, layer.input_layernorm.weight, _contig(a.qkv_weight), _contig(a.qkv_bias),
+                        inv_freq, positions, q, kc, vc, layer.input_layernorm.eps, n_heads, n_kv, head_dim)
+        attn_k.decode_attention(q, kc, vc, positions, kv_len, attn, o_part, m_part, l_part, counters)
+        proj_k.proj_residual(attn.view(rows, n_heads * head_dim), _contig(a.o_proj.weight), resid, parts_in=prev,
+                             block_n=proj_k.TILES.oproj)
         proj_k.gate_up(resid, layer.post_attention_layernorm.weight, _contig(mlp.gate_up_weight), h,
                        layer.post_attention_layernorm.eps)
-        proj_k.down_residual(h, _contig(mlp.down_proj.weight), resid)
+        proj_k.proj_residual(h, _contig(mlp.down_proj.weight), resid, parts_out=parts, block_n=proj_k.TILES.down)
+        prev = parts
     out = torch.empty(rows, hidden, dtype=dtype, device=dev)
-    proj_k.rmsnorm(resid, decoder.norm.weight, out, decoder.norm.eps)
+    proj_k.rmsnorm(resid, prev, decoder.norm.weight, out, decoder.norm.eps)
     return out.view(rows, 1, hidden)
 
 
