@@ -1,11 +1,13 @@
 """One GPU call for the fused LLM backend at full size (CosyVoice2-0.5B shapes, seeded random weights):
 
-1. correctness of one decode step against eager (fp32: max error; bf16: error vs the fp32 step, fused and eager);
-2. kernels per step and decode-step GPU time as CUDA-graph replays, ``cudagraph`` vs ``fused`` math, at 1 and 16
-   rows, with achieved GB/s against the H100's 3.35 TB/s (:mod:`cosyvoice_fast.profile_llm`);
-3. the backends end to end (``generate``, sampling and the per-step host sync included): ms per token at 1 and 16
-   requests (token parity with eager is tests/test_fused_llm.py's job);
-4. two tile variants of the fused kernels at the same shapes (each compiles a handful of kernels, no sweep).
+1. correctness of one decode step against eager (fp32: max error; bf16: error vs the fp32 step, fused and eager),
+   with and without programmatic dependent launch (PDL) between the fused kernels;
+2. kernels per step, the costliest kernels and decode-step GPU time as CUDA-graph replays, ``cudagraph`` vs
+   ``fused`` math (PDL off and on), at 1 and 16 rows, with achieved GB/s against the H100's 3.35 TB/s
+   (:mod:`cosyvoice_fast.profile_llm`);
+3. the fused backend end to end with PDL (``generate``, sampling and the per-step host sync included): ms per
+   token at 1 and 16 requests (token parity with eager is tests/test_fused_llm.py's job);
+4. three tile variants of the fused kernels at the same shapes (each compiles a handful of kernels, no sweep).
 
     PYTHONUNBUFFERED=1 python benchmarks/fused_llm_check.py --out $OUT [--skip-backends]
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import sys
 import time
@@ -81,7 +84,8 @@ def correctness(lm32: Qwen2LM, lm16: Qwen2LM, rows: int) -> dict:
     return out
 
 
-def backends(lm: Qwen2LM, dtype_name: str, results: dict, save) -> None:  # noqa: ANN001
+def backends(lm: Qwen2LM, names: list[str], results: dict, save) -> None:  # noqa: ANN001
+    """ms per token of the whole backends (``fused`` runs under the current ``qwen2_proj.TILES``)."""
     from cosyvoice_fast.backends.cudagraph_llm import CudaGraphLLM
     from cosyvoice_fast.backends.fused_llm import FusedLLM
 
@@ -89,15 +93,17 @@ def backends(lm: Qwen2LM, dtype_name: str, results: dict, save) -> None:  # noqa
     text = torch.arange(100, 130, dtype=torch.int32)[None]
     inputs = ModelInputs(text_segments=[text], prompt_text=torch.arange(200, 220)[None],
                          llm_prompt_speech_token=torch.arange(75)[None] * 37 % 6561)
-    for name, cls in (("cudagraph", CudaGraphLLM), ("fused", FusedLLM)):
+    for name in names:
+        cls = CudaGraphLLM if name == "cudagraph" else FusedLLM
         t = time.perf_counter()
         stage = cls(lm, cfg, slots=16, max_len=MAX_LEN, prefill_buckets=(256,), progress=False)
-        built = time.perf_counter() - t
-        row = {"backend": name, "dtype": dtype_name, "build_s": round(built, 1)}
+        row = {"backend": name, "tiles": repr(qwen2_proj.TILES), "dtype": "bf16",
+               "build_s": round(time.perf_counter() - t, 1)}
         for rows in (1, 16):
             profile_llm.backend_ms_per_token(stage, inputs, text, rows, 20)  # warm
             row[f"ms_per_token_rows{rows}"] = round(profile_llm.backend_ms_per_token(stage, inputs, text, rows, 150), 4)
         results["backends"].append(row)
+        print(row, flush=True)
         save()
         del stage
         torch.cuda.empty_cache()
@@ -123,26 +129,34 @@ def main() -> int:
     t0 = time.perf_counter()
     lm32 = random_lm(torch.float32)
     lm16 = copy.deepcopy(lm32).to(torch.bfloat16)
-    for rows in (1, 16):
-        results["correctness"].append(correctness(lm32, lm16, rows))
-        print("correctness", results["correctness"][-1], flush=True)
-        save()
+    plain = qwen2_proj.TILES
+    pdl = dataclasses.replace(plain, pdl=True)
+    for tiles in (plain, pdl):
+        qwen2_proj.TILES = tiles
+        for rows in (1, 16):
+            results["correctness"].append({"tiles": repr(tiles), **correctness(lm32, lm16, rows)})
+            print("correctness", results["correctness"][-1], flush=True)
+            save()
+    qwen2_proj.TILES = plain
     print(f"[{time.perf_counter() - t0:.0f} s] correctness done", flush=True)
-    for backend in ("cudagraph", "fused"):
+    del lm32
+    torch.cuda.empty_cache()
+    for backend, tiles in (("cudagraph", plain), ("fused", plain), ("fused", pdl)):
+        qwen2_proj.TILES = tiles
         for rows in (1, 16):
             p = profile_llm.step_profile(lm16, backend, rows, CONTEXT, MAX_LEN, BUCKET)
-            results["steps"].append(p.as_dict())
+            results["steps"].append({**p.as_dict(), "pdl": tiles.pdl})
             print(p, flush=True)
             save()
     print(f"[{time.perf_counter() - t0:.0f} s] step profiles done", flush=True)
-    del lm32
-    torch.cuda.empty_cache()
-    if not a.skip_backends:
-        backends(lm16, "bf16", results, save)
+    pdl_ok = all(c["fp32_ok"] for c in results["correctness"])
+    if not a.skip_backends and pdl_ok:
+        qwen2_proj.TILES = pdl
+        backends(lm16, ["fused"], results, save)
         print(f"[{time.perf_counter() - t0:.0f} s] backends done", flush=True)
-    variants = {"wide": qwen2_proj.Tiles(qkv=32, oproj=32, gate_up=64, down=32),
-                "keys64": qwen2_proj.Tiles(attn_keys=64)}
-    default = qwen2_proj.TILES
+    variants = {"pdl_k512": dataclasses.replace(pdl, k_bytes=512),
+                "pdl_down8": dataclasses.replace(pdl, down_split=8),
+                "pdl_gate_up16": dataclasses.replace(pdl, gate_up=16)}
     for vname, tiles in variants.items():
         qwen2_proj.TILES = tiles
         for rows in (1, 16):
@@ -151,19 +165,22 @@ def main() -> int:
                                      "graph_ms": round(profile_llm.graph_ms(fn), 4)})
             print(results["tiles"][-1], flush=True)
             save()
-    qwen2_proj.TILES = default
+    qwen2_proj.TILES = plain
     print(f"[{time.perf_counter() - t0:.0f} s] tile variants done", flush=True)
     save()
-    print("\nrows | backend   | kernels/step | kernel ms | graph ms/step | GB/s  | % of 3.35 TB/s")
+    print("\nrows | backend   | pdl | kernels/step | kernel ms | graph ms/step | GB/s  | % of 3.35 TB/s")
     for s in results["steps"]:
-        print(f"{s['rows']:4d} | {s['backend']:9s} | {s['kernels']:12d} | {s['kernel_ms']:9.3f} | "
+        print(f"{s['rows']:4d} | {s['backend']:9s} | {s['pdl']:d}   | {s['kernels']:12d} | {s['kernel_ms']:9.3f} | "
               f"{s['graph_ms']:13.3f} | {s['gbs']:5.0f} | {100 * s['peak_fraction']:.0f}%")
+    for s in results["steps"]:
+        if s["backend"] == "fused":
+            print(f"fused rows {s['rows']} pdl {s['pdl']:d}:", s["by_kernel"])
     for c in results["correctness"]:
-        print(f"rows {c['rows']}: fp32 max err {c['fp32']['max']:.2e}; bf16 max err fused {c['bf16_fused']['max']:.2e}"
+        print(f"{c['tiles'][-25:]} rows {c['rows']}: fp32 max err {c['fp32']['max']:.2e}; bf16 max err fused {c['bf16_fused']['max']:.2e}"
               f" eager {c['bf16_eager']['max']:.2e}")
     for b in results["backends"]:
-        print(f"backend {b['backend']} {b['dtype']}: {b['ms_per_token_rows1']} ms/token at 1 row, "
-              f"{b['ms_per_token_rows16']} ms per 16-row step")
+        print(f"backend {b['backend']} {b['dtype']} {b['tiles'][-25:]}: {b['ms_per_token_rows1']} ms/token at 1 "
+              f"row, {b['ms_per_token_rows16']} ms per 16-row step")
     return 0
 
 

@@ -11,7 +11,8 @@ on an uncaptured call (a graph replays exactly the kernels its capture launched)
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
@@ -30,6 +31,7 @@ class StepProfile:
     mbytes: float  # weights + KV read per step
     gbs: float  # achieved: mbytes / graph_ms
     peak_fraction: float  # gbs / H100_GBS
+    by_kernel: dict = field(default_factory=dict)  # kernel name -> (launches per step, us per step), top 8
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -92,8 +94,9 @@ def graph_ms(fn: Callable[[], object], iters: int = 100) -> float:
     return start.elapsed_time(end) / iters
 
 
-def kernel_profile(fn: Callable[[], object], steps: int = 3) -> tuple[int, float]:
-    """(kernels per call, summed kernel ms per call) of ``fn`` run uncaptured under ``torch.profiler``."""
+def kernel_profile(fn: Callable[[], object], steps: int = 3) -> tuple[int, float, dict]:
+    """(kernels per call, summed kernel ms per call, {name: (launches, us) per call} of the 8 costliest) of
+    ``fn`` run uncaptured under ``torch.profiler``."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -106,18 +109,24 @@ def kernel_profile(fn: Callable[[], object], steps: int = 3) -> tuple[int, float
             torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA
                and not e.name.startswith(("Memcpy", "Memset"))]
-    return round(len(kernels) / steps), sum(e.time_range.elapsed_us() for e in kernels) / steps / 1e3
+    table: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for e in kernels:
+        row = table[e.name[:60]]
+        row[0] += 1 / steps
+        row[1] += e.time_range.elapsed_us() / steps
+    top = dict(sorted(((k, (round(n, 1), round(us, 1))) for k, (n, us) in table.items()), key=lambda kv: -kv[1][1])[:8])
+    return round(len(kernels) / steps), sum(e.time_range.elapsed_us() for e in kernels) / steps / 1e3, top
 
 
 def step_profile(lm: torch.nn.Module, backend: str, rows: int, context: int, max_len: int,
                  kv_len: int | None = None, iters: int = 100) -> StepProfile:
     fn = decode_math(lm, backend, rows, context, max_len, kv_len)
     ms = graph_ms(fn, iters)
-    kernels, kernel_ms = kernel_profile(fn)
+    kernels, kernel_ms, top = kernel_profile(fn)
     mb = decoder_bytes(lm, rows, context) / 1e6
     gbs = mb / ms  # MB per ms = GB/s
     return StepProfile(backend, rows, context, kernels, round(kernel_ms, 4), round(ms, 4), round(mb, 1),
-                       round(gbs, 1), round(gbs / H100_GBS, 3))
+                       round(gbs, 1), round(gbs / H100_GBS, 3), top)
 
 
 def backend_ms_per_token(stage: object, inputs: object, text: torch.Tensor, rows: int, tokens: int) -> float:

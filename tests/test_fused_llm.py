@@ -7,6 +7,7 @@ Full size means CosyVoice2-0.5B shapes with seeded random weights (the real chec
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -55,6 +56,15 @@ def _random_full_size_lm(dtype: torch.dtype) -> Qwen2LM:
     return lm.to(dtype).eval().requires_grad_(False)
 
 
+@pytest.fixture(params=[False, True], ids=["plain", "pdl"])
+def pdl(request, monkeypatch) -> bool:
+    """Run a GPU test with and without programmatic dependent launch between the fused kernels."""
+    from cosyvoice_fast.kernels import qwen2_proj
+
+    monkeypatch.setattr(qwen2_proj, "TILES", dataclasses.replace(qwen2_proj.TILES, pdl=request.param))
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def lm32() -> Qwen2LM:
     if not HAS_CUDA:
@@ -87,19 +97,19 @@ def _run(lm: Qwen2LM, fused: bool, x, kv, pos, kv_len: int) -> tuple[torch.Tenso
 
 @_gpu
 @pytest.mark.parametrize("rows", [1, 16])
-def test_gpu_full_size_fp32_step_equals_eager(lm32, rows):
+def test_gpu_full_size_fp32_step_equals_eager(lm32, rows, pdl):
     x, kv, pos = _step_inputs(rows, 300, 512, torch.float32, full_config())
     ref, ref_cache = _run(lm32, False, x, kv, pos, 512)
     got, got_cache = _run(lm32, True, x, kv, pos, 512)
     assert (got - ref).abs().max().item() <= 1e-4
     assert max((a - b).abs().max().item() for a, b in zip(got_cache, ref_cache)) <= 1e-4
-    with torch.inference_mode():
-        assert (lm32.log_probs(got[:, -1]) - lm32.log_probs(ref[:, -1])).abs().max().item() <= 1e-4
+    with torch.inference_mode():  # the speech head (std 0.1 over 896 inputs) scales hidden errors up ~3x
+        assert (lm32.log_probs(got[:, -1]) - lm32.log_probs(ref[:, -1])).abs().max().item() <= 3e-4
 
 
 @_gpu
 @pytest.mark.parametrize("rows", [1, 16])
-def test_gpu_full_size_bf16_step_is_no_worse_than_eager_bf16(lm32, rows):
+def test_gpu_full_size_bf16_step_is_no_worse_than_eager_bf16(lm32, rows, pdl):
     """Against the fp32 step on the same (bf16-rounded) inputs, the fused bf16 step errs no more than the eager
     bf16 step (it keeps the residual stream in fp32, so usually less)."""
     lm16 = copy.deepcopy(lm32).to(torch.bfloat16)
@@ -113,7 +123,7 @@ def test_gpu_full_size_bf16_step_is_no_worse_than_eager_bf16(lm32, rows):
 
 
 @_gpu
-def test_gpu_fused_backend_tokens_equal_eager_fp32_alone_and_batched(lm32):
+def test_gpu_fused_backend_tokens_equal_eager_fp32_alone_and_batched(lm32, pdl):
     from cosyvoice_fast.backends.eager import EagerLLM
     from cosyvoice_fast.backends.fused_llm import FusedLLM
 

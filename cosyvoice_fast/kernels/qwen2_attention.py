@@ -21,15 +21,17 @@ import triton
 import triton.language as tl
 
 from . import qwen2_proj
-from .qwen2_proj import dot_precision
+from .qwen2_proj import pdl_start, dot_precision, launch_options
 
 
 @triton.jit
 def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, o_ptr, m_ptr, l_ptr, cnt_ptr, kv_len, scale,
                        stride_cb, stride_ch, stride_cp,
                        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-                       QB: tl.constexpr, RB: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr):
+                       QB: tl.constexpr, RB: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
+                       PDL: tl.constexpr):
     """Program (row, kv head, split): attention of the row's ``Hq / Hkv`` query heads over one key range."""
+    pdl_start(PDL)
     REP: tl.constexpr = HQ // HKV
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -110,4 +112,4 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HQ=n_heads, HKV=n_kv, D=head_dim, SPLITS=splits, QB=max(16, triton.next_power_of_2(rep)),
         RB=triton.next_power_of_2(rep), BLOCK_S=qwen2_proj.TILES.attn_keys, PREC=dot_precision(q.dtype),
-        num_warps=4, num_stages=2)
+        **launch_options(q, 2))

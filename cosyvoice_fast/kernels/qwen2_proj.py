@@ -35,6 +35,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # programmatic dependent launch (Hopper+): not in every Triton build, and never in the interpreter
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - depends on the Triton build
+    gdc_launch_dependents = gdc_wait = None
+
 MAX_ROW_BLOCK = 64
 
 
@@ -49,6 +54,7 @@ class Tiles:
     down: int = 16
     attn_keys: int = 32
     down_split: int = 4  # K splits of the down projection (partial sums, see the module docstring)
+    pdl: bool = False  # programmatic dependent launch: a kernel launches while the previous one drains
     k_bytes: int = 256  # bytes of one weight row per K tile (128 bf16 elements: ~54 KB of smem per gate/up program)
 
     def __post_init__(self) -> None:
@@ -58,12 +64,23 @@ class Tiles:
                 raise ValueError(f"Tiles.{name} must be a power of two >= 16, got {v}")
         if not 1 <= self.down_split <= 16:
             raise ValueError(f"Tiles.down_split must be 1..16, got {self.down_split}")
+        if not isinstance(self.pdl, bool):
+            raise ValueError(f"Tiles.pdl must be True or False, got {self.pdl!r}")
 
 
 TILES = Tiles()  # what the launchers use (read at each launch, so a benchmark can swap it)
 
 
 # ------------------------------------------------------------------------------------------ shared pieces
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """With programmatic dependent launch: wait until the previous kernel's writes are visible (nothing is read
+    before this), then let the next kernel launch and park at its own wait while this one runs."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -112,8 +129,10 @@ def _w_tile(w_ptr, cols, cmask, k, K, k_end):
 def _qkv_rope_kernel(x_ptr, part_ptr, nw_ptr, w_ptr, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
                      B, K: tl.constexpr, eps, stride_cb, stride_ch, stride_cp,
                      HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NPART: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+                     PDL: tl.constexpr):
     """Program (column block, row block): columns ``d`` and ``d + D/2`` of one q, k or v head."""
+    pdl_start(PDL)
     HALF: tl.constexpr = D // 2
     NB: tl.constexpr = (HALF + BLOCK_N - 1) // BLOCK_N
     pid = tl.program_id(0)
@@ -160,8 +179,10 @@ def _qkv_rope_kernel(x_ptr, part_ptr, nw_ptr, w_ptr, b_ptr, freq_ptr, pos_ptr, q
 
 @triton.jit
 def _gate_up_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, B, K: tl.constexpr, N, eps,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+                    PDL: tl.constexpr):
     """``h = silu(gate(norm(x))) * up(norm(x))`` for columns ``n`` (gate rows n, up rows N + n of the fused weight)."""
+    pdl_start(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -182,10 +203,11 @@ def _gate_up_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, B, K: tl.constexpr, N, eps,
 @triton.jit
 def _proj_residual_kernel(a_ptr, w_ptr, r_ptr, part_in_ptr, part_out_ptr, B, K, N,
                           NPART_IN: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
     """``a @ W[n, :]^T`` for columns ``n`` over K split ``program_id(2)``.  One split: the residual becomes
     ``r + sum(part_in) + a W^T`` (each program owns its columns, so nothing races).  Several: split ``s`` writes
     its partial sum to ``part_out[s]`` and the residual is left to the readers."""
+    pdl_start(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -208,9 +230,11 @@ def _proj_residual_kernel(a_ptr, w_ptr, r_ptr, part_in_ptr, part_out_ptr, B, K, 
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, part_ptr, w_ptr, out_ptr, B, N, eps, NPART: tl.constexpr, BLOCK: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, part_ptr, w_ptr, out_ptr, B, N, eps, NPART: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr):
     """One row per program: ``w * (x * rsqrt(mean(x^2) + eps))`` rounded to ``out``'s dtype (x: the residual
     plus the last down projection's partial sums)."""
+    pdl_start(PDL)
     row = tl.program_id(0)
     k = tl.arange(0, BLOCK)
     kmask = k < N
@@ -233,6 +257,17 @@ def row_block(rows: int) -> int:
 def dot_precision(dtype: torch.dtype) -> str:
     """IEEE fp32 products for fp32 weights (TF32 would cost ~1e-3 of parity); tensor cores otherwise."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def launch_options(t: torch.Tensor, stages: int) -> dict:
+    """Launch keywords shared by the fused kernels: PDL only on CUDA tensors (the interpreter has none)."""
+    pdl = TILES.pdl and t.is_cuda
+    if pdl and gdc_wait is None:
+        raise RuntimeError("Tiles.pdl needs a Triton build with triton.language.extra.cuda.gdc_wait (>= 3.3)")
+    opts: dict = {"PDL": pdl, "num_warps": 4, "num_stages": stages}
+    if pdl:
+        opts["launch_pdl"] = True
+    return opts
 
 
 def _k_block(k: int, dtype: torch.dtype) -> int:
@@ -261,7 +296,7 @@ def qkv_rope(x: torch.Tensor, parts: torch.Tensor | None, norm_w: torch.Tensor, 
     _qkv_rope_kernel[grid](x, part_arg, norm_w, w, b, inv_freq, pos, q_out, k_cache, v_cache, rows, k_dim, eps,
                            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                            HQ=n_heads, HKV=n_kv, D=head_dim, NPART=npart, BLOCK_N=block_n, BLOCK_M=bm,
-                           BLOCK_K=_k_block(k_dim, w.dtype), PREC=dot_precision(w.dtype), num_warps=4, num_stages=3)
+                           BLOCK_K=_k_block(k_dim, w.dtype), PREC=dot_precision(w.dtype), **launch_options(x, 3))
 
 
 def gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, h_out: torch.Tensor, eps: float) -> None:
@@ -271,7 +306,7 @@ def gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, h_out: torch
     bm, bn = row_block(rows), TILES.gate_up
     grid = (triton.cdiv(n, bn), triton.cdiv(rows, bm))
     _gate_up_kernel[grid](x, norm_w, w, h_out, rows, k_dim, n, eps, BLOCK_M=bm, BLOCK_N=bn,
-                          BLOCK_K=_k_block(k_dim, w.dtype), PREC=dot_precision(w.dtype), num_warps=4, num_stages=3)
+                          BLOCK_K=_k_block(k_dim, w.dtype), PREC=dot_precision(w.dtype), **launch_options(x, 3))
 
 
 def proj_residual(a: torch.Tensor, w: torch.Tensor, resid: torch.Tensor, parts_in: torch.Tensor | None = None,
@@ -286,8 +321,8 @@ def proj_residual(a: torch.Tensor, w: torch.Tensor, resid: torch.Tensor, parts_i
     grid = (triton.cdiv(n, block_n), triton.cdiv(rows, bm), split)
     _proj_residual_kernel[grid](a, w, resid, part_arg, resid if parts_out is None else parts_out, rows, k_dim, n,
                                 NPART_IN=npart, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=block_n,
-                                BLOCK_K=_k_block(k_dim, w.dtype), PREC=dot_precision(w.dtype), num_warps=4,
-                                num_stages=3)
+                                BLOCK_K=_k_block(k_dim, w.dtype), PREC=dot_precision(w.dtype),
+                                **launch_options(a, 3))
 
 
 def rmsnorm(x: torch.Tensor, parts: torch.Tensor | None, w: torch.Tensor, out: torch.Tensor, eps: float) -> None:
@@ -295,4 +330,4 @@ def rmsnorm(x: torch.Tensor, parts: torch.Tensor | None, w: torch.Tensor, out: t
     rows, n = x.shape
     part_arg, npart = _parts(parts, x)
     _rmsnorm_kernel[(rows,)](x, part_arg, w, out, rows, n, eps, NPART=npart, BLOCK=triton.next_power_of_2(n),
-                             num_warps=4)
+                             **launch_options(x, 1))
