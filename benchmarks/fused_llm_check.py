@@ -176,7 +176,8 @@ def main() -> int:
         if s["backend"] == "fused":
             print(f"fused rows {s['rows']} pdl {s['pdl']:d}:", s["by_kernel"])
     for c in results["correctness"]:
-        print(f"{c['tiles'][-25:]} rows {c['rows']}: fp32 max err {c['fp32']['max']:.2e}; bf16 max err fused {c['bf16_fused']['max']:.2e}"
+        print(f"{c['tiles'][-25:]} rows {c['rows']}: fp32 max err {c['fp32']['max']:.2e}; "
+              f"bf16 max err fused {c['bf16_fused']['max']:.2e}"
               f" eager {c['bf16_eager']['max']:.2e}")
     for b in results["backends"]:
         print(f"backend {b['backend']} {b['dtype']} {b['tiles'][-25:]}: {b['ms_per_token_rows1']} ms/token at 1 "
