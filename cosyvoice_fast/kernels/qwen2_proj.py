@@ -54,7 +54,7 @@ class Tiles:
     down: int = 16
     attn_keys: int = 32
     down_split: int = 4  # K splits of the down projection (partial sums, see the module docstring)
-    pdl: bool = False  # programmatic dependent launch: a kernel launches while the previous one drains
+    pdl: bool = True  # programmatic dependent launch: a kernel launches while the previous one drains (CUDA only)
     k_bytes: int = 256  # bytes of one weight row per K tile (128 bf16 elements: ~54 KB of smem per gate/up program)
 
     def __post_init__(self) -> None:
