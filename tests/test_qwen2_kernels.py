@@ -117,7 +117,7 @@ def test_split_attention_merges_to_softmax_attention(splits):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("split", [0, 1, 3])  # 0: add into the residual
 def test_projection_adds_the_residual_or_writes_k_split_partials(split):
     rows, k_dim, n = 5, 80, 48  # K not a multiple of the K tile or of the split
     a = torch.randn(rows, k_dim, device=DEV)
@@ -125,7 +125,7 @@ def test_projection_adds_the_residual_or_writes_k_split_partials(split):
     resid = torch.randn(rows, n, device=DEV)
     parts_in = torch.randn(2, rows, n, device=DEV)
     ref = resid + parts_in[0] + parts_in[1] + a @ w.t()
-    if split == 1:
+    if split == 0:
         proj_k.proj_residual(a, w, resid, parts_in=parts_in)
         assert _err(resid, ref) <= TOL
     else:

@@ -1,13 +1,13 @@
 """The ``fused`` LLM backend: the ``cudagraph`` runner with each decode step's decoder math on Triton kernels.
 
-A ``cudagraph`` decode step is ~16 kernels per layer (~385 per token at 24 layers) and GPU-bound by their count,
-not by the 0.7 GB of bf16 weights it reads.  The fused step (:mod:`..kernels.qwen2_decode`) is 5 kernels per
-layer.  Everything else (slots, prefill graphs, KV buckets, batched rounds, sampling draw for draw) is the
-``cudagraph`` runner's: it is handed the speech LM with its decoder wrapped in a
-:class:`~..kernels.qwen2_decode.FusedDecoder`, which takes the one-token-per-row calls the runner makes inside its
-decode graphs and passes prefill calls through to the model.  The runner's warm-up pass runs every captured
-shape once before capture, which is when Triton compiles (a handful of variants: rows 1..16 share one row block,
-each row count picks its attention split count).
+The ``cudagraph`` decoder launches ~19 kernels per layer (469 per step at 24 layers) and is GPU-bound by their
+count, not by the 0.7 GB of bf16 weights it reads.  The fused step (:mod:`..kernels.qwen2_decode`) is 5 kernels
+per layer (123 per step), chained with programmatic dependent launch.  Everything else (slots, prefill graphs,
+KV buckets, batched rounds, sampling draw for draw) is the ``cudagraph`` runner's: it is handed the speech LM with
+its decoder wrapped in a :class:`~..kernels.qwen2_decode.FusedDecoder`, which takes the one-token-per-row calls the
+runner makes inside its decode graphs and passes prefill calls through to the model.  The runner's warm-up pass
+runs every captured shape once before capture, which is when Triton compiles (a handful of variants: rows 1..16
+share one row block, each row count picks its attention split count).
 """
 
 from __future__ import annotations

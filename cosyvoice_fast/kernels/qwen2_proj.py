@@ -202,11 +202,11 @@ def _gate_up_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, B, K: tl.constexpr, N, eps,
 
 @triton.jit
 def _proj_residual_kernel(a_ptr, w_ptr, r_ptr, part_in_ptr, part_out_ptr, B, K, N,
-                          NPART_IN: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                          NPART_IN: tl.constexpr, SPLIT_K: tl.constexpr, TO_PARTS: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
-    """``a @ W[n, :]^T`` for columns ``n`` over K split ``program_id(2)``.  One split: the residual becomes
-    ``r + sum(part_in) + a W^T`` (each program owns its columns, so nothing races).  Several: split ``s`` writes
-    its partial sum to ``part_out[s]`` and the residual is left to the readers."""
+    """``a @ W[n, :]^T`` for columns ``n`` over K split ``program_id(2)``.  ``TO_PARTS``: split ``s`` writes its
+    partial sum to ``part_out[s]`` and the residual is left to the readers.  Otherwise (one split) the residual
+    becomes ``r + sum(part_in) + a W^T`` (each program owns its columns, so nothing races)."""
     pdl_start(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -221,7 +221,7 @@ def _proj_residual_kernel(a_ptr, w_ptr, r_ptr, part_in_ptr, part_out_ptr, B, K, 
         a = tl.load(a_ptr + rows[:, None] * K + k[None, :], mask=rmask[:, None] & (k[None, :] < k_end), other=0.0)
         acc = tl.dot(a, _w_tile(w_ptr, cols, cmask, k, K, k_end), acc, input_precision=PREC)
     m2 = rmask[:, None] & cmask[None, :]
-    if SPLIT_K == 1:
+    if not TO_PARTS:
         ptrs = r_ptr + rows[:, None] * N + cols[None, :]
         r = _resid_tile(r_ptr, part_in_ptr, rows, rmask, cols, N, B, NPART_IN)
         tl.store(ptrs, r + acc, mask=m2)
@@ -320,8 +320,8 @@ def proj_residual(a: torch.Tensor, w: torch.Tensor, resid: torch.Tensor, parts_i
     split = 1 if parts_out is None else parts_out.shape[0]
     grid = (triton.cdiv(n, block_n), triton.cdiv(rows, bm), split)
     _proj_residual_kernel[grid](a, w, resid, part_arg, resid if parts_out is None else parts_out, rows, k_dim, n,
-                                NPART_IN=npart, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=block_n,
-                                BLOCK_K=_k_block(k_dim, w.dtype), PREC=dot_precision(w.dtype),
+                                NPART_IN=npart, SPLIT_K=split, TO_PARTS=parts_out is not None, BLOCK_M=bm,
+                                BLOCK_N=block_n, BLOCK_K=_k_block(k_dim, w.dtype), PREC=dot_precision(w.dtype),
                                 **launch_options(a, 3))
 
 
