@@ -381,7 +381,7 @@ def default_dtype(device: torch.device | str) -> str:
 
 
 #: every backend name each stage accepts (whether it can run on this machine is ``backends.base``'s business)
-BACKEND_CHOICES: dict[str, tuple[str, ...]] = {"llm": ("eager", "cudagraph", "trtllm"),
+BACKEND_CHOICES: dict[str, tuple[str, ...]] = {"llm": ("eager", "cudagraph", "fused", "trtllm"),
                                                "flow": ("eager", "incremental", "cudagraph", "tensorrt"),
                                                "vocoder": ("eager", "cudagraph")}
 

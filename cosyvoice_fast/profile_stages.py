@@ -1,9 +1,12 @@
 """GPU profile behind BENCHMARKS.md: where a decode step and a flow chunk spend their time.
 
     python -m cosyvoice_fast.profile_stages [--synthetic full] [--dtype bf16] [--tokens 1075]
+        [--llm-backends cudagraph,fused] [--skip-flow]
 
-(1) times the ``cudagraph`` LLM alone (prefill + first token, then ms per decode step), (2) profiles 20 decode
-steps with ``torch.profiler`` (GPU time per token and the top kernels), (3) times every flow chunk of one long
+For each LLM backend (``cudagraph`` and ``fused`` side by side): (1) times it alone (prefill + first token, then
+ms per decode step), (2) profiles 20 decode steps with ``torch.profiler`` (kernels per step, GPU time per token,
+the top kernels); then (2b) the decoder math of one step as each backend's graph runs it, at 1 and 16 rows,
+against the H100's memory bandwidth (:mod:`.profile_llm`); (3) times every flow chunk of one long
 streamed utterance (prompt 75 tokens, default schedule) for the eager and cudagraph flows, each recomputing and
 incremental, second pass reported (the first one captures graphs).  Needs a CUDA GPU.
 """
@@ -11,18 +14,58 @@ incremental, second pass reported (the first one captures graphs).  Needs a CUDA
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 
 import torch
 
+from .profile_llm import H100_GBS, step_profile
 
-def main(argv: list[str] | None = None) -> int:
+
+def profile_llm_backend(llm: object, name: str, inp: object) -> None:
+    """Prefill + first token and ms per decode step of one LLM stage alone, then 20 profiled decode steps:
+    kernels per step, GPU time per token and the top kernels."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from .backends.base import iter_alone
+
+    def generate(n: int) -> tuple[float, float, int]:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        it = iter_alone(llm, inp, inp.text_segments[0], g, n, True)  # type: ignore[arg-type]
+        t = time.perf_counter()
+        next(it)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        k = 1 + sum(1 for _ in it)
+        return (t1 - t) * 1e3, (time.perf_counter() - t1) * 1e3 / (k - 1), k
+
+    for _ in range(2):
+        generate(50)
+    first, per_token, k = generate(200)
+    print(f"{name} LLM alone: prefill + first token {first:.1f} ms, decode {per_token:.3f} ms/token over {k} tokens",
+          flush=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    it = iter_alone(llm, inp, inp.text_segments[0], g, 60, True)  # type: ignore[arg-type]
+    for _ in range(11):
+        next(it)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            next(it)
+        torch.cuda.synchronize()
+    it.close()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset"))]
+    gpu_us = sum(e.self_device_time_total for e in prof.key_averages())
+    print(f"{name}: 20 decode steps: {len(kernels) / 20:.0f} kernels per step, {gpu_us / 1e3:.1f} ms of GPU time = "
+          f"{gpu_us / 20e3:.3f} ms per token")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=10))
+
+
+def main(argv: list[str] | None = None) -> int:
     from .bench import synthetic_inputs
     from .cli_args import add_cli_args, from_cli_args
-    from .config import BackendConfig, StreamParams
+    from .config import TORCH_DTYPES, BackendConfig, StreamParams
     from .runtime.state import SegmentState
     from .schedule import plan
     from .service import load_service
@@ -31,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     add_cli_args(ap, parts=("model", "device"), synthetic_default="full")
     ap.add_argument("--prompt-tokens", type=int, default=75)
     ap.add_argument("--tokens", type=int, default=1075, help="generated tokens of the long utterance")
+    ap.add_argument("--llm-backends", default="cudagraph,fused", help="LLM backends profiled side by side")
+    ap.add_argument("--skip-flow", action="store_true", help="stop after the LLM profiles")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_stages needs a CUDA GPU")
@@ -40,38 +85,21 @@ def main(argv: list[str] | None = None) -> int:
     a.dtype = run.dtype
     svc = load_service(**run.service_kwargs(), speaker_cache_dir=None, progress=False)
     try:
-        inp = synthetic_inputs(svc.models.config, a.prompt_tokens, 30, 0).to("cuda", getattr(torch, {
-            "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[a.dtype]))
-        llm = svc.engine.stages(BackendConfig(llm="cudagraph", dtype=a.dtype)).llm
-
-        def generate(n: int) -> tuple[float, float, int]:
-            g = torch.Generator(device="cuda").manual_seed(0)
-            it = iter_alone(llm, inp, inp.text_segments[0], g, n, True)
-            t = time.perf_counter()
-            next(it)
-            torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            k = 1 + sum(1 for _ in it)
-            return (t1 - t) * 1e3, (time.perf_counter() - t1) * 1e3 / (k - 1), k
-
-        for _ in range(2):
-            generate(50)
-        first, per_token, k = generate(200)
-        print(f"cudagraph LLM alone: prefill + first token {first:.1f} ms, decode {per_token:.3f} ms/token "
-              f"over {k} tokens", flush=True)
-        g = torch.Generator(device="cuda").manual_seed(0)
-        it = iter_alone(llm, inp, inp.text_segments[0], g, 60, True)
-        for _ in range(11):
-            next(it)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(20):
-                next(it)
-            torch.cuda.synchronize()
-        it.close()
-        gpu_us = sum(e.self_device_time_total for e in prof.key_averages())
-        print(f"20 decode steps: {gpu_us / 1e3:.1f} ms of GPU time = {gpu_us / 20e3:.2f} ms per token")
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=10))
-
+        dtype = TORCH_DTYPES[a.dtype]
+        inp = synthetic_inputs(svc.models.config, a.prompt_tokens, 30, 0).to("cuda", dtype)
+        for name in a.llm_backends.split(","):
+            profile_llm_backend(svc.engine.stages(BackendConfig(llm=name, dtype=a.dtype)).llm, name, inp)
+        # the decoder math alone, as each backend's decode graph runs it, against the bandwidth floor
+        lm = svc.models.llm if svc.models.dtype == dtype else copy.deepcopy(svc.models.llm).to(dtype)
+        print("decode-step math as CUDA graphs (context 300, KV bucket 512):")
+        for rows in (1, 16):
+            for name in a.llm_backends.split(","):
+                p = step_profile(lm, name, rows, 300, 1024, 512)
+                print(f"  {name:9s} rows {rows:2d}: {p.kernels} kernels, {p.graph_ms:.3f} ms/step "
+                      f"(kernels alone {p.kernel_ms:.3f}), {p.gbs:.0f} GB/s = {100 * p.peak_fraction:.0f}% of "
+                      f"{H100_GBS / 1e3:.2f} TB/s", flush=True)
+        if a.skip_flow:
+            return 0
         calls = plan(a.prompt_tokens, a.tokens, StreamParams())
         tokens = torch.randint(0, min(svc.models.config.flow.vocab_size, 4000), (1, a.tokens), dtype=torch.int32)
         for name, cfg in (("eager", BackendConfig(incremental=False, dtype=a.dtype)),

@@ -1,4 +1,5 @@
-"""Stage backends: eager (the reference), cudagraph, tensorrt (flow estimator), trtllm (speech LM).
+"""Stage backends: eager (the reference), cudagraph, fused (Triton kernels inside
+the graphs), tensorrt (flow estimator), trtllm (speech LM).
 
 Stage implementations are built once per (stage, backend, dtype) and shared by every stage set that names them:
 switching only the vocoder (the app's A/B tab) reuses the LLM and flow already built, instead of a second LLM
@@ -48,6 +49,11 @@ def _build_llm(models: Any, name: str, llm: torch.nn.Module, dtype: torch.dtype,
 
         slots = resolve_llm_slots(engine, models.config.llm.qwen, dtype, models.device)
         return CudaGraphLLM(llm, models.config, slots=slots, max_len=engine.max_context)
+    if name == "fused":
+        from .fused_llm import FusedLLM
+
+        slots = resolve_llm_slots(engine, models.config.llm.qwen, dtype, models.device)
+        return FusedLLM(llm, models.config, slots=slots, max_len=engine.max_context)
     from .trtllm import TrtLlmLLM
 
     return TrtLlmLLM(llm, models.config)

@@ -157,6 +157,9 @@ class BackendInfo:
     reason: str = ""
 
 
+TRITON_MISSING = "package triton is not installed (pip install triton; CUDA builds of torch ship with it)"
+
+
 class BackendUnavailable(RuntimeError):
     """A backend was asked for that cannot run here; the message says why and what to choose instead."""
 
@@ -175,6 +178,8 @@ def available_backends(device: torch.device | str, engines_dir: str | Path = "en
     out.append(BackendInfo("flow", "incremental", True))  # eager math, any device
     for s in ("llm", "flow", "vocoder"):
         out.append(BackendInfo(s, "cudagraph", cuda, "" if cuda else no_cuda))
+    fused_off = no_cuda if not cuda else ("" if _has("triton") else TRITON_MISSING)
+    out += [BackendInfo(s, "fused", not fused_off, fused_off) for s in ("llm",)]
     if not cuda:
         out.append(BackendInfo("flow", "tensorrt", False, no_cuda))
     elif not _has("tensorrt"):

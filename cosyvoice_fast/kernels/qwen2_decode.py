@@ -1,0 +1,132 @@
+"""One Qwen2 decode step (one token per row, static KV cache) as 5 Triton kernels per layer + 3 per step.
+
+Per layer: (1) RMSNorm + q/k/v + bias + RoPE + KV-cache write, (2) decode attention split over keys with the
+split merge in the same kernel, (3) o-projection + residual, (4) RMSNorm + gate/up + SiLU*mul, (5) the
+down projection as K-split partial sums that the next layer's (1) and (3) (or the final norm) add to the
+residual.  Per step: the copy of the input embeddings into the fp32 residual stream, the zeroing of the
+attention's merge counters, and the final RMSNorm.
+
+:class:`FusedDecoder` is a drop-in for :class:`~cosyvoice_fast.models.qwen2.Qwen2Decoder` *as a CUDA-graph
+runner calls it*: ``decoder(inputs_embeds, pos, cache, kv_len=...)``.  One-token calls with a cache take the
+fused path; everything else (prefill, cache-less passes) goes to the wrapped decoder unchanged.  The cache is
+the model's own :class:`~cosyvoice_fast.models.qwen2.KVCache` (per layer (B, Hkv, max_len, D) buffers, rows may
+be views of a larger pool), written at the row's position as the eager path writes it.  Nothing here reads a
+tensor on the host, so the step can be captured in a CUDA graph; scratch tensors come from the caching
+allocator (or the graph's pool while capturing), like any PyTorch op's outputs.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from ..models.qwen2 import KVCache, Qwen2Decoder
+from . import qwen2_attention as attn_k
+from . import qwen2_proj as proj_k
+
+
+def kernels_per_step(n_layers: int) -> int:
+    """Kernel launches of one fused decode step: 5 per layer, the embedding copy, the counter memset and the
+    final norm."""
+    return 5 * n_layers + 3
+
+
+def can_run_on(device: torch.device) -> bool:
+    """Triton runs CUDA tensors; CPU tensors only through its interpreter (``TRITON_INTERPRET=1``)."""
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _positions(pos: torch.Tensor, rows: int) -> torch.Tensor:
+    """Per-row positions (rows,) int64 from ``pos`` (rows, 1) per row, or (1,) shared by every row."""
+    if pos.dim() == 2:
+        if pos.shape != (rows, 1):
+            raise ValueError(f"per-row positions {tuple(pos.shape)} for {rows} rows; expected ({rows}, 1)")
+        return pos.reshape(rows).contiguous()
+    if pos.shape != (1,):
+        raise ValueError(f"a decode step writes one position per row; got positions of shape {tuple(pos.shape)}")
+    return pos if rows == 1 else pos.expand(rows).contiguous()
+
+
+def decode_step(decoder: Qwen2Decoder, inputs_embeds: torch.Tensor, pos: torch.Tensor, cache: KVCache,
+                kv_len: int | None = None, splits: int | None = None) -> torch.Tensor:
+    """``decoder(inputs_embeds, pos, cache, kv_len)`` for one token per row, on the fused kernels.
+
+    ``inputs_embeds`` (B, 1, H) in the model dtype; ``pos`` (B, 1) or (1,); the cache's batch must be B.  Returns
+    the final-norm hidden states (B, 1, H) in the model dtype; keys/values land in the cache at ``pos``.
+    ``splits``: key splits of the attention (a power of two; default from the row count, see
+    :func:`~.qwen2_attention.attention_splits`).
+    """
+    cfg = decoder.cfg
+    rows, t, hidden = inputs_embeds.shape
+    if t != 1:
+        raise ValueError(f"the fused decode step takes one token per row, got {t}")
+    if not can_run_on(inputs_embeds.device):
+        raise RuntimeError("the fused Qwen2 kernels need CUDA tensors (on CPU, set TRITON_INTERPRET=1 to run them "
+                           "through Triton's interpreter, as the tests do)")
+    if cache.batch != rows:
+        raise ValueError(f"a cache of {cache.batch} rows for a step of {rows} rows")
+    dtype = inputs_embeds.dtype
+    if cache.dtype != dtype:
+        raise ValueError(f"cache dtype {cache.dtype} differs from the model's {dtype}")
+    decoder.fuse_projections()  # idempotent: re-links q/k/v and gate/up after a .to() gave them new storage
+    n_heads, n_kv, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    kv_len = cache.max_len if kv_len is None else min(int(kv_len), cache.max_len)
+    positions = _positions(pos, rows)
+    dev = inputs_embeds.device
+    resid = torch.empty(rows, hidden, dtype=torch.float32, device=dev)
+    resid.copy_(inputs_embeds.reshape(rows, hidden))
+    q = torch.empty(rows, n_heads, head_dim, dtype=dtype, device=dev)
+    attn = torch.empty(rows, n_heads, head_dim, dtype=dtype, device=dev)
+    splits = attn_k.attention_splits(rows, n_kv) if splits is None else int(splits)
+    if splits < 1 or splits & (splits - 1):
+        raise ValueError(f"attention splits must be a power of two >= 1, got {splits}")
+    o_part = torch.empty(rows, n_heads, splits, head_dim, dtype=torch.float32, device=dev)
+    m_part = torch.empty(rows, n_heads, splits, dtype=torch.float32, device=dev)
+    l_part = torch.empty(rows, n_heads, splits, dtype=torch.float32, device=dev)
+    counters = torch.zeros(rows, n_kv, dtype=torch.int32, device=dev)
+    h = torch.empty(rows, cfg.intermediate_size, dtype=dtype, device=dev)
+    parts = torch.empty(proj_k.TILES.down_split, rows, hidden, dtype=torch.float32, device=dev)
+    prev: torch.Tensor | None = None  # the previous layer's down-projection partials, not yet in ``resid``
+    inv_freq = decoder.rotary.inv_freq
+    for i, layer in enumerate(decoder.layers):
+        a, mlp = layer.self_attn, layer.mlp
+        kc, vc = cache.k[i], cache.v[i]
+        proj_k.qkv_rope(resid, prev, layer.input_layernorm.weight, _contig(a.qkv_weight), _contig(a.qkv_bias),
+                        inv_freq, positions, q, kc, vc, layer.input_layernorm.eps, n_heads, n_kv, head_dim)
+        attn_k.decode_attention(q, kc, vc, positions, kv_len, attn, o_part, m_part, l_part, counters)
+        proj_k.proj_residual(attn.view(rows, n_heads * head_dim), _contig(a.o_proj.weight), resid, parts_in=prev,
+                             block_n=proj_k.TILES.oproj)
+        proj_k.gate_up(resid, layer.post_attention_layernorm.weight, _contig(mlp.gate_up_weight), h,
+                       layer.post_attention_layernorm.eps)
+        proj_k.proj_residual(h, _contig(mlp.down_proj.weight), resid, parts_out=parts, block_n=proj_k.TILES.down)
+        prev = parts
+    out = torch.empty(rows, hidden, dtype=dtype, device=dev)
+    proj_k.rmsnorm(resid, prev, decoder.norm.weight, out, decoder.norm.eps)
+    return out.view(rows, 1, hidden)
+
+
+def _contig(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError(f"the fused kernels need contiguous weights, got strides {t.stride()} for {tuple(t.shape)}")
+    return t
+
+
+class FusedDecoder:
+    """Wraps a :class:`Qwen2Decoder`: one-token steps over a cache run :func:`decode_step`, the rest runs the
+    decoder itself; every other attribute is the decoder's (``fuse_projections``, ``layers``, ``cfg`` ...)."""
+
+    def __init__(self, decoder: Qwen2Decoder, splits: int | None = None):
+        self.decoder = decoder
+        self.splits = splits
+        decoder.fuse_projections()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["decoder"], name)
+
+    def __call__(self, inputs_embeds: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None,
+                 kv_len: int | None = None) -> torch.Tensor:
+        if cache is None or inputs_embeds.shape[1] != 1:
+            return self.decoder(inputs_embeds, pos, cache, kv_len)
+        return decode_step(self.decoder, inputs_embeds, pos, cache, kv_len, self.splits)

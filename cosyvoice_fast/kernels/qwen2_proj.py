@@ -1,0 +1,333 @@
+"""Weight-streaming projections of a Qwen2 decode step: q/k/v (+ RMSNorm, RoPE, KV write), gate/up (+ RMSNorm,
+SiLU*mul), o and down (+ residual), and the final RMSNorm.
+
+Why these shapes: at decode a row is one token, so every projection reads its whole weight once per step and
+does ~1 FLOP per weight byte: the kernels are weight-bandwidth kernels.  Each program owns a slice of output
+columns and *all* rows of the step (``BLOCK_M`` = 16..64 rows padded, one ``tl.dot`` per K tile), so a weight
+byte crosses the memory bus once however many rows step together (1..64); more than 64 rows add row blocks.
+Everything that would otherwise be its own kernel rides in the prologue or epilogue of one of these:
+
+- RMSNorm: each program recomputes its rows' ``rsqrt(mean(x^2) + eps)`` from the fp32 residual (a hidden row is
+  a few KiB; recomputing beats a launch), then normalises each K tile as it is loaded;
+- RoPE and the KV-cache write: a q/k/v program owns column pairs ``(d, d + D/2)`` of one head, exactly the pairs
+  the half-split rotation mixes, so it rotates in registers and stores q to a scratch buffer, k/v straight into
+  the cache row at the row's own position;
+- SiLU*mul: a gate/up program owns the same columns of gate and up;
+- residuals: the residual stream stays fp32 in one (rows, H) buffer.  The o-projection adds into it.  The down
+  projection (the largest matrix, but only H = 896 output columns) is split over K as well, so one row's weight
+  stream has enough programs in flight; its ``S`` fp32 partial sums go to a (S, rows, H) buffer that the next
+  readers add in a fixed order (the next layer's q/k/v norm and o-projection, or the final norm): deterministic,
+  no atomics, no extra kernel.
+
+K tiles are ``Tiles.k_bytes`` of each weight row (128 bf16 / 64 fp32 elements), pipelined with cp.async: a
+few stages in flight per program, ~2 programs per SM for the big matrices, and small enough shared memory that
+the 152 gate/up programs fit on an H100's 132 SMs in one wave.  The norm pre-pass is unrolled (the hidden size is
+a compile-time constant) so all of a row's loads issue at once.
+
+Accumulation is fp32 everywhere; fp32 weights use IEEE products (no TF32) so fp32 runs match eager to ~1e-6.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # programmatic dependent launch (Hopper+): not in every Triton build, and never in the interpreter
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - depends on the Triton build
+    gdc_launch_dependents = gdc_wait = None
+
+MAX_ROW_BLOCK = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Tiles:
+    """Output columns per program of each projection (and keys per attention tile).  Narrow tiles give one
+    row's weight stream many programs (~1 per SM or more for the big matrices); ``tl.dot`` needs >= 16."""
+
+    qkv: int = 16  # per half-head: a program owns 2 x qkv columns of one head (capped at head_dim / 2)
+    oproj: int = 16
+    gate_up: int = 32  # of gate and of up each
+    down: int = 16
+    attn_keys: int = 32
+    down_split: int = 4  # K splits of the down projection (partial sums, see the module docstring)
+    pdl: bool = True  # programmatic dependent launch: a kernel launches while the previous one drains (CUDA only)
+    k_bytes: int = 256  # bytes of one weight row per K tile (128 bf16 elements: ~54 KB of smem per gate/up program)
+
+    def __post_init__(self) -> None:
+        for name in ("qkv", "oproj", "gate_up", "down", "attn_keys", "k_bytes"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"Tiles.{name} must be a power of two >= 16, got {v}")
+        if not 1 <= self.down_split <= 16:
+            raise ValueError(f"Tiles.down_split must be 1..16, got {self.down_split}")
+        if not isinstance(self.pdl, bool):
+            raise ValueError(f"Tiles.pdl must be True or False, got {self.pdl!r}")
+
+
+TILES = Tiles()  # what the launchers use (read at each launch, so a benchmark can swap it)
+
+
+# ------------------------------------------------------------------------------------------ shared pieces
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """With programmatic dependent launch: wait until the previous kernel's writes are visible (nothing is read
+    before this), then let the next kernel launch and park at its own wait while this one runs."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def _resid_tile(x_ptr, part_ptr, rows, rmask, k, K, B, NPART: tl.constexpr):
+    """fp32 residual tile ``x[rows, k] + sum_s part[s, rows, k]`` (the previous down projection's K splits, added
+    in split order; ``NPART`` = 0 when there are none)."""
+    m2 = rmask[:, None] & (k[None, :] < K)
+    off = rows[:, None] * K + k[None, :]
+    x = tl.load(x_ptr + off, mask=m2, other=0.0).to(tl.float32)
+    for s in tl.static_range(NPART):
+        x += tl.load(part_ptr + s * B * K + off, mask=m2, other=0.0)
+    return x
+
+
+@triton.jit
+def _row_rstd(x_ptr, part_ptr, rows, rmask, K, B, eps, NPART: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """``1 / sqrt(mean(x^2) + eps)`` of residual rows ``rows`` (see :func:`_resid_tile`)."""
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):  # unrolled (K is a constexpr): all row loads issue at once
+        x = _resid_tile(x_ptr, part_ptr, rows, rmask, k0 + tl.arange(0, BLOCK_K), K, B, NPART)
+        ss += tl.sum(x * x, axis=1)
+    return 1.0 / tl.sqrt(ss / K + eps)
+
+
+@triton.jit
+def _normed_tile(x_ptr, part_ptr, rows, rmask, k, K, B, rstd, nw_ptr, NPART: tl.constexpr):
+    """A (BLOCK_M, BLOCK_K) tile of ``RMSNorm(x)`` in the norm weight's dtype: normalise in fp32, round, then
+    scale (the reference order)."""
+    x = _resid_tile(x_ptr, part_ptr, rows, rmask, k, K, B, NPART)
+    nw = tl.load(nw_ptr + k, mask=k < K, other=0.0)
+    return (x * rstd[:, None]).to(nw.dtype) * nw[None, :]
+
+
+@triton.jit
+def _w_tile(w_ptr, cols, cmask, k, K, k_end):
+    """Weight rows ``cols`` of a (N, K) row-major matrix, K tile ``k`` (< ``k_end``), as a (BLOCK_K, BLOCK_N)
+    operand."""
+    return tl.load(w_ptr + cols[None, :] * K + k[:, None], mask=cmask[None, :] & (k[:, None] < k_end), other=0.0)
+
+
+# ------------------------------------------------------------------------------------------ kernels
+
+
+@triton.jit
+def _qkv_rope_kernel(x_ptr, part_ptr, nw_ptr, w_ptr, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
+                     B, K: tl.constexpr, eps, stride_cb, stride_ch, stride_cp,
+                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NPART: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+                     PDL: tl.constexpr):
+    """Program (column block, row block): columns ``d`` and ``d + D/2`` of one q, k or v head."""
+    pdl_start(PDL)
+    HALF: tl.constexpr = D // 2
+    NB: tl.constexpr = (HALF + BLOCK_N - 1) // BLOCK_N
+    pid = tl.program_id(0)
+    head = pid // NB
+    d = (pid % NB) * BLOCK_N + tl.arange(0, BLOCK_N)
+    dmask = d < HALF  # all true unless head_dim / 2 < 16 (test-sized models): tl.dot needs 16 columns
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < B
+    rstd = _row_rstd(x_ptr, part_ptr, rows, rmask, K, B, eps, NPART, BLOCK_M, BLOCK_K)
+    col1 = head * D + d
+    col2 = col1 + HALF
+    acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        xn = _normed_tile(x_ptr, part_ptr, rows, rmask, k, K, B, rstd, nw_ptr, NPART)
+        acc1 = tl.dot(xn, _w_tile(w_ptr, col1, dmask, k, K, K), acc1, input_precision=PREC)
+        acc2 = tl.dot(xn, _w_tile(w_ptr, col2, dmask, k, K, K), acc2, input_precision=PREC)
+    acc1 += tl.load(b_ptr + col1, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    acc2 += tl.load(b_ptr + col2, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    pos = tl.load(pos_ptr + rows, mask=rmask, other=0)
+    # q and k heads rotate (half-split pairing: out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin); v heads do not
+    rot = head < HQ + HKV
+    ang = pos.to(tl.float32)[:, None] * tl.load(freq_ptr + d, mask=dmask, other=0.0)[None, :]
+    c = tl.where(rot, tl.cos(ang), 1.0)
+    s = tl.where(rot, tl.sin(ang), 0.0)
+    o1 = acc1 * c - acc2 * s
+    o2 = acc2 * c + acc1 * s
+    m2 = rmask[:, None] & dmask[None, :]
+    if head < HQ:
+        base = q_ptr + rows[:, None] * (HQ * D) + head * D + d[None, :]
+        tl.store(base, o1.to(q_ptr.dtype.element_ty), mask=m2)
+        tl.store(base + HALF, o2.to(q_ptr.dtype.element_ty), mask=m2)
+    else:
+        kvh = head - HQ
+        c_ptr = kc_ptr
+        if head >= HQ + HKV:
+            kvh = head - HQ - HKV
+            c_ptr = vc_ptr
+        off = rows[:, None] * stride_cb + kvh * stride_ch + pos[:, None] * stride_cp + d[None, :]
+        tl.store(c_ptr + off, o1.to(kc_ptr.dtype.element_ty), mask=m2)
+        tl.store(c_ptr + off + HALF, o2.to(kc_ptr.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, B, K: tl.constexpr, N, eps,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+                    PDL: tl.constexpr):
+    """``h = silu(gate(norm(x))) * up(norm(x))`` for columns ``n`` (gate rows n, up rows N + n of the fused weight)."""
+    pdl_start(PDL)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < B
+    rstd = _row_rstd(x_ptr, x_ptr, rows, rmask, K, B, eps, 0, BLOCK_M, BLOCK_K)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        xn = _normed_tile(x_ptr, x_ptr, rows, rmask, k, K, B, rstd, nw_ptr, 0)
+        acc_g = tl.dot(xn, _w_tile(w_ptr, cols, cmask, k, K, K), acc_g, input_precision=PREC)
+        acc_u = tl.dot(xn, _w_tile(w_ptr, cols + N, cmask, k, K, K), acc_u, input_precision=PREC)
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    tl.store(h_ptr + rows[:, None] * N + cols[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _proj_residual_kernel(a_ptr, w_ptr, r_ptr, part_in_ptr, part_out_ptr, B, K, N,
+                          NPART_IN: tl.constexpr, SPLIT_K: tl.constexpr, TO_PARTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+    """``a @ W[n, :]^T`` for columns ``n`` over K split ``program_id(2)``.  ``TO_PARTS``: split ``s`` writes its
+    partial sum to ``part_out[s]`` and the residual is left to the readers.  Otherwise (one split) the residual
+    becomes ``r + sum(part_in) + a W^T`` (each program owns its columns, so nothing races)."""
+    pdl_start(PDL)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < B
+    sid = tl.program_id(2)
+    chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_end = tl.minimum(sid * chunk + chunk, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(sid * chunk, k_end, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + rows[:, None] * K + k[None, :], mask=rmask[:, None] & (k[None, :] < k_end), other=0.0)
+        acc = tl.dot(a, _w_tile(w_ptr, cols, cmask, k, K, k_end), acc, input_precision=PREC)
+    m2 = rmask[:, None] & cmask[None, :]
+    if not TO_PARTS:
+        ptrs = r_ptr + rows[:, None] * N + cols[None, :]
+        r = _resid_tile(r_ptr, part_in_ptr, rows, rmask, cols, N, B, NPART_IN)
+        tl.store(ptrs, r + acc, mask=m2)
+    else:
+        tl.store(part_out_ptr + sid * B * N + rows[:, None] * N + cols[None, :], acc, mask=m2)
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, part_ptr, w_ptr, out_ptr, B, N, eps, NPART: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr):
+    """One row per program: ``w * (x * rsqrt(mean(x^2) + eps))`` rounded to ``out``'s dtype (x: the residual
+    plus the last down projection's partial sums)."""
+    pdl_start(PDL)
+    row = tl.program_id(0)
+    k = tl.arange(0, BLOCK)
+    kmask = k < N
+    x = tl.load(x_ptr + row * N + k, mask=kmask, other=0.0).to(tl.float32)
+    for s in tl.static_range(NPART):
+        x += tl.load(part_ptr + s * B * N + row * N + k, mask=kmask, other=0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+    w = tl.load(w_ptr + k, mask=kmask, other=0.0)
+    tl.store(out_ptr + row * N + k, ((x * rstd).to(w.dtype) * w).to(out_ptr.dtype.element_ty), mask=kmask)
+
+
+# ------------------------------------------------------------------------------------------ launchers
+
+
+def row_block(rows: int) -> int:
+    """Rows per program: all of them up to 64 (tl.dot needs >= 16), so weights stream once per step."""
+    return min(MAX_ROW_BLOCK, max(16, triton.next_power_of_2(rows)))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """IEEE fp32 products for fp32 weights (TF32 would cost ~1e-3 of parity); tensor cores otherwise."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def launch_options(t: torch.Tensor, stages: int) -> dict:
+    """Launch keywords shared by the fused kernels: PDL only on CUDA tensors (the interpreter has none)."""
+    pdl = TILES.pdl and t.is_cuda
+    if pdl and gdc_wait is None:
+        raise RuntimeError("Tiles.pdl needs a Triton build with triton.language.extra.cuda.gdc_wait (>= 3.3)")
+    opts: dict = {"PDL": pdl, "num_warps": 4, "num_stages": stages}
+    if pdl:
+        opts["launch_pdl"] = True
+    return opts
+
+
+def _k_block(k: int, dtype: torch.dtype) -> int:
+    elems = TILES.k_bytes // torch.empty((), dtype=dtype).element_size()
+    return max(16, min(elems, triton.next_power_of_2(k)))
+
+
+def _parts(parts: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(pointer argument, count) of the previous down projection's partial sums; ``like`` stands in for none."""
+    return (like, 0) if parts is None else (parts, parts.shape[0])
+
+
+def qkv_rope(x: torch.Tensor, parts: torch.Tensor | None, norm_w: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
+             inv_freq: torch.Tensor, pos: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, eps: float, n_heads: int, n_kv: int, head_dim: int) -> None:
+    """q (B, Hq, D) <- RoPE(norm(x) Wq + bq); cache rows b at ``pos[b]`` <- RoPE(k), v.  ``x``: fp32 (B, K)
+    residual, plus ``parts`` (S, B, K) partial sums when not None."""
+    rows, k_dim = x.shape
+    half = head_dim // 2
+    if half < 1 or half & (half - 1):
+        raise ValueError(f"head_dim {head_dim}: the fused kernels need a power-of-two head_dim >= 2")
+    block_n = max(16, min(TILES.qkv, half))
+    bm = row_block(rows)
+    part_arg, npart = _parts(parts, x)
+    grid = ((n_heads + 2 * n_kv) * triton.cdiv(half, block_n), triton.cdiv(rows, bm))
+    _qkv_rope_kernel[grid](x, part_arg, norm_w, w, b, inv_freq, pos, q_out, k_cache, v_cache, rows, k_dim, eps,
+                           k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                           HQ=n_heads, HKV=n_kv, D=head_dim, NPART=npart, BLOCK_N=block_n, BLOCK_M=bm,
+                           BLOCK_K=_k_block(k_dim, w.dtype), PREC=dot_precision(w.dtype), **launch_options(x, 3))
+
+
+def gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, h_out: torch.Tensor, eps: float) -> None:
+    """h (B, I) <- silu(norm(x) Wg) * (norm(x) Wu) with ``w`` the fused (2I, K) gate/up weight."""
+    rows, k_dim = x.shape
+    n = w.shape[0] // 2
+    bm, bn = row_block(rows), TILES.gate_up
+    grid = (triton.cdiv(n, bn), triton.cdiv(rows, bm))
+    _gate_up_kernel[grid](x, norm_w, w, h_out, rows, k_dim, n, eps, BLOCK_M=bm, BLOCK_N=bn,
+                          BLOCK_K=_k_block(k_dim, w.dtype), PREC=dot_precision(w.dtype), **launch_options(x, 3))
+
+
+def proj_residual(a: torch.Tensor, w: torch.Tensor, resid: torch.Tensor, parts_in: torch.Tensor | None = None,
+                  parts_out: torch.Tensor | None = None, block_n: int = 16) -> None:
+    """``parts_out`` None: resid (B, N) fp32 <- resid + sum(parts_in) + a (B, K) W^T with ``w`` (N, K).
+    Otherwise its S = ``parts_out.shape[0]`` K splits write their partial sums to ``parts_out`` (S, B, N)."""
+    rows, k_dim = a.shape
+    n = w.shape[0]
+    bm = row_block(rows)
+    part_arg, npart = _parts(parts_in, resid)
+    split = 1 if parts_out is None else parts_out.shape[0]
+    grid = (triton.cdiv(n, block_n), triton.cdiv(rows, bm), split)
+    _proj_residual_kernel[grid](a, w, resid, part_arg, resid if parts_out is None else parts_out, rows, k_dim, n,
+                                NPART_IN=npart, SPLIT_K=split, TO_PARTS=parts_out is not None, BLOCK_M=bm,
+                                BLOCK_N=block_n, BLOCK_K=_k_block(k_dim, w.dtype), PREC=dot_precision(w.dtype),
+                                **launch_options(a, 3))
+
+
+def rmsnorm(x: torch.Tensor, parts: torch.Tensor | None, w: torch.Tensor, out: torch.Tensor, eps: float) -> None:
+    """out (B, N) <- RMSNorm(x + sum(parts)) with weight ``w``; ``x`` fp32."""
+    rows, n = x.shape
+    part_arg, npart = _parts(parts, x)
+    _rmsnorm_kernel[(rows,)](x, part_arg, w, out, rows, n, eps, NPART=npart, BLOCK=triton.next_power_of_2(n),
+                             **launch_options(x, 1))

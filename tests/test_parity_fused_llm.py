@@ -1,0 +1,131 @@
+"""The fused decode step on the parity fixture (fp32): upstream's forced log-probs, greedy tokens, and the same
+seeded tokens as the eager LM.
+
+On CPU the Triton kernels run through the interpreter (~1 s per step at the fixture's size), so each test walks
+only the first few steps of the recorded sequences; the GPU tests (tests/test_fused_llm.py) walk hundreds.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from cosyvoice_fast.backends import cudagraph_llm, fused_llm  # noqa: E402
+from cosyvoice_fast.backends.eager import EagerLLM  # noqa: E402
+from cosyvoice_fast.config import ModelConfig  # noqa: E402
+from cosyvoice_fast.request import ModelInputs  # noqa: E402
+from cosyvoice_fast.kernels.qwen2_decode import FusedDecoder  # noqa: E402
+from cosyvoice_fast.models.llm import Qwen2LM  # noqa: E402
+
+TOL = 1e-4
+STEPS = 5  # decode steps per test on the interpreter
+
+
+@pytest.fixture(scope="module")
+def cfg(fixture_dir) -> ModelConfig:
+    return ModelConfig.from_files(fixture_dir / "cosyvoice2.yaml", fixture_dir / "CosyVoice-BlankEN/config.json")
+
+
+@pytest.fixture(scope="module")
+def lm(fixture_dir, cfg) -> Qwen2LM:
+    model = Qwen2LM(cfg.llm)
+    model.load_state_dict(torch.load(fixture_dir / "llm.pt", weights_only=True), strict=True)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def case(load_case) -> dict:
+    return load_case("case_llm")
+
+
+def _steps(lm: Qwen2LM, case: dict, n: int, choose) -> tuple[torch.Tensor, list[int]]:  # noqa: ANN001
+    """Prefill the zero-shot input (eager), then ``n`` fused decode steps feeding ``choose(i, logp)`` back.
+
+    Returns the log-probs after the prefill and after each fed token ((n + 1, V)) and the fed tokens."""
+    fused = FusedDecoder(lm.decoder, splits=1)
+    with torch.inference_mode():
+        x = lm.build_lm_input(case["text"], case["prompt_text"], case["prompt_speech_token"])
+        cache = lm.new_cache(x.shape[1] + n)
+        rows = [lm.prefill(x, cache)[0]]
+        fed = []
+        for i in range(n):
+            pos = x.shape[1] + i
+            fed.append(int(choose(i, rows[-1])))
+            hidden = fused(lm.embed_speech(fed[-1]), torch.tensor([pos]), cache, kv_len=pos + 1)
+            rows.append(lm.log_probs(hidden[:, -1])[0])
+    return torch.stack(rows), fed
+
+
+def test_fused_forced_steps_match_upstream_log_probs(lm, case):
+    forced = case["forced_tokens"].tolist()
+    n = min(STEPS, len(forced))
+    rows, _ = _steps(lm, case, n, lambda i, _: forced[i])
+    assert (rows[1:] - case["forced_logp"][:n]).abs().max().item() <= TOL
+
+
+def test_fused_greedy_tokens_match_upstream(lm, case):
+    greedy = case["greedy_tokens"].tolist()
+    n = min(STEPS, len(greedy) - 1)
+    rows, fed = _steps(lm, case, n, lambda i, logp: logp.argmax())
+    assert fed + [int(rows[-1].argmax())] == greedy[:n + 1]
+
+
+def test_fused_seeded_sampling_equals_eager_generate(lm, case):
+    """The default RAS sampler on the fused log-probs draws the eager generator's tokens (eos ignored)."""
+    seed, n = 7, STEPS
+    eager = list(lm.generate(case["text"], case["prompt_text"], case["prompt_speech_token"],
+                             generator=torch.Generator().manual_seed(seed), max_tokens=n + 1, ignore_eos=True))
+    sampler, gen, stop = lm.default_sampler(), torch.Generator().manual_seed(seed), lm.cfg.speech_token_size
+    history: list[int] = []
+
+    def draw(_: int, logp: torch.Tensor) -> int:
+        logp = logp.clone()
+        logp[stop:] = -float("inf")
+        history.append(int(sampler(logp, history, gen)))
+        return history[-1]
+
+    rows, _ = _steps(lm, case, n, draw)
+    draw(n, rows[-1])
+    assert history == eager and len(eager) == n + 1
+
+
+class _EagerReplay:
+    """Stands in for a captured graph: replaying runs the captured maths (here: the fused kernels) directly."""
+
+    def __init__(self, fn):  # noqa: ANN001
+        self.replay = fn
+
+
+class _CpuFusedLLM(fused_llm.FusedLLM):
+    def _capture_all(self, progress: bool) -> int:
+        jobs = self._graph_jobs()
+        for where, key, math in jobs:
+            where[key] = _EagerReplay(math)
+        return len(jobs)
+
+
+def test_fused_backend_batched_rounds_equal_eager(lm, cfg, case, monkeypatch):
+    """The whole backend (slots, batched rounds of two requests, per-row positions, sampling) over the fused
+    step, with graph replays run directly: both requests draw the eager backend's tokens."""
+    monkeypatch.setattr(fused_llm, "why_unavailable", lambda llm: None)
+    monkeypatch.setattr(cudagraph_llm, "why_unavailable", lambda llm: None)
+    stage = _CpuFusedLLM(lm, cfg, slots=2, max_len=64, kv_buckets=(48,), prefill_buckets=(), progress=False,
+                         splits=1)
+    inputs = ModelInputs(text_segments=[case["text"]], prompt_text=case["prompt_text"],
+                         llm_prompt_speech_token=case["prompt_speech_token"])
+    n = STEPS
+    ref = [list(EagerLLM(lm, cfg).generate(inputs, case["text"], torch.Generator().manual_seed(s), n, True))
+           for s in (1, 2)]
+    its = [stage.generate(inputs, case["text"], torch.Generator().manual_seed(s), n, True) for s in (1, 2)]
+    got = [list(t) for t in zip(*its)]
+    assert [next(it, None) for it in its] == [None, None]  # both ended (and freed their slots)
+    assert [a for a, _ in got] == ref[0] and [b for _, b in got] == ref[1]
+    assert stage.batched_rows == 2 * (n - 1) and stage.batched_steps == n - 1  # every step carried both rows
+    assert stage.slots_in_use == 0

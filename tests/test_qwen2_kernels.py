@@ -1,0 +1,217 @@
+"""The fused Qwen2 decode kernels against the eager PyTorch math, at tiny sizes.
+
+On CPU the kernels run through Triton's interpreter (``TRITON_INTERPRET=1``, set here before they are imported),
+which is slow: shapes are tiny and each test compares one kernel or a couple of steps.  Inputs are fresh random
+numbers; outputs and unread cache positions start as NaN, so a value the kernel failed to write, or a cache
+position it read that it should not have, shows up.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from cosyvoice_fast.config import QwenConfig  # noqa: E402
+from cosyvoice_fast.kernels import qwen2_attention as attn_k  # noqa: E402
+from cosyvoice_fast.kernels import qwen2_proj as proj_k  # noqa: E402
+from cosyvoice_fast.kernels.qwen2_decode import FusedDecoder, decode_step, kernels_per_step  # noqa: E402
+from cosyvoice_fast.models.qwen2 import KVCache, Qwen2Decoder  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = 1e-5
+CFG = QwenConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=96, vocab_size=50)
+
+
+def _decoder(seed: int) -> Qwen2Decoder:
+    """A tiny decoder with every parameter random (norm weights and biases too, so a skipped term shows)."""
+    torch.manual_seed(seed)
+    dec = Qwen2Decoder(CFG).to(DEV).eval().requires_grad_(False)
+    for p in dec.parameters():
+        p.normal_(0.0, 0.3).add_(1.0 if p.dim() == 1 else 0.0)
+    return dec
+
+
+def _nan(*shape: int) -> torch.Tensor:
+    return torch.full(shape, float("nan"), device=DEV)
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max abs difference relative to the reference's scale (fp32 rounding grows with the magnitude)."""
+    return (a.float() - b.float()).abs().max().item() / max(1.0, b.abs().max().item())
+
+
+def _positions(rows: int, max_len: int) -> torch.Tensor:
+    return torch.randperm(max_len, device=DEV)[:rows].sort().values
+
+
+@torch.inference_mode()
+def test_qkv_rope_writes_q_and_the_cache_at_each_rows_position():
+    dec = _decoder(1).fuse_projections()
+    layer, rows, max_len = dec.layers[0], 3, 24
+    a = layer.self_attn
+    resid = torch.randn(rows, CFG.hidden_size, device=DEV)
+    parts = torch.randn(3, rows, CFG.hidden_size, device=DEV)  # a previous down projection's K-split sums
+    x = resid + parts[0] + parts[1] + parts[2]
+    pos = _positions(rows, max_len)
+    cache = KVCache.for_config(CFG, max_len, rows, device=DEV)
+    for t in cache.k + cache.v:
+        t.fill_(float("nan"))
+    q = _nan(rows, CFG.num_attention_heads, CFG.head_dim)
+    proj_k.qkv_rope(resid, parts, layer.input_layernorm.weight, a.qkv_weight, a.qkv_bias, dec.rotary.inv_freq, pos, q,
+                    cache.k[0], cache.v[0], layer.input_layernorm.eps, a.n_heads, a.n_kv, a.head_dim)
+    cos, sin = dec.rotary.rows(pos[:, None], x.dtype)
+    q_ref, k_ref, v_ref = a._qkv(layer.input_layernorm(x[:, None]), cos, sin)
+    assert _err(q, q_ref[:, :, 0]) <= TOL
+    for b in range(rows):
+        assert _err(cache.k[0][b, :, pos[b]], k_ref[b, :, 0]) <= TOL
+        assert _err(cache.v[0][b, :, pos[b]], v_ref[b, :, 0]) <= TOL
+    written = rows * 2 * CFG.num_key_value_heads * CFG.head_dim  # k and v of one position per row
+    assert int((~cache.k[0].isnan()).sum() + (~cache.v[0].isnan()).sum()) == written
+    assert cache.k[1].isnan().all() and cache.v[1].isnan().all()  # another layer's buffers untouched
+
+
+def _attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: list[int]) -> torch.Tensor:
+    """(B, Hq*D) softmax attention of each row over its first ``n_keys[b]`` cached positions (GQA)."""
+    rep = q.shape[1] // k.shape[1]
+    out = []
+    for b, n in enumerate(n_keys):
+        kb = k[b, :, :n].repeat_interleave(rep, dim=0)
+        vb = v[b, :, :n].repeat_interleave(rep, dim=0)
+        w = (q[b, :, None] @ kb.transpose(1, 2) * q.shape[-1] ** -0.5).softmax(-1)
+        out.append((w @ vb).reshape(-1))
+    return torch.stack(out)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("splits", [1, 4])
+def test_split_attention_merges_to_softmax_attention(splits):
+    rows, max_len, kv_len = 3, 40, 32
+    hq, hkv, d = CFG.num_attention_heads, CFG.num_key_value_heads, CFG.head_dim
+    # row 0 early, row 1 mid-way, row 2 an idle row parked past kv_len (attends over the first kv_len keys)
+    pos = torch.tensor([int(torch.randint(0, 4, ())), int(torch.randint(10, 30, ())), max_len - 1], device=DEV)
+    n_keys = [min(int(p) + 1, kv_len) for p in pos]
+    k = torch.randn(rows, hkv, max_len, d, device=DEV)
+    v = torch.randn(rows, hkv, max_len, d, device=DEV)
+    for b, n in enumerate(n_keys):  # what the kernel must never read
+        k[b, :, n:] = float("nan")
+        v[b, :, n:] = float("nan")
+    q = torch.randn(rows, hq, d, device=DEV)
+    out = _nan(rows, hq, d)
+    o_part, m_part, l_part = _nan(rows, hq, splits, d), _nan(rows, hq, splits), _nan(rows, hq, splits)
+    counters = torch.zeros(rows, hkv, dtype=torch.int32, device=DEV)
+    ref = _attention_ref(q, k, v, n_keys)
+    for _ in range(2):  # the counters are back at zero, so the same scratch serves the next layer
+        attn_k.decode_attention(q, k, v, pos, kv_len, out, o_part, m_part, l_part, counters)
+        assert _err(out.reshape(rows, -1), ref) <= TOL
+        assert counters.eq(0).all()
+        out.fill_(float("nan"))
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("split", [0, 1, 3])  # 0: add into the residual
+def test_projection_adds_the_residual_or_writes_k_split_partials(split):
+    rows, k_dim, n = 5, 80, 48  # K not a multiple of the K tile or of the split
+    a = torch.randn(rows, k_dim, device=DEV)
+    w = torch.randn(n, k_dim, device=DEV)
+    resid = torch.randn(rows, n, device=DEV)
+    parts_in = torch.randn(2, rows, n, device=DEV)
+    ref = resid + parts_in[0] + parts_in[1] + a @ w.t()
+    if split == 0:
+        proj_k.proj_residual(a, w, resid, parts_in=parts_in)
+        assert _err(resid, ref) <= TOL
+    else:
+        before = resid.clone()
+        parts_out = _nan(split, rows, n)
+        proj_k.proj_residual(a, w, resid, parts_out=parts_out)
+        assert torch.equal(resid, before)  # left to the readers
+        assert _err(parts_out.sum(0), a @ w.t()) <= TOL
+
+
+@torch.inference_mode()
+def test_gate_up_silu_and_projection_over_more_than_one_row_block():
+    dec = _decoder(2).fuse_projections()
+    layer = dec.layers[1]
+    rows = proj_k.MAX_ROW_BLOCK + 3  # two row blocks: the second one mostly masked
+    x = torch.randn(rows, CFG.hidden_size, device=DEV)
+    h = _nan(rows, CFG.intermediate_size)
+    proj_k.gate_up(x, layer.post_attention_layernorm.weight, layer.mlp.gate_up_weight, h,
+                   layer.post_attention_layernorm.eps)
+    xn = layer.post_attention_layernorm(x)
+    h_ref = F.silu(layer.mlp.gate_proj(xn)) * layer.mlp.up_proj(xn)
+    assert _err(h, h_ref) <= TOL
+    resid = torch.randn(rows, CFG.hidden_size, device=DEV)
+    ref = resid + layer.mlp.down_proj(h_ref)
+    proj_k.proj_residual(h, layer.mlp.down_proj.weight, resid)
+    assert _err(resid, ref) <= TOL
+
+
+@torch.inference_mode()
+def test_final_rmsnorm_adds_the_partials_and_matches_the_module():
+    dec = _decoder(3)
+    x = torch.randn(5, CFG.hidden_size, device=DEV) * 3
+    parts = torch.randn(2, 5, CFG.hidden_size, device=DEV)
+    out = _nan(5, CFG.hidden_size)
+    proj_k.rmsnorm(x, parts, dec.norm.weight, out, dec.norm.eps)
+    assert _err(out, dec.norm(x + parts[0] + parts[1])) <= TOL
+
+
+@torch.inference_mode()
+def test_decode_steps_equal_the_decoder_per_row_and_shared_positions():
+    dec = _decoder(4)
+    rows, max_len = 3, 24
+    caches = [KVCache.for_config(CFG, max_len, rows, device=DEV) for _ in range(2)]
+    for ref_t, fused_t in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+        fused_t.copy_(ref_t.normal_())
+    pos = torch.tensor([[3], [11], [max_len - 1]], device=DEV)  # the last row idles past the kv bucket
+    for _ in range(2):
+        x = torch.randn(rows, 1, CFG.hidden_size, device=DEV)
+        ref = dec(x, pos, caches[0], kv_len=16)
+        got = decode_step(dec, x, pos, caches[1], kv_len=16, splits=2)  # few splits: the interpreter is slow
+        assert got.shape == ref.shape and _err(got, ref) <= 1e-4
+        pos = pos + torch.tensor([[1], [1], [0]], device=DEV)
+    for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+        assert _err(a, b) <= 1e-5
+    one = [c.row(1) for c in caches]  # a batch-1 view with a shared (1,) position, as per-slot graphs call it
+    x = torch.randn(1, 1, CFG.hidden_size, device=DEV)
+    p = torch.tensor([13], device=DEV)
+    assert _err(FusedDecoder(dec, splits=2)(x, p, one[1], kv_len=16), dec(x, p, one[0], kv_len=16)) <= 1e-4
+
+
+def test_tiles_are_validated_by_field():
+    with pytest.raises(ValueError, match="Tiles.down must be a power of two >= 16, got 8"):
+        proj_k.Tiles(down=8)
+    with pytest.raises(ValueError, match="Tiles.down_split must be 1..16, got 0"):
+        proj_k.Tiles(down_split=0)
+
+
+def test_attention_splits_fill_the_gpu_for_few_rows_and_stay_powers_of_two():
+    got = {rows: attn_k.attention_splits(rows, 2) for rows in (1, 2, 3, 4, 16, 32, 64)}
+    assert got == {1: 16, 2: 16, 3: 8, 4: 8, 16: 2, 32: 1, 64: 1}
+
+
+@torch.inference_mode()
+def test_fused_decoder_passes_prefill_through_and_rejects_bad_calls(monkeypatch):
+    dec = _decoder(5)
+    fused = FusedDecoder(dec)
+    assert fused.layers is dec.layers and kernels_per_step(CFG.num_hidden_layers) == 13
+    x = torch.randn(1, 4, CFG.hidden_size, device=DEV)
+    pos = torch.arange(4, device=DEV)
+    caches = [KVCache.for_config(CFG, 8, 1, device=DEV) for _ in range(2)]
+    assert torch.equal(fused(x, pos, caches[0], kv_len=4), dec(x, pos, caches[1], kv_len=4))
+    with pytest.raises(ValueError, match=r"one position per row; got positions of shape \(2,\)"):
+        decode_step(dec, x[:, :1], torch.tensor([1, 2], device=DEV), caches[0])
+    with pytest.raises(ValueError, match="power of two"):
+        decode_step(dec, x[:, :1], pos[:1], caches[0], splits=3)
+    if DEV == "cpu":
+        monkeypatch.delenv("TRITON_INTERPRET")
+        with pytest.raises(RuntimeError, match="need CUDA tensors.*TRITON_INTERPRET=1"):
+            decode_step(dec, x[:, :1], pos[:1], caches[0])
