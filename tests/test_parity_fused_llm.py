@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from cosyvoice_fast.backends import cudagraph_llm, fused_llm  # noqa: E402
+from cosyvoice_fast.backends.base import generate_alone  # noqa: E402
 from cosyvoice_fast.backends.eager import EagerLLM  # noqa: E402
 from cosyvoice_fast.config import ModelConfig  # noqa: E402
 from cosyvoice_fast.request import ModelInputs  # noqa: E402
@@ -96,6 +97,21 @@ def test_fused_seeded_sampling_equals_eager_generate(lm, case):
     assert history == eager and len(eager) == n + 1
 
 
+def _together(stage, jobs: list[tuple]) -> list[list[int]]:
+    """Run requests the way the engine does: one ``prefill`` over all, then one batched ``decode`` per turn over
+    every running one.  ``jobs``: ``(inputs, text, generator, max_tokens, ignore_eos)``."""
+    states = [stage.new_state(*job) for job in jobs]
+    out: list[list[int]] = [[] for _ in jobs]
+    call, live = stage.prefill, list(range(len(jobs)))
+    while live:
+        for i, r in zip(live, call([states[i] for i in live])):
+            assert not isinstance(r, BaseException), r
+            if r is not None:
+                out[i].append(r)
+        call, live = stage.decode, [i for i in live if not states[i].done]
+    return out
+
+
 class _EagerReplay:
     """Stands in for a captured graph: replaying runs the captured maths (here: the fused kernels) directly."""
 
@@ -121,11 +137,9 @@ def test_fused_backend_batched_rounds_equal_eager(lm, cfg, case, monkeypatch):
     inputs = ModelInputs(text_segments=[case["text"]], prompt_text=case["prompt_text"],
                          llm_prompt_speech_token=case["prompt_speech_token"])
     n = STEPS
-    ref = [list(EagerLLM(lm, cfg).generate(inputs, case["text"], torch.Generator().manual_seed(s), n, True))
+    ref = [generate_alone(EagerLLM(lm, cfg), inputs, case["text"], torch.Generator().manual_seed(s), n, True)
            for s in (1, 2)]
-    its = [stage.generate(inputs, case["text"], torch.Generator().manual_seed(s), n, True) for s in (1, 2)]
-    got = [list(t) for t in zip(*its)]
-    assert [next(it, None) for it in its] == [None, None]  # both ended (and freed their slots)
-    assert [a for a, _ in got] == ref[0] and [b for _, b in got] == ref[1]
+    got = _together(stage, [(inputs, case["text"], torch.Generator().manual_seed(s), n, True) for s in (1, 2)])
+    assert got == ref
     assert stage.batched_rows == 2 * (n - 1) and stage.batched_steps == n - 1  # every step carried both rows
     assert stage.slots_in_use == 0
