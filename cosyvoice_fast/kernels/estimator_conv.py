@@ -22,6 +22,11 @@ from torch import Tensor
 
 from .estimator_linear import _act, _mm, _pow2
 
+#: Tile sizes and launch settings for 16-bit operands (see ``estimator_linear.TUNING``); ``ln_*`` apply to
+#: the LayerNorm-epilogue variant, whose programs hold whole rows.  fp32 uses :data:`FP32_TILES`.
+TUNING = {"bm": 32, "bn": 64, "bk": 128, "warps": 8, "ln_bm": 16, "ln_warps": 8, "stages": 3}
+FP32_TILES = {"bm": 32, "bn": 64, "bk": 64, "warps": 4, "ln_bm": 16, "ln_warps": 8, "stages": 2}
+
 
 @triton.jit
 def _conv_src(acc, racc, x_ptr, C_src, c_base, w_ptr, rw_ptr, mask_ptr, rm, t_in, m_ok, rn, n_ok, rk,
@@ -121,8 +126,12 @@ def causal_conv(x1: Tensor, mask: Tensor, weight: Tensor, bias: Tensor, frames: 
     if (res_weight is None) != (res_out is None) or (res_weight is not None and res_bias is None):
         raise ValueError("causal_conv: res_weight, res_bias and res_out go together")
     y = torch.empty(m, n, device=x1.device, dtype=x1.dtype)
-    bm = _pow2(m, 16, 16 if ln is not None else 32)
-    bn = _pow2(n) if ln is not None else _pow2(n, 16, 64)
+    fp32 = weight.dtype == torch.float32
+    tiles = FP32_TILES if fp32 else TUNING
+    bm = _pow2(m, 16, tiles["ln_bm"] if ln is not None else tiles["bm"])
+    bn = _pow2(n) if ln is not None else _pow2(n, 16, tiles["bn"])
+    # row-wide tiles (and a second weight) must still fit in shared memory
+    bk = _pow2(max(c1, c2), 16, (32 if fp32 else 64) if ln is not None else tiles["bk"])
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     lnw, lnb, eps = ln if ln is not None else (bias, bias, 0.0)
     _conv_kernel[grid](
@@ -132,6 +141,6 @@ def causal_conv(x1: Tensor, mask: Tensor, weight: Tensor, bias: Tensor, frames: 
         m, frames, n, c1, c2, vec.stride(0) if vec is not None else 0, float(eps),
         TAPS=taps, HAS_X2=x2 is not None, HAS_LN=ln is not None, ACT=act, OUT_MASK=out_mask,
         HAS_VEC=vec is not None, HAS_RES=residual is not None, HAS_RW=res_weight is not None,
-        IEEE=weight.dtype == torch.float32, BM=bm, BN=bn, BK=_pow2(max(c1, c2), 16, 64),
-        num_warps=8 if bn >= 256 else 4)
+        IEEE=fp32, BM=bm, BN=bn, BK=bk, num_warps=tiles["ln_warps"] if ln is not None else tiles["warps"],
+        num_stages=tiles["stages"])
     return y

@@ -2,8 +2,9 @@
 
 :class:`FusedEstimator` wraps a :class:`~cosyvoice_fast.models.flow_decoder.CausalConditionalDecoder` and
 computes the same function (``(x, mask, mu, t, spks, cond, streaming) -> (B, 80, T)`` velocity) over
-channels-last activations (one row per frame, ``B·T`` rows), so that a transformer block is four kernels
-(LayerNorm+q/k/v, attention, out-projection+residual, the whole feed-forward) and a ResNet block two (see
+channels-last activations (one row per frame, ``B·T`` rows), so that a transformer block is five kernels
+(LayerNorm+q/k/v, attention, out-projection+residual, the feed-forward as two GEMMs with LayerNorm, GELU and
+the residual fused in, or as one kernel) and a ResNet block two (see
 ``estimator_conv``).  The time embedding of every ResNet block is one GEMM for all of them.  The whole
 forward is a fixed sequence of launches with no host synchronisation, so the graph runner of the
 ``cudagraph`` flow captures it unchanged.
@@ -25,10 +26,10 @@ import triton
 import triton.language as tl
 from torch import Tensor, nn
 
-from ..models.flow_decoder import CausalConditionalDecoder, _GELU_APPROXIMATION
+from ..models.flow_decoder import _GELU_APPROXIMATION, CausalConditionalDecoder
 from .estimator_attention import attention
 from .estimator_conv import causal_conv, pack_conv_weight
-from .estimator_linear import ACT_MISH, ACT_SILU, PRO_LN, PRO_MISH, PRO_SINUS, ffn, linear
+from .estimator_linear import ACT_GELU, ACT_MISH, ACT_SILU, PRO_LN, PRO_MISH, PRO_SINUS, ffn, linear
 
 
 @triton.jit
@@ -53,12 +54,13 @@ def _pack_kernel(x_ptr, mu_ptr, spk_ptr, cond_ptr, out_ptr, T, C, sxb, sxc, smb,
 def pack_inputs(x: Tensor, mu: Tensor, spks: Tensor, cond: Tensor) -> Tensor:
     """The estimator's concatenated input ``[x, mu, spks, cond]`` as (B·T, 4·C) channels-last rows."""
     b, c, t = x.shape
-    for name, z in (("x", x), ("mu", mu), ("cond", cond)):
-        if z.shape != (b, c, t) or z.stride(2) != 1:
-            raise ValueError(f"estimator input {name} must be ({b}, {c}, {t}) with unit time stride, "
-                             f"got {tuple(z.shape)}")
-    if spks.shape != (b, c) or spks.stride(1) != 1:
+    for name, z in (("mu", mu), ("cond", cond)):
+        if z.shape != (b, c, t):
+            raise ValueError(f"estimator input {name} must be ({b}, {c}, {t}) like x, got {tuple(z.shape)}")
+    if spks.shape != (b, c):
         raise ValueError(f"estimator input spks must be ({b}, {c}), got {tuple(spks.shape)}")
+    x, mu, cond = (z if z.stride(2) == 1 else z.contiguous() for z in (x, mu, cond))
+    spks = spks if spks.stride(1) == 1 else spks.contiguous()
     out = torch.empty(b * t, 4 * c, device=x.device, dtype=x.dtype)
     bt = 32
     _pack_kernel[(triton.cdiv(t, bt), b)](x, mu, spks, cond, out, t, c, x.stride(0), x.stride(1), mu.stride(0),
@@ -83,8 +85,12 @@ class FusedEstimator(nn.Module):
     signature, computed by the fused kernels of ``cosyvoice_fast.kernels.estimator_*`` (CUDA, or the Triton
     interpreter on CPU)."""
 
-    def __init__(self, estimator: CausalConditionalDecoder):
+    def __init__(self, estimator: CausalConditionalDecoder, ffn_one_kernel: bool = False):
+        """``ffn_one_kernel=True`` runs each feed-forward as one kernel (:func:`ffn`, 4 launches per transformer
+        block instead of 5); the default two GEMMs (LN+FF1+GELU, FF2+residual) spread the weights over many
+        more programs and measured faster on an H100 (BENCHMARKS.md)."""
         super().__init__()
+        self.ffn_one_kernel = ffn_one_kernel
         cfg = estimator.cfg
         if len(cfg.channels) != 1:
             raise ValueError(f"the fused estimator supports one U-Net level (channels of length 1), got "
@@ -129,7 +135,7 @@ class FusedEstimator(nn.Module):
                 "up": pack_conv_weight(est.up_blocks[0][2].weight),
                 "final": pack_conv_weight(est.final_block.block[0].weight),
                 "proj": est.final_proj.weight.detach()[:, :, 0].contiguous(),
-                # the frequencies of sinusoidal_embedding, computed by it so they are bit-identical
+                # the frequencies of sinusoidal_embedding (same expression, so bit-identical)
                 "freqs": _frequencies(est.cfg.in_channels, est.final_proj.weight.device),
             }
         self._packed, self._key = p, key
@@ -152,7 +158,10 @@ class FusedEstimator(nn.Module):
         o = attention(qkv, mask, batch, a.heads, a.head_dim, chunk)
         h = linear(o, a.to_out[0].weight, a.to_out[0].bias, residual=h)
         ff = blk.ff.net
-        return ffn(h, _ln(blk.norm3), ff[0].proj.weight, ff[0].proj.bias, ff[2].weight, ff[2].bias)
+        if self.ffn_one_kernel:
+            return ffn(h, _ln(blk.norm3), ff[0].proj.weight, ff[0].proj.bias, ff[2].weight, ff[2].bias)
+        hid = linear(h, ff[0].proj.weight, ff[0].proj.bias, prologue=PRO_LN, ln=_ln(blk.norm3), act=ACT_GELU)
+        return linear(hid, ff[2].weight, ff[2].bias, residual=h)
 
     def forward(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
                 streaming: bool = False) -> Tensor:
@@ -194,8 +203,8 @@ class FusedEstimator(nn.Module):
         return linear(h, p["proj"], est.final_proj.bias, rowmask=m, out_btc=(b, frames))
 
 
-def kernels_per_forward(blocks: int, mid_blocks: int, levels_resnets: int = 2) -> int:
-    """Launches of one fused forward: 3 time-embedding GEMMs, the input pack, 2 per ResNet block, 4 per
-    transformer block, down/up/final convs and the output projection (what the profile should count)."""
-    resnets = levels_resnets + mid_blocks
-    return 3 + 1 + 2 * resnets + 4 * blocks * resnets + 4
+def kernels_per_forward(n_blocks: int, num_mid_blocks: int, ffn_one_kernel: bool = False) -> int:
+    """Launches of one fused forward of the one-level U-Net: 3 time-embedding GEMMs, the input pack, 2 per
+    ResNet block, 4 (or 5) per transformer block, the down/up/final convs and the output projection."""
+    resnets = 2 + num_mid_blocks
+    return 3 + 1 + 2 * resnets + (4 if ffn_one_kernel else 5) * n_blocks * resnets + 4

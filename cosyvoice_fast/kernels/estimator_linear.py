@@ -20,6 +20,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+#: Tile sizes and launch settings for 16-bit operands (the fastest of the few named variants that
+#: ``benchmarks/fused_flow_check.py`` times on an H100, see BENCHMARKS.md; the script changes these before
+#: the kernels compile).  fp32 operands use :data:`FP32_TILES` (IEEE fp32 dots need smaller tiles).
+TUNING = {"bm": 32, "bn": 64, "bk": 128, "warps": 8, "stages": 3, "ffn_bm": 16, "ffn_bh": 64}
+FP32_TILES = {"bm": 32, "bn": 64, "bk": 64, "warps": 4, "stages": 3}
+
 # activation codes shared by the estimator kernels
 ACT_NONE, ACT_GELU, ACT_SILU, ACT_MISH = 0, 1, 2, 3
 # prologue codes of :func:`linear`
@@ -75,7 +81,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, lnw_ptr, lnb_ptr, rowmask_
         mean = s1 / K
         rstd = 1.0 / tl.sqrt(tl.maximum(s2 / K - mean * mean, 0.0) + eps)
     if PRO == 3:  # sinusoidal flow-time features from t (one scalar per row)
-        tval = tl.load(x_ptr + rm, mask=m_ok, other=0.0).to(tl.float32) * sinus_scale
+        tval = tl.load(x_ptr + rm * stride_xm, mask=m_ok, other=0.0).to(tl.float32) * sinus_scale
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
         kk = k0 + rk
@@ -130,6 +136,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: i
     """
     n, k = weight.shape
     m = x.shape[0]
+    if prologue == PRO_SINUS and x.dim() != 1:
+        raise ValueError(f"linear: the sinusoidal prologue reads a (M,) time vector, got {tuple(x.shape)}")
     if prologue != PRO_SINUS and (x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1):
         raise ValueError(f"linear: x must be (M, {k}) with unit column stride, got {tuple(x.shape)}")
     if not weight.is_contiguous():
@@ -152,17 +160,19 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: i
         if freqs is None or freqs.numel() != k // 2 or freqs.dtype != torch.float32 or k % 2:
             raise ValueError(f"linear: the sinusoidal prologue needs {k // 2} fp32 freqs and an even K ({k})")
         lnw = freqs
-    bm = _pow2(m, 16, 32)
-    bn = _pow2(n, 16, 64)
-    bk = _pow2(k, 16, 64)
+    tiles = FP32_TILES if weight.dtype == torch.float32 else TUNING
+    bm = _pow2(m, 16, tiles["bm"])
+    bn = _pow2(n, 16, tiles["bn"])
+    bk = _pow2(k, 16, tiles["bk"])
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _linear_kernel[grid](
         x, weight, bias if bias is not None else weight, residual if residual is not None else x, out, lnw, lnb,
         rowmask if rowmask is not None else x,
-        m, n, k, x.stride(0) if prologue != PRO_SINUS else 1, residual.stride(0) if residual is not None else 0,
+        m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0,
         rows_per_b, syb, syt, syn, float(eps), float(sinus_scale),
         PRO=prologue, HAS_BIAS=bias is not None, ACT=act, HAS_RES=residual is not None,
-        ROWMASK=rowmask is not None, IEEE=weight.dtype == torch.float32, BM=bm, BN=bn, BK=bk, num_warps=4)
+        ROWMASK=rowmask is not None, IEEE=weight.dtype == torch.float32, BM=bm, BN=bn, BK=bk,
+        num_warps=tiles["warps"], num_stages=tiles["stages"])
     return out
 
 
@@ -206,8 +216,9 @@ def ffn(x: Tensor, ln: tuple[Tensor, Tensor, float], w1: Tensor, b1: Tensor, w2:
         raise ValueError(f"ffn: need contiguous x (M, C), w1 (H, C), w2 (C, H); got {tuple(x.shape)}, "
                          f"{tuple(w1.shape)}, {tuple(w2.shape)}")
     out = torch.empty_like(x) if out is None else out
-    bm = 16
+    bm = TUNING["ffn_bm"]
+    fp32 = w1.dtype == torch.float32
     _ffn_kernel[(triton.cdiv(m, bm),)](x, out, ln[0], ln[1], w1, b1, w2, b2, m, c, h, float(ln[2]),
-                                      IEEE=w1.dtype == torch.float32, BM=bm, BC=_pow2(c), BH=_pow2(h, 16, 64),
-                                      num_warps=8 if c > 128 else 4)
+                                      IEEE=fp32, BM=bm, BC=_pow2(c), BH=_pow2(h, 16, 32 if fp32 else TUNING["ffn_bh"]),
+                                      num_warps=8 if c > 128 else 4, num_stages=2 if fp32 else TUNING["stages"])
     return out
