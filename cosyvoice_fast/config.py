@@ -371,7 +371,7 @@ class StreamParams:
               "use 0 to 3 tokens (the model was trained with 3)")
 
 
-BACKEND_NAMES = ("eager", "cudagraph", "tensorrt", "trtllm")
+BACKEND_NAMES = ("eager", "cudagraph", "fused", "tensorrt", "trtllm")
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -383,7 +383,7 @@ class BackendConfig:
     (keys/values and conv context of the frames already made, and of the prompt, cached per voice) and compute
     only their new frames; off, every chunk recomputes the whole prefix as upstream does.  Both give the same
     streaming chunks (within float rounding); final chunks are upstream's full-attention pass either way.  The
-    ``tensorrt`` flow always recomputes (its engine has no state inputs); ``incremental`` as a flow name is the
+    ``tensorrt`` and ``fused`` flows always recompute (no state inputs); ``incremental`` as a flow name is the
     eager flow with the flag on.
     """
 
@@ -395,7 +395,7 @@ class BackendConfig:
 
     def __post_init__(self) -> None:
         allowed = {"llm": ("eager", "cudagraph", "trtllm"),
-                   "flow": ("eager", "incremental", "cudagraph", "tensorrt"),
+                   "flow": ("eager", "incremental", "cudagraph", "fused", "tensorrt"),
                    "vocoder": ("eager", "cudagraph")}
         for stage, ok in allowed.items():
             v = getattr(self, stage)

@@ -175,3 +175,18 @@ def test_gpu_fused_flow_stage_equals_eager(no_tf32):
             out = fused.chunk(None, inputs, tokens[:, :call.n_tokens], call)
             assert out.shape == ref.shape and (out - ref).abs().max().item() <= TOL
     assert fused.estimator.eager_calls == 0 and fused.estimator.replays > 0
+
+
+# ------------------------------------------------------------------------------------ registration (CPU)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_fused_flow_is_offered_only_with_cuda_and_says_why(tiny_models):
+    from cosyvoice_fast.backends import build_stage_set
+    from cosyvoice_fast.backends.base import BackendUnavailable, available_backends
+    from cosyvoice_fast.config import BackendConfig
+
+    info = {(b.stage, b.name): b for b in available_backends("cpu")}
+    assert not info[("flow", "fused")].available and "CUDA" in info[("flow", "fused")].reason
+    with pytest.raises(BackendUnavailable, match="CUDA GPU"):
+        build_stage_set(tiny_models, BackendConfig(flow="fused"))

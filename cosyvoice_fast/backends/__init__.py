@@ -40,6 +40,10 @@ def build_stage_set(models, config: BackendConfig) -> StageSet:  # noqa: ANN001 
         from .cudagraph_flow import CudaGraphFlow
 
         flow_stage = CudaGraphFlow(flow, models.config, incremental=config.incremental)
+    elif config.flow == "fused":
+        from .fused_flow import FusedFlow
+
+        flow_stage = FusedFlow(flow, models.config)
     else:
         from .tensorrt_flow import TensorRTFlow
 
