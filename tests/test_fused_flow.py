@@ -190,3 +190,33 @@ def test_fused_flow_is_offered_only_with_cuda_and_says_why(tiny_models):
     assert not info[("flow", "fused")].available and "CUDA" in info[("flow", "fused")].reason
     with pytest.raises(BackendUnavailable, match="CUDA GPU"):
         build_stage_set(tiny_models, BackendConfig(flow="fused"))
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_estimator_flops_counts_every_frame_gemm(small, streaming):
+    """The profile's FLOP count = the eager estimator's per-frame Linear/Conv1d work (from forward hooks) plus
+    attention over the keys the chunk rule lets each query see."""
+    from cosyvoice_fast.kernels.estimator_profile import estimator_flops
+
+    rows, frames = 2, 45
+    total = []
+
+    def hook(mod, inp, out):  # noqa: ANN001
+        if isinstance(mod, torch.nn.Conv1d):
+            total.append(2 * out.numel() * mod.in_channels * mod.kernel_size[0])
+        elif out.dim() == 3:  # per-frame Linear (the time-embedding Linears act on (B, C) and are not counted)
+            total.append(2 * out.numel() * mod.in_features)
+
+    hooks = [m.register_forward_hook(hook) for m in small.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d))]
+    try:
+        with torch.no_grad():
+            small(*estimator_inputs(small.cfg, rows, frames, torch.float32, "cpu"), streaming)
+    finally:
+        for h in hooks:
+            h.remove()
+    cfg = small.cfg
+    chunk = cfg.static_chunk_size if streaming else frames
+    keys = sum(min(frames, (i // chunk + 1) * chunk) for i in range(frames))
+    n_attn = cfg.n_blocks * (2 + cfg.num_mid_blocks)
+    attn = n_attn * 4 * rows * cfg.num_heads * cfg.attention_head_dim * keys
+    assert estimator_flops(cfg, rows, frames, streaming) == sum(total) + attn

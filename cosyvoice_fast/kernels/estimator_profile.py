@@ -1,6 +1,7 @@
 """Kernel counts and graph-replay times of one estimator forward, eager-graph (``cudagraph``) vs ``fused``.
 
-Used by ``profile_stages`` and ``benchmarks/fused_flow_check.py``.  Counts come from ``torch.profiler``
+Used by ``benchmarks/fused_flow_check.py``; :func:`estimator_profile` gives ``profile_stages`` one line per
+(backend, shape) with kernels, GPU ms and the achieved TFLOP/s against the H100's dense bf16 peak.  Counts come from ``torch.profiler``
 over one forward launched normally (the same kernels a CUDA graph of it replays); memcpy/memset activity is
 not a kernel and is left out.  Times are CUDA-event medians of graph replays, the way the flow backends run.
 """
@@ -8,6 +9,7 @@ not a kernel and is left out.  Times are CUDA-event medians of graph replays, th
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -93,4 +95,69 @@ def estimator_kernels(estimator: torch.nn.Module, fused: torch.nn.Module, frames
         for name, mod in (("cudagraph", estimator), ("fused", fused)):
             mod(*args, streaming)
             out[name] = count_kernels(lambda: mod(*args, streaming))  # noqa: B023 - called at once
+    return out
+
+
+H100_BF16_TFLOPS = 989.0  # dense bf16 tensor-core peak of an H100 SXM
+
+
+def estimator_flops(cfg, rows: int, frames: int, streaming: bool) -> float:  # noqa: ANN001 - DecoderConfig
+    """Useful FLOPs of one forward of the one-level estimator: every GEMM/conv as 2·M·N·K plus attention
+    (QK and PV) over the keys each query may see (chunk-causal: up to the end of its chunk)."""
+    m = rows * frames
+    c, inner = cfg.channels[0], cfg.num_heads * cfg.attention_head_dim
+    chunk = cfg.static_chunk_size if streaming else 0
+    keys = sum(min(frames, (i // chunk + 1) * chunk) if chunk else frames for i in range(frames))
+    attn = 2 * 2 * rows * cfg.num_heads * cfg.attention_head_dim * keys
+    block = 2 * m * (c * 3 * inner + inner * c + 2 * c * 4 * c) + attn
+
+    def resnet(c_in: int) -> float:
+        return 2 * m * (3 * c_in * c + c_in * c + 3 * c * c)
+
+    resnets = resnet(cfg.in_channels) + cfg.num_mid_blocks * resnet(c) + resnet(2 * c)
+    blocks = cfg.n_blocks * (2 + cfg.num_mid_blocks) * block
+    convs = 3 * 2 * m * 3 * c * c + 2 * m * c * cfg.out_channels  # down, up, final block; final projection
+    return float(resnets + blocks + convs)
+
+
+@dataclass(frozen=True)
+class EstimatorProfile:
+    """One estimator forward of one backend at one shape, measured as ``profile_stages`` reports it."""
+
+    backend: str
+    rows: int
+    frames: int
+    kernels: int
+    graph_ms: float
+    gflop: float
+
+    @property
+    def tflops(self) -> float:
+        return self.gflop / self.graph_ms
+
+    def line(self) -> str:
+        return (f"{self.backend:9s} {self.rows} rows x {self.frames:4d} frames: {self.kernels:4d} kernels, "
+                f"{self.graph_ms:.3f} ms/forward, {self.gflop:.1f} GFLOP = {self.tflops:.1f} TFLOP/s "
+                f"({100 * self.tflops / H100_BF16_TFLOPS:.1f}% of {H100_BF16_TFLOPS:.0f})")
+
+
+def estimator_profile(estimator: torch.nn.Module, frames: Sequence[int] = (56, 206), rows: int = 2,
+                      streaming: bool = True, iters: int = 20) -> list[EstimatorProfile]:
+    """``cudagraph`` (the eager estimator captured) and ``fused`` side by side at each frame count."""
+    from .estimator_fused import FusedEstimator
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("estimator_profile needs a CUDA GPU")
+    fused = FusedEstimator(estimator)
+    dtype = next(estimator.parameters()).dtype
+    out = []
+    with torch.inference_mode():
+        for n in frames:
+            args = estimator_inputs(estimator.cfg, rows, n, dtype)
+            gflop = estimator_flops(estimator.cfg, rows, n, streaming) / 1e9
+            for name, mod in (("cudagraph", estimator), ("fused", fused)):
+                mod(*args, streaming)
+                k = count_kernels(lambda: mod(*args, streaming))  # noqa: B023 - called at once
+                ms = graph_replay_ms(lambda: mod(*args, streaming), iters=iters)  # noqa: B023
+                out.append(EstimatorProfile(name, rows, n, k, ms, gflop))
     return out
