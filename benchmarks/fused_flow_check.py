@@ -37,6 +37,7 @@ VARIANTS = {
     "base": ({"bk": 64, "warps": 4}, {"bk": 64, "warps": 4}),
     "bk128_warps4": ({"warps": 4}, {"warps": 4}),
     "conv_ln_bm32": ({}, {"ln_bm": 32}),
+    "bk256": ({"bk": 256}, {"bk": 256}),  # K <= 256 GEMMs (q/k/v, FF1) in one K step: fewer serial loads
 }
 from cosyvoice_fast.models.cfm import CausalCFM  # noqa: E402
 

@@ -71,6 +71,11 @@ def test_fused_weights_follow_the_module(small):
         conv = est.down_blocks[0][0].block1.block[0]
         conv.weight = torch.nn.Parameter(conv.weight * 1.5)
         assert (fused(*args, True) - est(*args, True)).abs().max().item() <= TOL
+        est.fuse_projections()  # what the graph backends do: q/k/v become views of one buffer, reused as is
+        attn = est.mid_blocks[0][1][0].attn1
+        attn.to_k.weight.mul_(0.5)
+        assert (fused(*args, True) - est(*args, True)).abs().max().item() <= TOL
+        assert fused.packed()["qkv"][id(attn)] is attn.qkv_weight
 
 
 def test_graph_runner_captures_the_fused_estimator(small, fake_graphs):

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor, nn
 
-from ..models.flow_decoder import _GELU_APPROXIMATION, CausalConditionalDecoder
+from ..models.flow_decoder import _GELU_APPROXIMATION, CausalConditionalDecoder, SelfAttention
 from .estimator_attention import attention
 from .estimator_conv import causal_conv, pack_conv_weight
 from .estimator_linear import ACT_GELU, ACT_MISH, ACT_SILU, PRO_LN, PRO_MISH, PRO_SINUS, ffn, linear
@@ -113,7 +113,8 @@ class FusedEstimator(nn.Module):
         return [est.down_blocks[0][0]] + [mb[0] for mb in est.mid_blocks] + [est.up_blocks[0][0]]
 
     def _weights_key(self) -> tuple:
-        return tuple((p.data_ptr(), p.dtype, p.device) for p in self.est.parameters())
+        # buffers too: SelfAttention.fuse() swaps the q/k/v weights for views of a new fused buffer
+        return tuple((p.data_ptr(), p.dtype, p.device) for p in (*self.est.parameters(), *self.est.buffers()))
 
     def packed(self) -> dict[str, object]:
         """Packed copies of the conv, q/k/v and time-embedding weights (re-made when the parameters change)."""
@@ -129,8 +130,10 @@ class FusedEstimator(nn.Module):
                      "wr": r.res_conv.weight.detach()[:, :, 0].contiguous()} for r in resnets],
                 "temb_w": torch.cat([r.mlp[1].weight.detach() for r in resnets]).contiguous(),
                 "temb_b": torch.cat([r.mlp[1].bias.detach() for r in resnets]).contiguous(),
-                "qkv": {id(a): torch.cat([a.to_q.weight, a.to_k.weight, a.to_v.weight]).detach().contiguous()
-                        for a in est.modules() if hasattr(a, "to_q")},
+                # the fused q/k/v tensor of SelfAttention.fuse when present (no second copy), else one made here
+                "qkv": {id(a): a.qkv_weight if a._fused() else
+                        torch.cat([a.to_q.weight, a.to_k.weight, a.to_v.weight]).detach().contiguous()
+                        for a in est.modules() if isinstance(a, SelfAttention)},
                 "down": pack_conv_weight(est.down_blocks[0][2].weight),
                 "up": pack_conv_weight(est.up_blocks[0][2].weight),
                 "final": pack_conv_weight(est.final_block.block[0].weight),
