@@ -7,7 +7,8 @@ Full-size estimator (CosyVoice2 DecoderConfig) with seeded random weights (timin
    attention; a padded batch (rows of different lengths, one all-padding row) vs each row alone.
 2. mel of a whole guided 10-step solve (206 frames) vs eager fp32: max, p99.9, mean |error|.
 3. kernels per forward (torch.profiler), cudagraph (eager estimator) vs fused.
-4. one forward as a CUDA graph replay (median of CUDA events) at 56 and 206 frames, bf16.
+4. one forward as a CUDA graph replay (median of CUDA events) at 56 and 206 frames, bf16, for every fused
+   configuration (FFN in one or two kernels, out-projection inside the attention kernel or not) and tile variant.
 Every step runs under an alarm; the JSON is rewritten after each step, and a table is printed last.
 """
 
@@ -60,7 +61,7 @@ def err_stats(a: torch.Tensor, ref: torch.Tensor) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--step-timeout", type=int, default=150)
+    ap.add_argument("--step-timeout", type=int, default=150, help="seconds per step (step 1 compiles every fp32 and bf16 kernel: 60 s was too short)")
     ap.add_argument("--iters", type=int, default=30)
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -87,6 +88,11 @@ def main() -> int:
     est16 = cfm16.estimator
     fused32, fused16 = FusedEstimator(est32), FusedEstimator(est16)
     fused16_one = FusedEstimator(est16, ffn_one_kernel=True)
+    fused16_ao = FusedEstimator(est16, attention_out_fused=True)
+    fused16_ao_one = FusedEstimator(est16, ffn_one_kernel=True, attention_out_fused=True)
+    # (name, module) of every fused configuration counted and timed
+    fused_modes = (("fused", fused16), ("fused_one_kernel_ffn", fused16_one), ("fused_attn_out", fused16_ao),
+                   ("fused_attn_out_one_kernel_ffn", fused16_ao_one))
     cfg = est32.cfg
 
     def step(name: str, fn) -> None:  # noqa: ANN001
@@ -157,11 +163,12 @@ def main() -> int:
 
     def kernels() -> dict:
         r = {"expected_fused": kernels_per_forward(cfg.n_blocks, cfg.num_mid_blocks),
-             "expected_fused_one_kernel_ffn": kernels_per_forward(cfg.n_blocks, cfg.num_mid_blocks, True)}
+             "expected_fused_one_kernel_ffn": kernels_per_forward(cfg.n_blocks, cfg.num_mid_blocks, True),
+             "expected_fused_attn_out": kernels_per_forward(cfg.n_blocks, cfg.num_mid_blocks, False, True)}
         with torch.inference_mode():
             for frames in (56, 206):
                 a = estimator_inputs(cfg, 2, frames, torch.bfloat16)
-                for name, mod in (("cudagraph", est16), ("fused", fused16), ("fused_one_kernel_ffn", fused16_one)):
+                for name, mod in (("cudagraph", est16), *fused_modes):
                     mod(*a, True)
                     r[f"{name}_{frames}"] = count_kernels(lambda: mod(*a, True))  # noqa: B023
         return r
@@ -175,8 +182,7 @@ def main() -> int:
                 a = estimator_inputs(cfg, rows, frames, torch.bfloat16)
                 key = f"rows{rows}_{frames}_{'chunk' if streaming else 'full'}"
                 r[key] = {name: round(graph_replay_ms(lambda: mod(*a, streaming), iters=args.iters), 4)  # noqa: B023
-                          for name, mod in (("cudagraph", est16), ("fused", fused16),
-                                            ("fused_one_kernel_ffn", fused16_one))}
+                          for name, mod in (("cudagraph", est16), *fused_modes)}
         return r
 
     def timeline() -> dict:
@@ -233,8 +239,9 @@ def main() -> int:
     print("\n== fused flow estimator, %s, bf16 unless noted ==" % res["device"])
     k = res.get("kernels", {})
     for frames in (56, 206):
-        print(f"kernels/forward {frames} frames: cudagraph {k.get(f'cudagraph_{frames}')}  "
-              f"fused {k.get(f'fused_{frames}')}  fused(one-kernel ffn) {k.get(f'fused_one_kernel_ffn_{frames}')}")
+        print(f"kernels/forward {frames} frames: " + "  ".join(
+            f"{name} {k.get(f'{name}_{frames}')}" for name in ("cudagraph", "fused", "fused_one_kernel_ffn",
+                                                               "fused_attn_out", "fused_attn_out_one_kernel_ffn")))
     for key, v in res.get("timing_ms_bf16", {}).items():
         print(f"graph replay ms {key}: {v}")
     for key, v in res.get("variants_ms_bf16", {}).items():

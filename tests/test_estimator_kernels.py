@@ -157,3 +157,17 @@ def test_pack_inputs_is_the_channel_concatenation():
     out = pack_inputs(x, mu, spks, cond)
     ref = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, frames), cond], 1).transpose(1, 2).reshape(bsz * frames, -1)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("chunk", [0, 10])
+def test_attention_out_is_attention_then_out_projection(chunk):
+    from cosyvoice_fast.kernels.estimator_attention import attention_out
+
+    bsz, heads, d, frames, c = 2, 2, 16, 37, 40
+    qkv = rnd(bsz * frames, 3 * heads * d)
+    mask = torch.ones(bsz * frames, device=DEV)
+    mask[frames + 20:] = 0
+    wo, bo, res = rnd(c, heads * d) / 6, rnd(c), rnd(bsz * frames, c)
+    out = attention_out(qkv, mask, bsz, heads, d, chunk, wo, bo, res, out=nan(bsz * frames, c))
+    ref = F.linear(attention(qkv, mask, bsz, heads, d, chunk), wo, bo) + res
+    assert (out - ref).abs().max().item() <= TOL

@@ -34,14 +34,15 @@ def small():
     return CausalConditionalDecoder(cfg).eval()
 
 
-@pytest.mark.parametrize("streaming", [True, False])
-def test_fused_equals_eager_on_padded_batched_rows(small, streaming):
+@pytest.mark.parametrize("streaming,options", [(True, {}), (False, {}),
+                                               (True, {"ffn_one_kernel": True, "attention_out_fused": True})])
+def test_fused_equals_eager_on_padded_batched_rows(small, streaming, options):
     """Two requests' CFG rows (4 rows) of different lengths plus an all-padding row: every real frame equals
     eager, padded frames and the empty row are exactly 0, and a row equals its own unpadded run."""
     valid = [30, 17, 0, 30]
     args = estimator_inputs(small.cfg, len(valid), 30, torch.float32, "cpu", valid=valid,
                             seed=int(torch.randint(0, 10**6, (1,))))
-    fused = FusedEstimator(small)
+    fused = FusedEstimator(small, **options)
     with torch.no_grad():
         out, ref = fused(*args, streaming), small(*args, streaming)
         alone = fused(*(z[1:2, ..., :17] if z.dim() == 3 else z[1:2] for z in args), streaming)
@@ -95,6 +96,7 @@ def test_graph_runner_captures_the_fused_estimator(small, fake_graphs):
 def test_kernel_count_formula():
     assert kernels_per_forward(4, 12) == 316  # CosyVoice2: 14 ResNet blocks, 56 transformer blocks
     assert kernels_per_forward(4, 12, ffn_one_kernel=True) == 260
+    assert kernels_per_forward(4, 12, ffn_one_kernel=True, attention_out_fused=True) == 204
 
 
 # -------------------------------------------------------------------------------------- GPU, full size
@@ -136,6 +138,17 @@ def test_gpu_full_size_fp32_and_bf16(full, no_tf32, frames, streaming):
     # bf16: the fused kernels keep fp32 accumulators and round less often than eager, so no worse than it
     assert e_fused.max().item() <= 1.5 * e_eager.max().item()
     assert e_fused.mean().item() <= 1.5 * e_eager.mean().item()
+
+
+@_gpu
+@pytest.mark.parametrize("options", [{"attention_out_fused": True}, {"ffn_one_kernel": True}])
+def test_gpu_full_size_fp32_kernel_options(full, no_tf32, options):
+    est32, _ = full
+    args = estimator_inputs(est32.cfg, 2, 206, torch.float32, seed=7)
+    with torch.inference_mode():
+        for streaming in (True, False):
+            ref = est32(*args, streaming)
+            assert (FusedEstimator(est32, **options)(*args, streaming) - ref).abs().max().item() <= TOL
 
 
 @_gpu

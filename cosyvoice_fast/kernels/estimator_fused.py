@@ -27,7 +27,7 @@ import triton.language as tl
 from torch import Tensor, nn
 
 from ..models.flow_decoder import _GELU_APPROXIMATION, CausalConditionalDecoder, SelfAttention
-from .estimator_attention import attention
+from .estimator_attention import attention, attention_out
 from .estimator_conv import causal_conv, pack_conv_weight
 from .estimator_linear import ACT_GELU, ACT_MISH, ACT_SILU, PRO_LN, PRO_MISH, PRO_SINUS, ffn, linear
 
@@ -85,12 +85,16 @@ class FusedEstimator(nn.Module):
     signature, computed by the fused kernels of ``cosyvoice_fast.kernels.estimator_*`` (CUDA, or the Triton
     interpreter on CPU)."""
 
-    def __init__(self, estimator: CausalConditionalDecoder, ffn_one_kernel: bool = False):
+    def __init__(self, estimator: CausalConditionalDecoder, ffn_one_kernel: bool = False,
+                 attention_out_fused: bool = False):
         """``ffn_one_kernel=True`` runs each feed-forward as one kernel (:func:`ffn`, 4 launches per transformer
         block instead of 5); the default two GEMMs (LN+FF1+GELU, FF2+residual) spread the weights over many
-        more programs and measured faster on an H100 (BENCHMARKS.md)."""
+        more programs and measured faster on an H100 (BENCHMARKS.md).  ``attention_out_fused=True`` folds the
+        out-projection and residual into the attention kernel (:func:`attention_out`; one launch fewer per
+        block; not yet timed on a GPU, hence off)."""
         super().__init__()
         self.ffn_one_kernel = ffn_one_kernel
+        self.attention_out_fused = attention_out_fused
         cfg = estimator.cfg
         if len(cfg.channels) != 1:
             raise ValueError(f"the fused estimator supports one U-Net level (channels of length 1), got "
@@ -158,8 +162,11 @@ class FusedEstimator(nn.Module):
     def _transformer(self, blk: nn.Module, h: Tensor, mask: Tensor, batch: int, chunk: int, p: dict) -> Tensor:
         a = blk.attn1
         qkv = linear(h, p["qkv"][id(a)], prologue=PRO_LN, ln=_ln(blk.norm1))
-        o = attention(qkv, mask, batch, a.heads, a.head_dim, chunk)
-        h = linear(o, a.to_out[0].weight, a.to_out[0].bias, residual=h)
+        if self.attention_out_fused:
+            h = attention_out(qkv, mask, batch, a.heads, a.head_dim, chunk, a.to_out[0].weight, a.to_out[0].bias, h)
+        else:
+            o = attention(qkv, mask, batch, a.heads, a.head_dim, chunk)
+            h = linear(o, a.to_out[0].weight, a.to_out[0].bias, residual=h)
         ff = blk.ff.net
         if self.ffn_one_kernel:
             return ffn(h, _ln(blk.norm3), ff[0].proj.weight, ff[0].proj.bias, ff[2].weight, ff[2].bias)
@@ -206,8 +213,10 @@ class FusedEstimator(nn.Module):
         return linear(h, p["proj"], est.final_proj.bias, rowmask=m, out_btc=(b, frames))
 
 
-def kernels_per_forward(n_blocks: int, num_mid_blocks: int, ffn_one_kernel: bool = False) -> int:
+def kernels_per_forward(n_blocks: int, num_mid_blocks: int, ffn_one_kernel: bool = False,
+                        attention_out_fused: bool = False) -> int:
     """Launches of one fused forward of the one-level U-Net: 3 time-embedding GEMMs, the input pack, 2 per
-    ResNet block, 4 (or 5) per transformer block, the down/up/final convs and the output projection."""
+    ResNet block, 3 to 5 per transformer block, the down/up/final convs and the output projection."""
     resnets = 2 + num_mid_blocks
-    return 3 + 1 + 2 * resnets + (4 if ffn_one_kernel else 5) * n_blocks * resnets + 4
+    per_block = 5 - int(ffn_one_kernel) - int(attention_out_fused)
+    return 3 + 1 + 2 * resnets + per_block * n_blocks * resnets + 4
