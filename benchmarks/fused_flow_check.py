@@ -90,9 +90,10 @@ def main() -> int:
     fused16_one = FusedEstimator(est16, ffn_one_kernel=True)
     fused16_ao = FusedEstimator(est16, attention_out_fused=True)
     fused16_ao_one = FusedEstimator(est16, ffn_one_kernel=True, attention_out_fused=True)
+    fused16_ao_ln = FusedEstimator(est16, attention_out_fused=True, resnet_split_ln=True)
     # (name, module) of every fused configuration counted and timed
     fused_modes = (("fused", fused16), ("fused_one_kernel_ffn", fused16_one), ("fused_attn_out", fused16_ao),
-                   ("fused_attn_out_one_kernel_ffn", fused16_ao_one))
+                   ("fused_attn_out_one_kernel_ffn", fused16_ao_one), ("fused_attn_out_split_ln", fused16_ao_ln))
     cfg = est32.cfg
 
     def step(name: str, fn) -> None:  # noqa: ANN001
@@ -164,7 +165,9 @@ def main() -> int:
     def kernels() -> dict:
         r = {"expected_fused": kernels_per_forward(cfg.n_blocks, cfg.num_mid_blocks),
              "expected_fused_one_kernel_ffn": kernels_per_forward(cfg.n_blocks, cfg.num_mid_blocks, True),
-             "expected_fused_attn_out": kernels_per_forward(cfg.n_blocks, cfg.num_mid_blocks, False, True)}
+             "expected_fused_attn_out": kernels_per_forward(cfg.n_blocks, cfg.num_mid_blocks, False, True),
+             "expected_fused_attn_out_split_ln": kernels_per_forward(cfg.n_blocks, cfg.num_mid_blocks, False, True,
+                                                                     True)}
         with torch.inference_mode():
             for frames in (56, 206):
                 a = estimator_inputs(cfg, 2, frames, torch.bfloat16)
@@ -241,7 +244,8 @@ def main() -> int:
     for frames in (56, 206):
         print(f"kernels/forward {frames} frames: " + "  ".join(
             f"{name} {k.get(f'{name}_{frames}')}" for name in ("cudagraph", "fused", "fused_one_kernel_ffn",
-                                                               "fused_attn_out", "fused_attn_out_one_kernel_ffn")))
+                                                               "fused_attn_out", "fused_attn_out_one_kernel_ffn",
+                                                               "fused_attn_out_split_ln")))
     for key, v in res.get("timing_ms_bf16", {}).items():
         print(f"graph replay ms {key}: {v}")
     for key, v in res.get("variants_ms_bf16", {}).items():

@@ -171,3 +171,19 @@ def test_attention_out_is_attention_then_out_projection(chunk):
     out = attention_out(qkv, mask, bsz, heads, d, chunk, wo, bo, res, out=nan(bsz * frames, c))
     ref = F.linear(attention(qkv, mask, bsz, heads, d, chunk), wo, bo) + res
     assert (out - ref).abs().max().item() <= TOL
+
+
+def test_row_epilogue_is_the_conv_epilogue():
+    """GEMM-only conv + row pass = the conv with its LayerNorm epilogue fused."""
+    from cosyvoice_fast.kernels.estimator_conv import row_epilogue
+
+    bsz, frames, c, n = 2, 11, 24, 40
+    x, r, vec = rnd(bsz * frames, c), rnd(bsz * frames, n), rnd(bsz, n)
+    m = torch.ones(bsz, frames, device=DEV)
+    m[0, 6:] = 0
+    m = m.reshape(-1)
+    w, b, g, beta = pack_conv_weight(rnd(n, c, 3) / 5), rnd(n), rnd(n), rnd(n)
+    fused = causal_conv(x, m, w, b, frames, ln=(g, beta, 1e-5), act=ACT_MISH, out_mask=True, vec=vec, residual=r)
+    split = row_epilogue(causal_conv(x, m, w, b, frames), m, (g, beta, 1e-5), frames, act=ACT_MISH, vec=vec,
+                         residual=r)
+    assert (split - fused).abs().max().item() <= TOL

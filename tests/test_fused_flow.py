@@ -35,7 +35,8 @@ def small():
 
 
 @pytest.mark.parametrize("streaming,options", [(True, {}), (False, {}),
-                                               (True, {"ffn_one_kernel": True, "attention_out_fused": True})])
+                                               (True, {"ffn_one_kernel": True, "attention_out_fused": True,
+                                                       "resnet_split_ln": True})])
 def test_fused_equals_eager_on_padded_batched_rows(small, streaming, options):
     """Two requests' CFG rows (4 rows) of different lengths plus an all-padding row: every real frame equals
     eager, padded frames and the empty row are exactly 0, and a row equals its own unpadded run."""
@@ -97,6 +98,7 @@ def test_kernel_count_formula():
     assert kernels_per_forward(4, 12) == 316  # CosyVoice2: 14 ResNet blocks, 56 transformer blocks
     assert kernels_per_forward(4, 12, ffn_one_kernel=True) == 260
     assert kernels_per_forward(4, 12, ffn_one_kernel=True, attention_out_fused=True) == 204
+    assert kernels_per_forward(4, 12, attention_out_fused=True, resnet_split_ln=True) == 288
 
 
 # -------------------------------------------------------------------------------------- GPU, full size
@@ -141,7 +143,7 @@ def test_gpu_full_size_fp32_and_bf16(full, no_tf32, frames, streaming):
 
 
 @_gpu
-@pytest.mark.parametrize("options", [{"attention_out_fused": True}, {"ffn_one_kernel": True}])
+@pytest.mark.parametrize("options", [{"attention_out_fused": True, "resnet_split_ln": True}, {"ffn_one_kernel": True}])
 def test_gpu_full_size_fp32_kernel_options(full, no_tf32, options):
     est32, _ = full
     args = estimator_inputs(est32.cfg, 2, 206, torch.float32, seed=7)

@@ -11,6 +11,10 @@ whole rows), Mish, ``* mask``, ``+ vec[b]`` (the ResNet block's time embedding),
 weight (``res_w``, a 1x1 conv over the same masked input at frame ``t``) can be accumulated in the same K loop
 (it is the last tap's tile) and stored separately: the ResNet block's residual projection, read back by its
 second conv's epilogue.  A ResNet block is thus two kernels.
+
+The LayerNorm epilogue needs whole rows in one program, so those convs run on few programs that each stream
+the whole weight.  :func:`row_epilogue` is the same epilogue as a separate row-wise pass, so a conv can instead
+run as a GEMM spread over N plus that pass (two launches, many more programs).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .estimator_linear import _act, _mm, _pow2, pick_tiles
+from .estimator_linear import _act, _mm, _pow2, interpreting, pick_tiles
 
 #: Tile sizes and launch settings for 16-bit operands (see ``estimator_linear.TUNING``); ``ln_*`` apply to
 #: the LayerNorm-epilogue variant, whose programs hold whole rows.  fp32 uses :data:`FP32_TILES`.
@@ -144,4 +148,46 @@ def causal_conv(x1: Tensor, mask: Tensor, weight: Tensor, bias: Tensor, frames: 
         HAS_VEC=vec is not None, HAS_RES=residual is not None, HAS_RW=res_weight is not None,
         IEEE=fp32, BM=bm, BN=bn, BK=bk, num_warps=tiles["ln_warps"] if ln is not None else tiles["warps"],
         num_stages=tiles["stages"])
+    return y
+
+
+@triton.jit
+def _row_kernel(x_ptr, mask_ptr, lnw_ptr, lnb_ptr, vec_ptr, res_ptr, y_ptr, M, T, N, stride_vec, eps,
+                ACT: tl.constexpr, HAS_VEC: tl.constexpr, HAS_RES: tl.constexpr, BM: tl.constexpr,
+                BN: tl.constexpr):
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.arange(0, BN)
+    m_ok = rm < M
+    n_ok = rn < N
+    ok = m_ok[:, None] & n_ok[None, :]
+    x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=ok, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / N
+    xc = tl.where(ok, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    g = tl.load(lnw_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    bb = tl.load(lnb_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    y = _act(xc * rstd[:, None] * g[None, :] + bb[None, :], ACT)
+    y *= tl.load(mask_ptr + rm, mask=m_ok, other=0.0).to(tl.float32)[:, None]
+    if HAS_VEC:
+        b = rm // T
+        y += tl.load(vec_ptr + b[:, None] * stride_vec + rn[None, :], mask=ok, other=0.0).to(tl.float32)
+    if HAS_RES:
+        y += tl.load(res_ptr + rm[:, None] * N + rn[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def row_epilogue(x: Tensor, mask: Tensor, ln: tuple[Tensor, Tensor, float], frames: int, *, act: int = 0,
+                 vec: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
+    """``act(LayerNorm(x)) * mask (+ vec[b]) (+ residual)`` over rows ``b·frames + t`` of contiguous x (M, N):
+    the LayerNorm epilogue of :func:`causal_conv` as its own pass."""
+    m, n = x.shape
+    if not x.is_contiguous() or mask.numel() != m or m % frames:
+        raise ValueError(f"row_epilogue: need contiguous x (M, N) with a (M,) mask and M a multiple of {frames}")
+    y = torch.empty_like(x)
+    bm = 64 if interpreting() else 8
+    _row_kernel[(triton.cdiv(m, bm),)](x, mask, ln[0], ln[1], vec if vec is not None else x,
+                                      residual if residual is not None else x, y, m, frames, n,
+                                      vec.stride(0) if vec is not None else 0, float(ln[2]), ACT=act,
+                                      HAS_VEC=vec is not None, HAS_RES=residual is not None, BM=bm,
+                                      BN=_pow2(n), num_warps=4)
     return y

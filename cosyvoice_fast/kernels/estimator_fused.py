@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from ..models.flow_decoder import _GELU_APPROXIMATION, CausalConditionalDecoder, SelfAttention
 from .estimator_attention import attention, attention_out
-from .estimator_conv import causal_conv, pack_conv_weight
+from .estimator_conv import causal_conv, pack_conv_weight, row_epilogue
 from .estimator_linear import ACT_GELU, ACT_MISH, ACT_SILU, PRO_LN, PRO_MISH, PRO_SINUS, ffn, linear
 
 
@@ -86,13 +86,16 @@ class FusedEstimator(nn.Module):
     interpreter on CPU)."""
 
     def __init__(self, estimator: CausalConditionalDecoder, ffn_one_kernel: bool = False,
-                 attention_out_fused: bool = False):
+                 attention_out_fused: bool = False, resnet_split_ln: bool = False):
         """``ffn_one_kernel=True`` runs each feed-forward as one kernel (:func:`ffn`, 4 launches per transformer
         block instead of 5); the default two GEMMs (LN+FF1+GELU, FF2+residual) spread the weights over many
         more programs and measured faster on an H100 (BENCHMARKS.md).  ``attention_out_fused=True`` folds the
         out-projection and residual into the attention kernel (:func:`attention_out`; one launch fewer per
-        block; not yet timed on a GPU, hence off)."""
+        block; not yet timed on a GPU, hence off).  ``resnet_split_ln=True`` runs each ResNet conv as a GEMM
+        spread over output channels plus a row-wise LayerNorm pass (:func:`row_epilogue`) instead of one
+        whole-row kernel (two launches more per ResNet block; not yet timed, hence off)."""
         super().__init__()
+        self.resnet_split_ln = resnet_split_ln
         self.ffn_one_kernel = ffn_one_kernel
         self.attention_out_fused = attention_out_fused
         cfg = estimator.cfg
@@ -153,9 +156,16 @@ class FusedEstimator(nn.Module):
         w = p["resnets"][i]
         n = r.block1.block[0].weight.shape[0]
         res = torch.empty(h.shape[0], n, device=h.device, dtype=h.dtype)
+        vec = tall[:, i * n:(i + 1) * n]
+        if self.resnet_split_ln:
+            y1 = causal_conv(h, mask, w["w1"], r.block1.block[0].bias, frames, x2=skip, res_weight=w["wr"],
+                             res_bias=r.res_conv.bias, res_out=res)
+            h1 = row_epilogue(y1, mask, _ln(r.block1.block[2]), frames, act=ACT_MISH, vec=vec)
+            y2 = causal_conv(h1, mask, w["w2"], r.block2.block[0].bias, frames)
+            return row_epilogue(y2, mask, _ln(r.block2.block[2]), frames, act=ACT_MISH, residual=res)
         h1 = causal_conv(h, mask, w["w1"], r.block1.block[0].bias, frames, x2=skip, ln=_ln(r.block1.block[2]),
-                         act=ACT_MISH, out_mask=True, vec=tall[:, i * n:(i + 1) * n], res_weight=w["wr"],
-                         res_bias=r.res_conv.bias, res_out=res)
+                         act=ACT_MISH, out_mask=True, vec=vec, res_weight=w["wr"], res_bias=r.res_conv.bias,
+                         res_out=res)
         return causal_conv(h1, mask, w["w2"], r.block2.block[0].bias, frames, ln=_ln(r.block2.block[2]),
                            act=ACT_MISH, out_mask=True, residual=res)
 
@@ -214,9 +224,9 @@ class FusedEstimator(nn.Module):
 
 
 def kernels_per_forward(n_blocks: int, num_mid_blocks: int, ffn_one_kernel: bool = False,
-                        attention_out_fused: bool = False) -> int:
-    """Launches of one fused forward of the one-level U-Net: 3 time-embedding GEMMs, the input pack, 2 per
-    ResNet block, 3 to 5 per transformer block, the down/up/final convs and the output projection."""
+                        attention_out_fused: bool = False, resnet_split_ln: bool = False) -> int:
+    """Launches of one fused forward of the one-level U-Net: 3 time-embedding GEMMs, the input pack, 2 (or 4)
+    per ResNet block, 3 to 5 per transformer block, the down/up/final convs and the output projection."""
     resnets = 2 + num_mid_blocks
     per_block = 5 - int(ffn_one_kernel) - int(attention_out_fused)
-    return 3 + 1 + 2 * resnets + per_block * n_blocks * resnets + 4
+    return 3 + 1 + (4 if resnet_split_ln else 2) * resnets + per_block * n_blocks * resnets + 4
