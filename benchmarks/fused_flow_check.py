@@ -61,7 +61,8 @@ def err_stats(a: torch.Tensor, ref: torch.Tensor) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--step-timeout", type=int, default=150, help="seconds per step (step 1 compiles every fp32 and bf16 kernel: 60 s was too short)")
+    ap.add_argument("--step-timeout", type=int, default=150,
+                    help="seconds per step (step 1 compiles every fp32 and bf16 kernel: 60 s was too short)")
     ap.add_argument("--iters", type=int, default=30)
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -227,7 +227,8 @@ def test_estimator_flops_counts_every_frame_gemm(small, streaming):
         elif out.dim() == 3:  # per-frame Linear (the time-embedding Linears act on (B, C) and are not counted)
             total.append(2 * out.numel() * mod.in_features)
 
-    hooks = [m.register_forward_hook(hook) for m in small.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d))]
+    hooks = [m.register_forward_hook(hook) for m in small.modules()
+             if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d))]
     try:
         with torch.no_grad():
             small(*estimator_inputs(small.cfg, rows, frames, torch.float32, "cpu"), streaming)

@@ -27,7 +27,7 @@ from torch import Tensor
 #: the kernels compile).  fp32 operands use :data:`FP32_TILES` (IEEE fp32 dots need smaller tiles).
 TUNING = {"bm": 32, "bn": 64, "bk": 128, "warps": 8, "stages": 3, "ffn_bm": 16, "ffn_bh": 64}
 FP32_TILES = {"bm": 32, "bn": 64, "bk": 64, "warps": 4, "stages": 3}
-#: Under the CPU interpreter every program is a Python loop iteration: fewer, taller tiles run ~5x faster.
+#: Under the CPU interpreter every program is a Python loop iteration: fewer, taller tiles run much faster.
 INTERPRETER_TILES = {"bm": 128, "bn": 64, "bk": 64, "warps": 4, "stages": 1}
 
 
@@ -145,8 +145,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: i
 
     ``prologue``: :data:`PRO_LN` (``ln`` = (gamma, beta, eps)), :data:`PRO_MISH`, or :data:`PRO_SINUS`, where
     ``x`` is the (M,) flow time and row ``m`` is ``[sin | cos](sinus_scale · t · freqs)`` (``freqs``: the K/2
-    fp32 frequencies, passed in so they are bit-identical to the eager embedding's).  ``out_btc = (B, T)`` stores row ``b·T + t``, column ``n`` at
-    ``out[b, n, t]`` of a (B, N, T) tensor (the estimator's output layout); otherwise ``out`` is (M, N).
+    fp32 frequencies, passed in so they are bit-identical to the eager embedding's).  ``out_btc = (B, T)``
+    stores row ``b·T + t``, column ``n`` at ``out[b, n, t]`` of a (B, N, T) tensor (the estimator's output
+    layout); otherwise ``out`` is (M, N).
     """
     n, k = weight.shape
     m = x.shape[0]
