@@ -1,1 +1,1 @@
-"""Triton kernels of the ``fused`` backend (CUDA; on CPU they run through ``TRITON_INTERPRET=1``)."""
+"""Triton kernels of the ``fused`` backends (one module per fused block; CPU runs them with TRITON_INTERPRET=1)."""
