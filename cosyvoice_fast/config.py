@@ -382,7 +382,7 @@ def default_dtype(device: torch.device | str) -> str:
 
 #: every backend name each stage accepts (whether it can run on this machine is ``backends.base``'s business)
 BACKEND_CHOICES: dict[str, tuple[str, ...]] = {"llm": ("eager", "cudagraph", "fused", "trtllm"),
-                                               "flow": ("eager", "incremental", "cudagraph", "tensorrt"),
+                                               "flow": ("eager", "incremental", "cudagraph", "fused", "tensorrt"),
                                                "vocoder": ("eager", "cudagraph")}
 
 
@@ -394,7 +394,7 @@ class BackendConfig:
     (keys/values and conv context of the frames already made, and of the prompt, cached per voice) and compute
     only their new frames; off, every chunk recomputes the whole prefix as upstream does.  Both give the same
     streaming chunks (within float rounding); final chunks are upstream's full-attention pass either way.  The
-    ``tensorrt`` flow always recomputes (its engine has no state inputs); ``incremental`` as a flow name is the
+    ``tensorrt`` and ``fused`` flows always recompute (no state inputs); ``incremental`` as a flow name is the
     eager flow with the flag on.
     """
 

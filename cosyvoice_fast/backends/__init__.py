@@ -74,6 +74,11 @@ def _build_flow(models: Any, name: str, flow: torch.nn.Module, engine: EngineCon
         return CudaGraphFlow(flow, models.config, incremental=name == "cudagraph-incremental",
                              buckets=engine.flow_buckets, rows=engine.flow_rows,
                              capture_at_start=engine.capture_at_start)
+    if name == "fused":
+        from .fused_flow import FusedFlow
+
+        return FusedFlow(flow, models.config, buckets=engine.flow_buckets, rows=engine.flow_rows,
+                         capture_at_start=engine.capture_at_start)
     from .tensorrt_flow import TensorRTFlow
 
     return TensorRTFlow(flow, models.config)

@@ -190,6 +190,10 @@ def available_backends(device: torch.device | str, engines_dir: str | Path = "en
                                                           "build-engines --model-dir DIR"))
     else:
         out.append(BackendInfo("flow", "tensorrt", True))
+    from .fused_flow import why_unavailable as fused_flow_unavailable
+
+    fused_flow_off = fused_flow_unavailable() if cuda else no_cuda
+    out.append(BackendInfo("flow", "fused", fused_flow_off is None, fused_flow_off or ""))
     if not cuda:
         out.append(BackendInfo("llm", "trtllm", False, no_cuda))
     elif not _has("tensorrt_llm"):

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -282,11 +282,14 @@ class CudaGraphFlow:
     def __init__(self, flow: torch.nn.Module, config: ModelConfig, granularity: int | None = None,
                  max_frames: int = DEFAULT_MAX_FRAMES, max_graphs: int = 128, incremental: bool = True,
                  state_frames: int | None = None, buckets: Sequence[int] | None = None,
-                 rows: Sequence[int] | None = None, capture_at_start: bool = False, progress: bool = True):
+                 rows: Sequence[int] | None = None, capture_at_start: bool = False, progress: bool = True,
+                 estimator: Callable[[torch.nn.Module], torch.nn.Module] | None = None):
         """``buckets`` / ``rows`` (``EngineConfig.flow_buckets`` / ``flow_rows``): the estimator lengths and
         requests per solve to serve from graphs; with ``capture_at_start`` every one of them (both attention
         modes) and every incremental shape is captured here and nothing is captured later (uncaptured shapes
-        run eagerly; the exact-shape encoder graphs still capture on a new length)."""
+        run eagerly; the exact-shape encoder graphs still capture on a new length).  ``estimator`` maps the
+        model's estimator (projections already fused) to the module the graphs capture instead of it (the
+        ``fused`` backend's kernels)."""
         reason = why_unavailable(flow)
         if reason is not None:
             raise BackendUnavailable(reason)
@@ -295,7 +298,8 @@ class CudaGraphFlow:
         est = flow.decoder.estimator
         est.fuse_projections()  # q/k/v as one GEMM per attention block: same values, fewer kernels per step
         gran = granularity or est.cfg.static_chunk_size or 50
-        self.estimator = GraphEstimator(est, next(flow.parameters()).device, gran, max_frames, max_graphs, buckets)
+        self.estimator = GraphEstimator(estimator(est) if estimator else est, next(flow.parameters()).device, gran,
+                                        max_frames, max_graphs, buckets)
         self.encoder = GraphEncoder(flow, next(flow.parameters()).device)
         if rows:
             self.max_batch = min(max(rows), ROW_SIZES[-1] // 2)

@@ -1,0 +1,264 @@
+"""One GPU run for the fused flow estimator: correctness at full size, kernel counts, graph-replay times.
+
+    PYTHONUNBUFFERED=1 python benchmarks/fused_flow_check.py --out $OUT/fused_flow_check.json
+
+Full-size estimator (CosyVoice2 DecoderConfig) with seeded random weights (timing does not depend on values).
+1. fp32 and bf16 estimator outputs vs eager fp32 (TF32 off), CFG pair at 56 / 206 frames, chunk and full
+   attention; a padded batch (rows of different lengths, one all-padding row) vs each row alone.
+2. mel of a whole guided 10-step solve (206 frames) vs eager fp32: max, p99.9, mean |error|.
+3. kernels per forward (torch.profiler), cudagraph (eager estimator) vs fused.
+4. one forward as a CUDA graph replay (median of CUDA events) at 56 and 206 frames, bf16, for every fused
+   configuration (FFN in one or two kernels, out-projection inside the attention kernel or not) and tile variant.
+Every step runs under an alarm; the JSON is rewritten after each step, and a table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cosyvoice_fast.config import CFMConfig, DecoderConfig  # noqa: E402
+from cosyvoice_fast.kernels.estimator_fused import FusedEstimator, kernels_per_forward  # noqa: E402
+from cosyvoice_fast.kernels import estimator_conv, estimator_linear  # noqa: E402
+from cosyvoice_fast.kernels.estimator_profile import (count_kernels, estimator_inputs,  # noqa: E402
+                                                      graph_replay_ms, kernel_times)
+
+# Named tile settings timed in step 5 (a handful, not a sweep): (linear TUNING, conv TUNING) overrides.
+# ("base" was the default in run 2; "bk128_warps8", the fastest there, is the default since.)
+VARIANTS = {
+    "default": ({}, {}),
+    "base": ({"bk": 64, "warps": 4}, {"bk": 64, "warps": 4}),
+    "bk128_warps4": ({"warps": 4}, {"warps": 4}),
+    "conv_ln_bm32": ({}, {"ln_bm": 32}),
+    "bk256": ({"bk": 256}, {"bk": 256}),  # K <= 256 GEMMs (q/k/v, FF1) in one K step: fewer serial loads
+}
+from cosyvoice_fast.models.cfm import CausalCFM  # noqa: E402
+
+
+class StepTimeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):  # noqa: ANN001
+    raise StepTimeout()
+
+
+def err_stats(a: torch.Tensor, ref: torch.Tensor) -> dict:
+    d = (a.float() - ref.float()).abs().flatten()
+    k = max(1, int(round(0.999 * d.numel())))
+    return {"max": d.max().item(), "p99.9": d.kthvalue(k).values.item(), "mean": d.mean().item(),
+            "ref_absmax": ref.abs().max().item(), "finite": bool(torch.isfinite(a).all())}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--step-timeout", type=int, default=150,
+                    help="seconds per step (step 1 compiles every fp32 and bf16 kernel: 60 s was too short)")
+    ap.add_argument("--iters", type=int, default=30)
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    signal.signal(signal.SIGALRM, _alarm)
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    try:
+        import triton
+        res["triton"] = triton.__version__
+    except ImportError:
+        pass
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        out.write_text(json.dumps(res, indent=1))
+
+    torch.manual_seed(0)
+    cfm32 = CausalCFM(CFMConfig(), DecoderConfig()).cuda().eval()
+    est32 = cfm32.estimator
+    cfm16 = CausalCFM(CFMConfig(), DecoderConfig()).cuda().eval()
+    cfm16.load_state_dict(cfm32.state_dict())
+    cfm16 = cfm16.to(torch.bfloat16)
+    est16 = cfm16.estimator
+    fused32, fused16 = FusedEstimator(est32), FusedEstimator(est16)
+    fused16_one = FusedEstimator(est16, ffn_one_kernel=True)
+    fused16_ao = FusedEstimator(est16, attention_out_fused=True)
+    fused16_ao_one = FusedEstimator(est16, ffn_one_kernel=True, attention_out_fused=True)
+    fused16_ao_ln = FusedEstimator(est16, attention_out_fused=True, resnet_split_ln=True)
+    # (name, module) of every fused configuration counted and timed
+    fused_modes = (("fused", fused16), ("fused_one_kernel_ffn", fused16_one), ("fused_attn_out", fused16_ao),
+                   ("fused_attn_out_one_kernel_ffn", fused16_ao_one), ("fused_attn_out_split_ln", fused16_ao_ln))
+    cfg = est32.cfg
+
+    def step(name: str, fn) -> None:  # noqa: ANN001
+        t0 = time.time()
+        signal.alarm(args.step_timeout)
+        try:
+            res[name] = fn()
+        except StepTimeout:
+            res[name] = {"error": f"timed out after {args.step_timeout} s"}
+        except Exception as e:  # noqa: BLE001 - record and go on to the next step
+            res[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        finally:
+            signal.alarm(0)
+        res.setdefault("step_seconds", {})[name] = round(time.time() - t0, 1)
+        print(f"[{name}] {time.time() - t0:.1f} s: {json.dumps(res[name])[:400]}", flush=True)
+        save()
+
+    def estimator_errors() -> dict:
+        r = {}
+        with torch.inference_mode():
+            for frames in (56, 206):
+                for streaming in (True, False):
+                    a32 = estimator_inputs(cfg, 2, frames, torch.float32, seed=frames)
+                    a16 = tuple(z.to(torch.bfloat16) for z in a32)
+                    ref = est32(*a32, streaming)
+                    key = f"{frames}_{'chunk' if streaming else 'full'}"
+                    r[key] = {"fused_fp32": err_stats(fused32(*a32, streaming), ref),
+                              "eager_bf16": err_stats(est16(*a16, streaming), ref),
+                              "fused_bf16": err_stats(fused16(*a16, streaming), ref)}
+        return r
+
+    def padding() -> dict:
+        r = {}
+        valid = [206, 131, 0, 77]
+        with torch.inference_mode():
+            for dtype, fused in ((torch.float32, fused32), (torch.bfloat16, fused16)):
+                a = estimator_inputs(cfg, 4, 206, dtype, valid=valid, seed=1)
+                for streaming in (True, False):
+                    outb = fused(*a, streaming)
+                    worst = 0.0
+                    for row, n in enumerate(valid):
+                        if n == 0:
+                            worst = max(worst, outb[row].float().abs().max().item())  # must be exactly 0
+                            continue
+                        alone = fused(*(z[row:row + 1, ..., :n] if z.dim() == 3 else z[row:row + 1] for z in a),
+                                      streaming)
+                        worst = max(worst, (outb[row:row + 1, :, :n] - alone).float().abs().max().item())
+                    r[f"{str(dtype)[6:]}_{'chunk' if streaming else 'full'}"] = {
+                        "max_abs_diff_padded_vs_alone": worst, "finite": bool(torch.isfinite(outb).all())}
+        return r
+
+    def solve() -> dict:
+        frames = 206
+        g = torch.Generator().manual_seed(5)
+        mu = torch.randn(1, 80, frames, generator=g).cuda()
+        spks = torch.randn(1, 80, generator=g).cuda()
+        cond = torch.zeros(1, 80, frames).cuda()
+        cond[:, :, :60] = torch.randn(1, 80, 60, generator=g).cuda()
+        mask = torch.ones(1, 1, frames).cuda()
+        r = {}
+        with torch.inference_mode():
+            ref = cfm32.solve_batch(mu, mask, spks, cond, streaming=True)
+            r["fused_fp32"] = err_stats(cfm32.solve_batch(mu, mask, spks, cond, streaming=True, estimator=fused32), ref)
+            b = [z.to(torch.bfloat16) for z in (mu, mask, spks, cond)]
+            r["eager_bf16"] = err_stats(cfm16.solve_batch(*b, streaming=True), ref)
+            r["fused_bf16"] = err_stats(cfm16.solve_batch(*b, streaming=True, estimator=fused16), ref)
+        return r
+
+    def kernels() -> dict:
+        r = {"expected_fused": kernels_per_forward(cfg.n_blocks, cfg.num_mid_blocks),
+             "expected_fused_one_kernel_ffn": kernels_per_forward(cfg.n_blocks, cfg.num_mid_blocks, True),
+             "expected_fused_attn_out": kernels_per_forward(cfg.n_blocks, cfg.num_mid_blocks, False, True),
+             "expected_fused_attn_out_split_ln": kernels_per_forward(cfg.n_blocks, cfg.num_mid_blocks, False, True,
+                                                                     True)}
+        with torch.inference_mode():
+            for frames in (56, 206):
+                a = estimator_inputs(cfg, 2, frames, torch.bfloat16)
+                for name, mod in (("cudagraph", est16), *fused_modes):
+                    mod(*a, True)
+                    r[f"{name}_{frames}"] = count_kernels(lambda: mod(*a, True))  # noqa: B023
+        return r
+
+    shapes = ((2, 56, True), (2, 206, True), (2, 206, False), (8, 206, True))
+
+    def timing() -> dict:
+        r = {}
+        with torch.inference_mode():
+            for rows, frames, streaming in shapes:
+                a = estimator_inputs(cfg, rows, frames, torch.bfloat16)
+                key = f"rows{rows}_{frames}_{'chunk' if streaming else 'full'}"
+                r[key] = {name: round(graph_replay_ms(lambda: mod(*a, streaming), iters=args.iters), 4)  # noqa: B023
+                          for name, mod in (("cudagraph", est16), *fused_modes)}
+        return r
+
+    def timeline() -> dict:
+        """Per-kernel GPU time of one fused forward (launch order), summed by position in the block pattern."""
+        r = {}
+        with torch.inference_mode():
+            for frames in (56, 206):
+                a = estimator_inputs(cfg, 2, frames, torch.bfloat16)
+                fused16(*a, True)
+                kt = kernel_times(lambda: fused16(*a, True))  # noqa: B023
+                total = sum(us for _, us in kt)
+                by_name: dict[str, list] = {}
+                for name, us in kt:
+                    e = by_name.setdefault(name[:40], [0, 0.0])
+                    e[0] += 1
+                    e[1] += us
+                # first ResNet block and first transformer block, kernel by kernel (after 3 temb + pack)
+                r[f"2x{frames}"] = {"kernels": len(kt), "sum_kernel_us": round(total, 1),
+                                    "by_name_count_us": {k: [v[0], round(v[1], 1)] for k, v in by_name.items()},
+                                    "first_blocks_us": [[n[:24], round(us, 2)] for n, us in kt[:12]]}
+        return r
+
+    def variants() -> dict:
+        r = {}
+        lin0, conv0 = dict(estimator_linear.TUNING), dict(estimator_conv.TUNING)
+        with torch.inference_mode():
+            for vname, (lin, conv) in VARIANTS.items():
+                estimator_linear.TUNING.update(lin)
+                estimator_conv.TUNING.update(conv)
+                try:
+                    for rows, frames, streaming in shapes[:2]:
+                        a = estimator_inputs(cfg, rows, frames, torch.bfloat16)
+                        ms = graph_replay_ms(lambda: fused16(*a, streaming), iters=args.iters)  # noqa: B023
+                        r[f"{vname}_rows{rows}_{frames}"] = round(ms, 4)
+                except StepTimeout:
+                    raise
+                except Exception as e:  # noqa: BLE001 - one variant failing must not hide the others
+                    r[vname] = f"{type(e).__name__}: {e}"[:200]
+                finally:
+                    estimator_linear.TUNING.clear()
+                    estimator_linear.TUNING.update(lin0)
+                    estimator_conv.TUNING.clear()
+                    estimator_conv.TUNING.update(conv0)
+        return r
+
+    step("estimator_errors", estimator_errors)
+    step("padding", padding)
+    step("solve_mel_errors", solve)
+    step("kernels", kernels)
+    step("timing_ms_bf16", timing)
+    step("kernel_timeline_bf16", timeline)
+    step("variants_ms_bf16", variants)
+
+    print("\n== fused flow estimator, %s, bf16 unless noted ==" % res["device"])
+    k = res.get("kernels", {})
+    for frames in (56, 206):
+        print(f"kernels/forward {frames} frames: " + "  ".join(
+            f"{name} {k.get(f'{name}_{frames}')}" for name in ("cudagraph", "fused", "fused_one_kernel_ffn",
+                                                               "fused_attn_out", "fused_attn_out_one_kernel_ffn",
+                                                               "fused_attn_out_split_ln")))
+    for key, v in res.get("timing_ms_bf16", {}).items():
+        print(f"graph replay ms {key}: {v}")
+    for key, v in res.get("variants_ms_bf16", {}).items():
+        print(f"variant {key}: {v} ms")
+    for key, v in res.get("kernel_timeline_bf16", {}).items():
+        if "kernels" in v:
+            print(f"timeline {key}: {v['kernels']} kernels, sum of kernel times {v['sum_kernel_us']} us")
+    for key, v in res.get("solve_mel_errors", {}).items():
+        if "max" in v:
+            print(f"mel (10-step solve, 206 fr) {key}: max {v['max']:.3g} p99.9 {v['p99.9']:.3g} mean {v['mean']:.3g}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

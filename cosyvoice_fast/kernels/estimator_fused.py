@@ -1,0 +1,232 @@
+"""The CFM estimator as a chain of fused Triton kernels, with the eager estimator's call signature.
+
+:class:`FusedEstimator` wraps a :class:`~cosyvoice_fast.models.flow_decoder.CausalConditionalDecoder` and
+computes the same function (``(x, mask, mu, t, spks, cond, streaming) -> (B, 80, T)`` velocity) over
+channels-last activations (one row per frame, ``B·T`` rows), so that a transformer block is five kernels
+(LayerNorm+q/k/v, attention, out-projection+residual, the feed-forward as two GEMMs with LayerNorm, GELU and
+the residual fused in, or as one kernel) and a ResNet block two (see
+``estimator_conv``).  The time embedding of every ResNet block is one GEMM for all of them.  The whole
+forward is a fixed sequence of launches with no host synchronisation, so the graph runner of the
+``cudagraph`` flow captures it unchanged.
+
+Weights are read from the wrapped modules: linear weights directly (views), convolution weights and the
+concatenated q/k/v and time-embedding weights as packed copies made on first use and re-made whenever the
+module's parameters change device, dtype or storage (``.to()``, a reload).
+
+Only the released one-level U-Net is supported (``channels`` of length 1): it is the layout every checkpoint
+ships and the one whose resampling convolutions are causal.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor, nn
+
+from ..models.flow_decoder import _GELU_APPROXIMATION, CausalConditionalDecoder, SelfAttention
+from .estimator_attention import attention, attention_out
+from .estimator_conv import causal_conv, pack_conv_weight, row_epilogue
+from .estimator_linear import ACT_GELU, ACT_MISH, ACT_SILU, PRO_LN, PRO_MISH, PRO_SINUS, ffn, linear
+
+
+@triton.jit
+def _pack_kernel(x_ptr, mu_ptr, spk_ptr, cond_ptr, out_ptr, T, C, sxb, sxc, smb, smc, ssb, scb, scc,
+                 BT: tl.constexpr, BC: tl.constexpr):
+    """(B, C, T) x, mu, cond and (B, C) speaker -> rows ``b·T + t`` of ``[x | mu | spk | cond]`` (4·C wide)."""
+    b = tl.program_id(1)
+    rt = tl.program_id(0) * BT + tl.arange(0, BT)
+    rc = tl.arange(0, BC)
+    ok = (rt[:, None] < T) & (rc[None, :] < C)
+    row = out_ptr + (b * T + rt[:, None]) * (4 * C)
+    x = tl.load(x_ptr + b * sxb + rc[None, :] * sxc + rt[:, None], mask=ok, other=0.0)
+    tl.store(row + rc[None, :], x, mask=ok)
+    mu = tl.load(mu_ptr + b * smb + rc[None, :] * smc + rt[:, None], mask=ok, other=0.0)
+    tl.store(row + C + rc[None, :], mu, mask=ok)
+    s = tl.load(spk_ptr + b * ssb + rc, mask=rc < C, other=0.0)
+    tl.store(row + 2 * C + rc[None, :], tl.zeros([BT, BC], dtype=s.dtype) + s[None, :], mask=ok)
+    c = tl.load(cond_ptr + b * scb + rc[None, :] * scc + rt[:, None], mask=ok, other=0.0)
+    tl.store(row + 3 * C + rc[None, :], c, mask=ok)
+
+
+def pack_inputs(x: Tensor, mu: Tensor, spks: Tensor, cond: Tensor) -> Tensor:
+    """The estimator's concatenated input ``[x, mu, spks, cond]`` as (B·T, 4·C) channels-last rows."""
+    b, c, t = x.shape
+    for name, z in (("mu", mu), ("cond", cond)):
+        if z.shape != (b, c, t):
+            raise ValueError(f"estimator input {name} must be ({b}, {c}, {t}) like x, got {tuple(z.shape)}")
+    if spks.shape != (b, c):
+        raise ValueError(f"estimator input spks must be ({b}, {c}), got {tuple(spks.shape)}")
+    x, mu, cond = (z if z.stride(2) == 1 else z.contiguous() for z in (x, mu, cond))
+    spks = spks if spks.stride(1) == 1 else spks.contiguous()
+    out = torch.empty(b * t, 4 * c, device=x.device, dtype=x.dtype)
+    bt = 32
+    _pack_kernel[(triton.cdiv(t, bt), b)](x, mu, spks, cond, out, t, c, x.stride(0), x.stride(1), mu.stride(0),
+                                         mu.stride(1), spks.stride(0), cond.stride(0), cond.stride(1),
+                                         BT=bt, BC=max(16, triton.next_power_of_2(c)), num_warps=4)
+    return out
+
+
+def _frequencies(dim: int, device: torch.device) -> Tensor:
+    """The fp32 frequencies of :func:`~cosyvoice_fast.models.flow_decoder.sinusoidal_embedding`, by the same
+    expression (so the fused time features are bit-identical before the sin/cos)."""
+    half = dim // 2
+    return torch.exp(torch.arange(half, device=device, dtype=torch.float32) * -(math.log(10000) / (half - 1)))
+
+
+def _ln(norm: nn.LayerNorm) -> tuple[Tensor, Tensor, float]:
+    return norm.weight, norm.bias, float(norm.eps)
+
+
+class FusedEstimator(nn.Module):
+    """``forward(x, mask, mu, t, spks, cond, streaming) -> (B, 80, T)``, the estimator's function and call
+    signature, computed by the fused kernels of ``cosyvoice_fast.kernels.estimator_*`` (CUDA, or the Triton
+    interpreter on CPU)."""
+
+    def __init__(self, estimator: CausalConditionalDecoder, ffn_one_kernel: bool = False,
+                 attention_out_fused: bool = False, resnet_split_ln: bool = False):
+        """``ffn_one_kernel=True`` runs each feed-forward as one kernel (:func:`ffn`, 4 launches per transformer
+        block instead of 5); the default two GEMMs (LN+FF1+GELU, FF2+residual) spread the weights over many
+        more programs and measured faster on an H100 (BENCHMARKS.md).  ``attention_out_fused=True`` folds the
+        out-projection and residual into the attention kernel (:func:`attention_out`; one launch fewer per
+        block; not yet timed on a GPU, hence off).  ``resnet_split_ln=True`` runs each ResNet conv as a GEMM
+        spread over output channels plus a row-wise LayerNorm pass (:func:`row_epilogue`) instead of one
+        whole-row kernel (two launches more per ResNet block; not yet timed, hence off)."""
+        super().__init__()
+        self.resnet_split_ln = resnet_split_ln
+        self.ffn_one_kernel = ffn_one_kernel
+        self.attention_out_fused = attention_out_fused
+        cfg = estimator.cfg
+        if len(cfg.channels) != 1:
+            raise ValueError(f"the fused estimator supports one U-Net level (channels of length 1), got "
+                             f"channels={tuple(cfg.channels)}; use the 'cudagraph' flow backend instead")
+        if _GELU_APPROXIMATION.get(cfg.act_fn) != "none":
+            raise ValueError(f"the fused estimator computes the erf GELU; act_fn {cfg.act_fn!r} is not supported")
+        if cfg.attention_head_dim < 16 or cfg.attention_head_dim & (cfg.attention_head_dim - 1):
+            raise ValueError(f"the fused estimator needs attention_head_dim a power of two >= 16, got "
+                             f"{cfg.attention_head_dim}")
+        self.est = estimator
+        self._packed: dict[str, object] | None = None
+        self._key: tuple | None = None
+
+    @property
+    def cfg(self):  # noqa: ANN201 - DecoderConfig (GraphEstimator reads cfg.out_channels)
+        return self.est.cfg
+
+    def _resnets(self) -> list[nn.Module]:
+        est = self.est
+        return [est.down_blocks[0][0]] + [mb[0] for mb in est.mid_blocks] + [est.up_blocks[0][0]]
+
+    def _weights_key(self) -> tuple:
+        # buffers too: SelfAttention.fuse() swaps the q/k/v weights for views of a new fused buffer
+        return tuple((p.data_ptr(), p.dtype, p.device) for p in (*self.est.parameters(), *self.est.buffers()))
+
+    def packed(self) -> dict[str, object]:
+        """Packed copies of the conv, q/k/v and time-embedding weights (re-made when the parameters change)."""
+        key = self._weights_key()
+        if self._packed is not None and key == self._key:
+            return self._packed
+        est = self.est
+        resnets = self._resnets()
+        with torch.no_grad():
+            p: dict[str, object] = {
+                "resnets": [
+                    {"w1": pack_conv_weight(r.block1.block[0].weight), "w2": pack_conv_weight(r.block2.block[0].weight),
+                     "wr": r.res_conv.weight.detach()[:, :, 0].contiguous()} for r in resnets],
+                "temb_w": torch.cat([r.mlp[1].weight.detach() for r in resnets]).contiguous(),
+                "temb_b": torch.cat([r.mlp[1].bias.detach() for r in resnets]).contiguous(),
+                # the fused q/k/v tensor of SelfAttention.fuse when present (no second copy), else one made here
+                "qkv": {id(a): a.qkv_weight if a._fused() else
+                        torch.cat([a.to_q.weight, a.to_k.weight, a.to_v.weight]).detach().contiguous()
+                        for a in est.modules() if isinstance(a, SelfAttention)},
+                "down": pack_conv_weight(est.down_blocks[0][2].weight),
+                "up": pack_conv_weight(est.up_blocks[0][2].weight),
+                "final": pack_conv_weight(est.final_block.block[0].weight),
+                "proj": est.final_proj.weight.detach()[:, :, 0].contiguous(),
+                # the frequencies of sinusoidal_embedding (same expression, so bit-identical)
+                "freqs": _frequencies(est.cfg.in_channels, est.final_proj.weight.device),
+            }
+        self._packed, self._key = p, key
+        return p
+
+    def _resnet(self, i: int, r: nn.Module, h: Tensor, skip: Tensor | None, mask: Tensor, frames: int,
+                tall: Tensor, p: dict) -> Tensor:
+        w = p["resnets"][i]
+        n = r.block1.block[0].weight.shape[0]
+        res = torch.empty(h.shape[0], n, device=h.device, dtype=h.dtype)
+        vec = tall[:, i * n:(i + 1) * n]
+        if self.resnet_split_ln:
+            y1 = causal_conv(h, mask, w["w1"], r.block1.block[0].bias, frames, x2=skip, res_weight=w["wr"],
+                             res_bias=r.res_conv.bias, res_out=res)
+            h1 = row_epilogue(y1, mask, _ln(r.block1.block[2]), frames, act=ACT_MISH, vec=vec)
+            y2 = causal_conv(h1, mask, w["w2"], r.block2.block[0].bias, frames)
+            return row_epilogue(y2, mask, _ln(r.block2.block[2]), frames, act=ACT_MISH, residual=res)
+        h1 = causal_conv(h, mask, w["w1"], r.block1.block[0].bias, frames, x2=skip, ln=_ln(r.block1.block[2]),
+                         act=ACT_MISH, out_mask=True, vec=vec, res_weight=w["wr"], res_bias=r.res_conv.bias,
+                         res_out=res)
+        return causal_conv(h1, mask, w["w2"], r.block2.block[0].bias, frames, ln=_ln(r.block2.block[2]),
+                           act=ACT_MISH, out_mask=True, residual=res)
+
+    def _transformer(self, blk: nn.Module, h: Tensor, mask: Tensor, batch: int, chunk: int, p: dict) -> Tensor:
+        a = blk.attn1
+        qkv = linear(h, p["qkv"][id(a)], prologue=PRO_LN, ln=_ln(blk.norm1))
+        if self.attention_out_fused:
+            h = attention_out(qkv, mask, batch, a.heads, a.head_dim, chunk, a.to_out[0].weight, a.to_out[0].bias, h)
+        else:
+            o = attention(qkv, mask, batch, a.heads, a.head_dim, chunk)
+            h = linear(o, a.to_out[0].weight, a.to_out[0].bias, residual=h)
+        ff = blk.ff.net
+        if self.ffn_one_kernel:
+            return ffn(h, _ln(blk.norm3), ff[0].proj.weight, ff[0].proj.bias, ff[2].weight, ff[2].bias)
+        hid = linear(h, ff[0].proj.weight, ff[0].proj.bias, prologue=PRO_LN, ln=_ln(blk.norm3), act=ACT_GELU)
+        return linear(hid, ff[2].weight, ff[2].bias, residual=h)
+
+    def forward(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
+                streaming: bool = False) -> Tensor:
+        est, cfg = self.est, self.est.cfg
+        p = self.packed()
+        b, _, frames = x.shape
+        if mask.shape != (b, 1, frames):
+            raise ValueError(f"estimator mask must be ({b}, 1, {frames}), got {tuple(mask.shape)}")
+        m = mask.reshape(b * frames)
+        if m.dtype != x.dtype or not m.is_contiguous():
+            m = m.to(x.dtype).contiguous()
+        chunk = cfg.static_chunk_size if streaming else 0
+        tm = est.time_mlp
+        temb = linear(t.reshape(b), tm.linear_1.weight, tm.linear_1.bias, prologue=PRO_SINUS, act=ACT_SILU,
+                      freqs=p["freqs"])
+        temb = linear(temb, tm.linear_2.weight, tm.linear_2.bias)
+        tall = linear(temb, p["temb_w"], p["temb_b"], prologue=PRO_MISH)
+        h = pack_inputs(x, mu, spks, cond)
+        resnet, tblocks, down = est.down_blocks[0]
+        i = 0
+        h = self._resnet(i, resnet, h, None, m, frames, tall, p)
+        for blk in tblocks:
+            h = self._transformer(blk, h, m, b, chunk, p)
+        skip = h
+        h = causal_conv(h, m, p["down"], down.bias, frames)
+        for resnet, tblocks in est.mid_blocks:
+            i += 1
+            h = self._resnet(i, resnet, h, None, m, frames, tall, p)
+            for blk in tblocks:
+                h = self._transformer(blk, h, m, b, chunk, p)
+        resnet, tblocks, up = est.up_blocks[0]
+        i += 1
+        h = self._resnet(i, resnet, h, skip, m, frames, tall, p)
+        for blk in tblocks:
+            h = self._transformer(blk, h, m, b, chunk, p)
+        h = causal_conv(h, m, p["up"], up.bias, frames)
+        fb = est.final_block.block
+        h = causal_conv(h, m, p["final"], fb[0].bias, frames, ln=_ln(fb[2]), act=ACT_MISH, out_mask=True)
+        return linear(h, p["proj"], est.final_proj.bias, rowmask=m, out_btc=(b, frames))
+
+
+def kernels_per_forward(n_blocks: int, num_mid_blocks: int, ffn_one_kernel: bool = False,
+                        attention_out_fused: bool = False, resnet_split_ln: bool = False) -> int:
+    """Launches of one fused forward of the one-level U-Net: 3 time-embedding GEMMs, the input pack, 2 (or 4)
+    per ResNet block, 3 to 5 per transformer block, the down/up/final convs and the output projection."""
+    resnets = 2 + num_mid_blocks
+    per_block = 5 - int(ffn_one_kernel) - int(attention_out_fused)
+    return 3 + 1 + (4 if resnet_split_ln else 2) * resnets + per_block * n_blocks * resnets + 4

@@ -1,0 +1,239 @@
+"""Triton GEMMs of the flow estimator with their neighbours fused in (channels-last rows, one row = one frame).
+
+* :func:`linear` — ``Y = epilogue(prologue(X) @ W^T)``: an optional LayerNorm prologue (row statistics in a
+  first pass over K, so K is not limited by a tile), or a Mish prologue, or the sinusoidal time features
+  computed from the flow time itself; bias, GELU/SiLU, a residual add, a row mask and a strided store (the
+  estimator's last projection writes the (B, 80, T) layout directly) in the epilogue.
+* :func:`ffn` — the whole feed-forward half of a transformer block in one kernel:
+  ``X + b2 + GELU(LN(X) @ W1^T + b1) @ W2^T``; the 4x-wide hidden activation lives only in registers, chunk
+  by chunk.
+
+Accumulation is fp32 everywhere; with fp32 operands the dots run as IEEE fp32 (not TF32) so that the fused
+estimator matches eager PyTorch to 1e-4.  Why these fusions: the estimator is launch-bound (hundreds of tiny
+kernels per forward), so every elementwise/norm pass folded into a GEMM removes a launch and a round trip.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+#: Tile sizes and launch settings for 16-bit operands (the fastest of the few named variants that
+#: ``benchmarks/fused_flow_check.py`` times on an H100, see BENCHMARKS.md; the script changes these before
+#: the kernels compile).  fp32 operands use :data:`FP32_TILES` (IEEE fp32 dots need smaller tiles).
+TUNING = {"bm": 32, "bn": 64, "bk": 128, "warps": 8, "stages": 3, "ffn_bm": 16, "ffn_bh": 64}
+FP32_TILES = {"bm": 32, "bn": 64, "bk": 64, "warps": 4, "stages": 3}
+#: Under the CPU interpreter every program is a Python loop iteration: fewer, taller tiles run much faster.
+INTERPRETER_TILES = {"bm": 128, "bn": 64, "bk": 64, "warps": 4, "stages": 1}
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pick_tiles(fp32: bool, tuning: dict, fp32_tiles: dict, interp_tiles: dict) -> dict:
+    """The tile settings for one launch: interpreter, fp32 or 16-bit."""
+    return interp_tiles if interpreting() else fp32_tiles if fp32 else tuning
+
+# activation codes shared by the estimator kernels
+ACT_NONE, ACT_GELU, ACT_SILU, ACT_MISH = 0, 1, 2, 3
+# prologue codes of :func:`linear`
+PRO_NONE, PRO_LN, PRO_MISH, PRO_SINUS = 0, 1, 2, 3
+
+
+@triton.jit
+def _act(x, ACT: tl.constexpr):
+    """Elementwise activation in fp32 (GELU is the erf form CosyVoice2 uses)."""
+    if ACT == 1:
+        x = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif ACT == 2:
+        x = x / (1.0 + tl.exp(-x))
+    elif ACT == 3:
+        # mish = x * tanh(softplus(x)) = x * n / (n + 2), n = e^x (e^x + 2); softplus is linear past 20
+        e = tl.exp(tl.minimum(x, 20.0))
+        n = e * (e + 2.0)
+        x = tl.where(x > 20.0, x, x * n / (n + 2.0))
+    return x
+
+
+@triton.jit
+def _mm(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, lnw_ptr, lnb_ptr, rowmask_ptr,
+                   M, N, K, stride_xm, stride_rm, rows_per_b, stride_yb, stride_yt, stride_yn,
+                   eps, sinus_scale,
+                   PRO: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
+                   ROWMASK: tl.constexpr, IEEE: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    m_ok = rm < M
+    n_ok = rn < N
+    wdt = w_ptr.dtype.element_ty
+    if PRO == 1:  # LayerNorm statistics of each row, fp32
+        s1 = tl.zeros([BM], dtype=tl.float32)
+        s2 = tl.zeros([BM], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + rk
+            xv = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & (kk[None, :] < K),
+                         other=0.0).to(tl.float32)
+            s1 += tl.sum(xv, axis=1)
+            s2 += tl.sum(xv * xv, axis=1)
+        mean = s1 / K
+        rstd = 1.0 / tl.sqrt(tl.maximum(s2 / K - mean * mean, 0.0) + eps)
+    if PRO == 3:  # sinusoidal flow-time features from t (one scalar per row)
+        tval = tl.load(x_ptr + rm * stride_xm, mask=m_ok, other=0.0).to(tl.float32) * sinus_scale
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        k_ok = kk < K
+        if PRO == 3:
+            half = K // 2
+            idx = tl.where(kk < half, kk, kk - half)
+            freq = tl.load(lnw_ptr + idx, mask=k_ok, other=0.0).to(tl.float32)
+            arg = tval[:, None] * freq[None, :]
+            a = tl.where(kk[None, :] < half, tl.sin(arg), tl.cos(arg))
+            a = tl.where(m_ok[:, None] & k_ok[None, :], a, 0.0).to(wdt)
+        else:
+            a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            if PRO == 1:
+                g = tl.load(lnw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+                bb = tl.load(lnb_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+                a = ((a.to(tl.float32) - mean[:, None]) * rstd[:, None] * g[None, :] + bb[None, :]).to(wdt)
+            elif PRO == 2:
+                a = _act(a.to(tl.float32), 3).to(wdt)
+        w = tl.load(w_ptr + rn[None, :] * K + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        acc += _mm(a, w, IEEE)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    acc = _act(acc, ACT)
+    ok = m_ok[:, None] & n_ok[None, :]
+    if HAS_RES:
+        acc += tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=ok, other=0.0).to(tl.float32)
+    if ROWMASK:
+        acc *= tl.load(rowmask_ptr + rm, mask=m_ok, other=0.0).to(tl.float32)[:, None]
+    bi = rm // rows_per_b
+    ti = rm - bi * rows_per_b
+    dst = y_ptr + bi[:, None] * stride_yb + ti[:, None] * stride_yt + rn[None, :] * stride_yn
+    tl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def _pow2(n: int, lo: int = 16, hi: int | None = None) -> int:
+    p = max(lo, triton.next_power_of_2(n))
+    return p if hi is None else min(p, hi)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: int = PRO_NONE,
+           ln: tuple[Tensor, Tensor, float] | None = None, act: int = ACT_NONE, residual: Tensor | None = None,
+           rowmask: Tensor | None = None, out: Tensor | None = None, out_btc: tuple[int, int] | None = None,
+           freqs: Tensor | None = None, sinus_scale: float = 1000.0) -> Tensor:
+    """``act(prologue(x) @ weight.T + bias) (+ residual) (* rowmask)`` for x (M, K) row-major, weight (N, K).
+
+    ``prologue``: :data:`PRO_LN` (``ln`` = (gamma, beta, eps)), :data:`PRO_MISH`, or :data:`PRO_SINUS`, where
+    ``x`` is the (M,) flow time and row ``m`` is ``[sin | cos](sinus_scale · t · freqs)`` (``freqs``: the K/2
+    fp32 frequencies, passed in so they are bit-identical to the eager embedding's).  ``out_btc = (B, T)``
+    stores row ``b·T + t``, column ``n`` at ``out[b, n, t]`` of a (B, N, T) tensor (the estimator's output
+    layout); otherwise ``out`` is (M, N).
+    """
+    n, k = weight.shape
+    m = x.shape[0]
+    if prologue == PRO_SINUS and x.dim() != 1:
+        raise ValueError(f"linear: the sinusoidal prologue reads a (M,) time vector, got {tuple(x.shape)}")
+    if prologue != PRO_SINUS and (x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1):
+        raise ValueError(f"linear: x must be (M, {k}) with unit column stride, got {tuple(x.shape)}")
+    if not weight.is_contiguous():
+        raise ValueError("linear: weight must be contiguous (N, K)")
+    if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
+        raise ValueError(f"linear: residual must be ({m}, {n}) row-major, got {tuple(residual.shape)}")
+    if out_btc is None:
+        if out is None:
+            out = torch.empty(m, n, device=x.device, dtype=x.dtype if prologue != PRO_SINUS else weight.dtype)
+        rows_per_b, syb, syt, syn = max(m, 1), 0, out.stride(0), out.stride(1)
+    else:
+        b, t = out_btc
+        if out is None:
+            out = torch.empty(b, n, t, device=x.device, dtype=x.dtype)
+        rows_per_b, syb, syt, syn = t, out.stride(0), out.stride(2), out.stride(1)
+    lnw, lnb, eps = ln if ln is not None else (weight, weight, 0.0)
+    if prologue == PRO_LN and ln is None:
+        raise ValueError("linear: the LayerNorm prologue needs ln=(gamma, beta, eps)")
+    if prologue == PRO_SINUS:
+        if freqs is None or freqs.numel() != k // 2 or freqs.dtype != torch.float32 or k % 2:
+            raise ValueError(f"linear: the sinusoidal prologue needs {k // 2} fp32 freqs and an even K ({k})")
+        lnw = freqs
+    tiles = pick_tiles(weight.dtype == torch.float32, TUNING, FP32_TILES, INTERPRETER_TILES)
+    bm = _pow2(m, 16, tiles["bm"])
+    bn = _pow2(n, 16, tiles["bn"])
+    bk = _pow2(k, 16, tiles["bk"])
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _linear_kernel[grid](
+        x, weight, bias if bias is not None else weight, residual if residual is not None else x, out, lnw, lnb,
+        rowmask if rowmask is not None else x,
+        m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0,
+        rows_per_b, syb, syt, syn, float(eps), float(sinus_scale),
+        PRO=prologue, HAS_BIAS=bias is not None, ACT=act, HAS_RES=residual is not None,
+        ROWMASK=rowmask is not None, IEEE=weight.dtype == torch.float32, BM=bm, BN=bn, BK=bk,
+        num_warps=tiles["warps"], num_stages=tiles["stages"])
+    return out
+
+
+@triton.jit
+def _ffn_kernel(x_ptr, y_ptr, lnw_ptr, lnb_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, M, C, H, eps,
+                IEEE: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, BH: tl.constexpr):
+    pid = tl.program_id(0)
+    rm = pid * BM + tl.arange(0, BM)
+    rc = tl.arange(0, BC)
+    rh = tl.arange(0, BH)
+    m_ok = rm < M
+    c_ok = rc < C
+    ok = m_ok[:, None] & c_ok[None, :]
+    wdt = w1_ptr.dtype.element_ty
+    x = tl.load(x_ptr + rm[:, None] * C + rc[None, :], mask=ok, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / C
+    xc = tl.where(ok, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / C + eps)
+    g = tl.load(lnw_ptr + rc, mask=c_ok, other=0.0).to(tl.float32)
+    bb = tl.load(lnb_ptr + rc, mask=c_ok, other=0.0).to(tl.float32)
+    a = (xc * rstd[:, None] * g[None, :] + bb[None, :]).to(wdt)
+    acc = tl.zeros([BM, BC], dtype=tl.float32)
+    for h0 in range(0, H, BH):
+        hh = h0 + rh
+        h_ok = hh < H
+        w1 = tl.load(w1_ptr + hh[None, :] * C + rc[:, None], mask=h_ok[None, :] & c_ok[:, None], other=0.0)
+        hid = _mm(a, w1, IEEE) + tl.load(b1_ptr + hh, mask=h_ok, other=0.0).to(tl.float32)[None, :]
+        hid = _act(hid, 1).to(wdt)
+        w2 = tl.load(w2_ptr + rc[None, :] * H + hh[:, None], mask=c_ok[None, :] & h_ok[:, None], other=0.0)
+        acc += _mm(hid, w2, IEEE)
+    acc += tl.load(b2_ptr + rc, mask=c_ok, other=0.0).to(tl.float32)[None, :] + x
+    tl.store(y_ptr + rm[:, None] * C + rc[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def ffn(x: Tensor, ln: tuple[Tensor, Tensor, float], w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,
+        out: Tensor | None = None) -> Tensor:
+    """``x + b2 + GELU(LN(x) @ w1.T + b1) @ w2.T`` for contiguous x (M, C), w1 (H, C), w2 (C, H), one kernel."""
+    m, c = x.shape
+    h = w1.shape[0]
+    if not x.is_contiguous() or w1.shape != (h, c) or w2.shape != (c, h):
+        raise ValueError(f"ffn: need contiguous x (M, C), w1 (H, C), w2 (C, H); got {tuple(x.shape)}, "
+                         f"{tuple(w1.shape)}, {tuple(w2.shape)}")
+    out = torch.empty_like(x) if out is None else out
+    bm = 64 if interpreting() else TUNING["ffn_bm"]
+    fp32 = w1.dtype == torch.float32
+    _ffn_kernel[(triton.cdiv(m, bm),)](x, out, ln[0], ln[1], w1, b1, w2, b2, m, c, h, float(ln[2]),
+                                      IEEE=fp32, BM=bm, BC=_pow2(c), BH=_pow2(h, 16, 32 if fp32 else TUNING["ffn_bh"]),
+                                      num_warps=8 if c > 128 else 4, num_stages=2 if fp32 else TUNING["stages"])
+    return out

@@ -1,0 +1,189 @@
+"""Each fused estimator kernel against eager PyTorch, at tiny sizes.
+
+On CPU the kernels run through Triton's interpreter (``TRITON_INTERPRET=1``, set here before Triton is
+imported); on a GPU they are compiled.  Inputs are fresh random draws; outputs are pre-filled with NaN where the
+wrapper accepts an output buffer, so a value the kernel forgets to write fails the test.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch.nn.functional as F  # noqa: E402
+
+from cosyvoice_fast.kernels.estimator_attention import attention  # noqa: E402
+from cosyvoice_fast.kernels.estimator_conv import causal_conv, pack_conv_weight  # noqa: E402
+from cosyvoice_fast.kernels.estimator_fused import pack_inputs  # noqa: E402
+from cosyvoice_fast.kernels.estimator_linear import (ACT_GELU, ACT_MISH, ACT_NONE, ACT_SILU, PRO_LN,  # noqa: E402
+                                                     PRO_MISH, PRO_SINUS, ffn, linear)
+from cosyvoice_fast.models.flow_decoder import attention_allowed, sinusoidal_embedding  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = 1e-4
+ACTS = {ACT_NONE: lambda z: z, ACT_GELU: F.gelu, ACT_SILU: F.silu, ACT_MISH: F.mish}
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    """The references must be true fp32 on a GPU too (cuDNN convolutions default to TF32)."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def rnd(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, device=DEV)
+
+
+def nan(*shape: int) -> torch.Tensor:
+    return torch.full(shape, float("nan"), device=DEV)
+
+
+@pytest.mark.parametrize("prologue,act,residual", [(PRO_LN, ACT_GELU, False), (0, ACT_NONE, True),
+                                                   (PRO_MISH, ACT_SILU, False), (0, ACT_MISH, True)])
+def test_linear_matches_torch(prologue, act, residual):
+    m, k, n = 21, 72, 40  # none a tile multiple: every mask edge is exercised
+    x, w, b = rnd(m, k), rnd(n, k) / 8, rnd(n)
+    g, beta = rnd(k), rnd(k)
+    r = rnd(m, n) if residual else None
+    out = linear(x, w, b, prologue=prologue, ln=(g, beta, 1e-5), act=act, residual=r, out=nan(m, n))
+    a = {PRO_LN: lambda z: F.layer_norm(z, (k,), g, beta, 1e-5), PRO_MISH: F.mish}.get(prologue, lambda z: z)(x)
+    ref = ACTS[act](F.linear(a, w, b)) + (r if residual else 0)
+    assert (out - ref).abs().max().item() <= TOL
+
+
+def test_linear_sinusoidal_prologue_is_the_time_embedding():
+    dim, n = 32, 24
+    t = torch.rand(3, device=DEV)
+    w, b = rnd(n, dim) / 4, rnd(n)
+    half = dim // 2
+    import math
+
+    freqs = torch.exp(torch.arange(half, device=DEV, dtype=torch.float32) * -(math.log(10000) / (half - 1)))
+    out = linear(t, w, b, prologue=PRO_SINUS, act=ACT_SILU, freqs=freqs, out=nan(3, n))
+    ref = F.silu(F.linear(sinusoidal_embedding(t, dim), w, b))
+    assert (out - ref).abs().max().item() <= TOL
+    # the CFM passes one time for both CFG rows as an expanded (stride-0) view
+    shared = t[:1].expand(4)
+    out = linear(shared, w, b, prologue=PRO_SINUS, act=ACT_SILU, freqs=freqs, out=nan(4, n))
+    assert (out - F.silu(F.linear(sinusoidal_embedding(shared, dim), w, b))).abs().max().item() <= TOL
+    with pytest.raises(ValueError, match="freqs"):
+        linear(t, w, b, prologue=PRO_SINUS)
+
+
+def test_linear_row_mask_and_channel_first_store():
+    bsz, frames, k, n = 2, 13, 32, 20
+    x, w, b = rnd(bsz * frames, k), rnd(n, k), rnd(n)
+    mask = (torch.rand(bsz * frames, device=DEV) > 0.3).float()
+    out = linear(x, w, b, rowmask=mask, out=nan(bsz, n, frames), out_btc=(bsz, frames))
+    ref = (F.linear(x, w, b) * mask[:, None]).view(bsz, frames, n).transpose(1, 2)
+    assert (out - ref).abs().max().item() <= TOL
+
+
+def test_ffn_is_the_transformer_feed_forward():
+    m, c, h = 19, 48, 192
+    x, g, beta = rnd(m, c), rnd(c), rnd(c)
+    w1, b1, w2, b2 = rnd(h, c) / 7, rnd(h), rnd(c, h) / 14, rnd(c)
+    out = ffn(x, (g, beta, 1e-5), w1, b1, w2, b2, out=nan(m, c))
+    ref = x + F.linear(F.gelu(F.linear(F.layer_norm(x, (c,), g, beta, 1e-5), w1, b1)), w2, b2)
+    assert (out - ref).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("chunk", [0, 10])
+def test_attention_with_the_chunk_rule_as_an_index(chunk):
+    bsz, heads, d, frames = 3, 2, 16, 37
+    qkv = rnd(bsz * frames, 3 * heads * d)
+    mask = torch.ones(bsz, 1, frames, device=DEV)
+    mask[1, :, 25:] = 0  # right padding
+    mask[2] = 0  # an all-padding row
+    out = attention(qkv, mask.reshape(-1), bsz, heads, d, chunk, out=nan(bsz * frames, heads * d))
+    q, k, v = qkv.view(bsz, frames, 3, heads, d).permute(2, 0, 3, 1, 4)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_allowed(mask, chunk).unsqueeze(1))
+    ref = ref.transpose(1, 2).reshape(bsz * frames, heads * d)
+    pos = torch.arange(frames, device=DEV)
+    limit = (pos // chunk + 1) * chunk if chunk else torch.full_like(pos, frames)
+    sees = (mask.bool() & (pos[None, None, :] < limit[None, :, None])).any(-1).reshape(-1)  # (B*T,) any key
+    assert sees[:25].all() and not sees[2 * frames:].any()
+    assert (out[sees] - ref[sees]).abs().max().item() <= TOL  # every frame with a visible key equals eager
+    assert torch.isfinite(out).all() and not out[~sees].any()  # frames that see no key are 0, not NaN
+
+
+@pytest.mark.parametrize("two_sources", [False, True])
+def test_causal_conv_resnet_half(two_sources):
+    """conv(x·m) -> LayerNorm -> Mish -> ·m -> + vec[b], plus the 1x1 residual projection of x·m."""
+    bsz, frames, c1, c2, n = 2, 11, 24, 16 if two_sources else 0, 32
+    x1, x2 = rnd(bsz * frames, c1), rnd(bsz * frames, c2) if two_sources else None
+    mask = torch.ones(bsz, frames, device=DEV)
+    mask[1, 7:] = 0
+    m = mask.reshape(-1)
+    w, b, g, beta = rnd(n, c1 + c2, 3) / 6, rnd(n), rnd(n), rnd(n)
+    wr, br, vec = rnd(n, c1 + c2) / 6, rnd(n), rnd(bsz, 3 * n)
+    res = nan(bsz * frames, n)
+    out = causal_conv(x1, m, pack_conv_weight(w), b, frames, x2=x2, ln=(g, beta, 1e-5), act=ACT_MISH,
+                      out_mask=True, vec=vec[:, n:2 * n], res_weight=wr, res_bias=br, res_out=res)
+    xin = x1 if x2 is None else torch.cat([x1, x2], 1)
+    xcf = xin.view(bsz, frames, -1).transpose(1, 2) * mask[:, None]  # (B, C, T), masked
+    conv = F.conv1d(F.pad(xcf, (2, 0)), w, b)
+    h = F.mish(F.layer_norm(conv.transpose(1, 2), (n,), g, beta, 1e-5)) * mask[:, :, None]
+    ref = (h + vec[:, None, n:2 * n]).reshape(bsz * frames, n)
+    ref_res = F.conv1d(xcf, wr[:, :, None], br).transpose(1, 2).reshape(bsz * frames, n)
+    assert (out - ref).abs().max().item() <= TOL
+    assert (res - ref_res).abs().max().item() <= TOL
+
+
+def test_causal_conv_plain_with_residual_add():
+    bsz, frames, c, n = 2, 9, 20, 24
+    x, r = rnd(bsz * frames, c), rnd(bsz * frames, n)
+    m = torch.ones(bsz * frames, device=DEV)
+    w, b = rnd(n, c, 3), rnd(n)
+    out = causal_conv(x, m, pack_conv_weight(w), b, frames, residual=r)
+    xcf = x.view(bsz, frames, c).transpose(1, 2)
+    ref = F.conv1d(F.pad(xcf, (2, 0)), w, b).transpose(1, 2).reshape(bsz * frames, n) + r
+    assert (out - ref).abs().max().item() <= TOL
+    with pytest.raises(ValueError, match="packed"):
+        causal_conv(x, m, w.reshape(n, -1)[:, :-1].contiguous(), b, frames)
+
+
+def test_pack_inputs_is_the_channel_concatenation():
+    bsz, c, frames = 2, 20, 13
+    x, mu, cond, spks = rnd(bsz, c, frames), rnd(bsz, c, frames), rnd(bsz, c, frames), rnd(bsz, c)
+    out = pack_inputs(x, mu, spks, cond)
+    ref = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, frames), cond], 1).transpose(1, 2).reshape(bsz * frames, -1)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("chunk", [0, 10])
+def test_attention_out_is_attention_then_out_projection(chunk):
+    from cosyvoice_fast.kernels.estimator_attention import attention_out
+
+    bsz, heads, d, frames, c = 2, 2, 16, 37, 40
+    qkv = rnd(bsz * frames, 3 * heads * d)
+    mask = torch.ones(bsz * frames, device=DEV)
+    mask[frames + 20:] = 0
+    wo, bo, res = rnd(c, heads * d) / 6, rnd(c), rnd(bsz * frames, c)
+    out = attention_out(qkv, mask, bsz, heads, d, chunk, wo, bo, res, out=nan(bsz * frames, c))
+    ref = F.linear(attention(qkv, mask, bsz, heads, d, chunk), wo, bo) + res
+    assert (out - ref).abs().max().item() <= TOL
+
+
+def test_row_epilogue_is_the_conv_epilogue():
+    """GEMM-only conv + row pass = the conv with its LayerNorm epilogue fused."""
+    from cosyvoice_fast.kernels.estimator_conv import row_epilogue
+
+    bsz, frames, c, n = 2, 11, 24, 40
+    x, r, vec = rnd(bsz * frames, c), rnd(bsz * frames, n), rnd(bsz, n)
+    m = torch.ones(bsz, frames, device=DEV)
+    m[0, 6:] = 0
+    m = m.reshape(-1)
+    w, b, g, beta = pack_conv_weight(rnd(n, c, 3) / 5), rnd(n), rnd(n), rnd(n)
+    fused = causal_conv(x, m, w, b, frames, ln=(g, beta, 1e-5), act=ACT_MISH, out_mask=True, vec=vec, residual=r)
+    split = row_epilogue(causal_conv(x, m, w, b, frames), m, (g, beta, 1e-5), frames, act=ACT_MISH, vec=vec,
+                         residual=r)
+    assert (split - fused).abs().max().item() <= TOL

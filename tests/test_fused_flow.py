@@ -1,0 +1,243 @@
+"""The fused estimator (``kernels/estimator_fused.py``) and the ``fused`` flow backend.
+
+CPU (Triton interpreter, tiny sizes): chunk-causal and full attention, batched rows with right padding and
+an all-padding row, the graph runner's length/row buckets.  GPU (marked ``gpu``; full CosyVoice2 sizes with
+seeded random weights, no fixture files): fp32 within 1e-4 of eager, bf16 no worse than eager bf16 (both
+against eager fp32), padding exact, and the ``fused`` flow stage equal to eager over a streamed schedule.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from cosyvoice_fast.config import DecoderConfig  # noqa: E402
+from cosyvoice_fast.kernels.estimator_fused import FusedEstimator, kernels_per_forward  # noqa: E402
+from cosyvoice_fast.kernels.estimator_profile import estimator_inputs  # noqa: E402
+from cosyvoice_fast.models.flow_decoder import CausalConditionalDecoder  # noqa: E402
+
+TOL = 1e-4
+PAD_TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def small():
+    """A tinier estimator than the fixture's (one mid block, chunk 20) so that the interpreter is quick."""
+    torch.manual_seed(0)
+    cfg = DecoderConfig(channels=(32,), attention_head_dim=16, n_blocks=1, num_mid_blocks=1, num_heads=2,
+                        static_chunk_size=20)
+    return CausalConditionalDecoder(cfg).eval()
+
+
+@pytest.mark.parametrize("streaming,options", [(True, {}), (False, {}),
+                                               (True, {"ffn_one_kernel": True, "attention_out_fused": True,
+                                                       "resnet_split_ln": True})])
+def test_fused_equals_eager_on_padded_batched_rows(small, streaming, options):
+    """Two requests' CFG rows (4 rows) of different lengths plus an all-padding row: every real frame equals
+    eager, padded frames and the empty row are exactly 0, and a row equals its own unpadded run."""
+    valid = [30, 17, 0, 30]
+    args = estimator_inputs(small.cfg, len(valid), 30, torch.float32, "cpu", valid=valid,
+                            seed=int(torch.randint(0, 10**6, (1,))))
+    fused = FusedEstimator(small, **options)
+    with torch.no_grad():
+        out, ref = fused(*args, streaming), small(*args, streaming)
+        alone = fused(*(z[1:2, ..., :17] if z.dim() == 3 else z[1:2] for z in args), streaming)
+    assert (out - ref).abs().max().item() <= TOL
+    assert not out[2].any() and not out[1, :, 17:].any()
+    assert (out[1:2, :, :17] - alone).abs().max().item() <= PAD_TOL
+
+
+def test_fused_estimator_refuses_what_it_does_not_compute():
+    with pytest.raises(ValueError, match="one U-Net level"):
+        FusedEstimator(CausalConditionalDecoder(DecoderConfig(channels=(32, 32), attention_head_dim=16,
+                                                              n_blocks=1, num_mid_blocks=1, num_heads=2)))
+    with pytest.raises(ValueError, match="head_dim"):
+        FusedEstimator(CausalConditionalDecoder(DecoderConfig(channels=(32,), attention_head_dim=24,
+                                                              n_blocks=1, num_mid_blocks=1, num_heads=2)))
+
+
+def test_fused_weights_follow_the_module(small):
+    """Packed weights are re-made when the module's parameters change (a reload / ``.to()``)."""
+    import copy
+
+    est = copy.deepcopy(small)
+    fused = FusedEstimator(est)
+    args = estimator_inputs(est.cfg, 2, 20, torch.float32, "cpu", seed=3)
+    with torch.no_grad():
+        fused(*args, True)
+        conv = est.down_blocks[0][0].block1.block[0]
+        conv.weight = torch.nn.Parameter(conv.weight * 1.5)
+        assert (fused(*args, True) - est(*args, True)).abs().max().item() <= TOL
+        est.fuse_projections()  # what the graph backends do: q/k/v become views of one buffer, reused as is
+        attn = est.mid_blocks[0][1][0].attn1
+        attn.to_k.weight.mul_(0.5)
+        assert (fused(*args, True) - est(*args, True)).abs().max().item() <= TOL
+        assert fused.packed()["qkv"][id(attn)] is attn.qkv_weight
+
+
+def test_graph_runner_captures_the_fused_estimator(small, fake_graphs):
+    """The ``cudagraph`` flow's runner (length and row buckets, static buffers) drives the fused estimator."""
+    from cosyvoice_fast.backends.cudagraph_flow import GraphEstimator
+
+    runner = GraphEstimator(FusedEstimator(small), torch.device("cpu"), granularity=20, max_frames=60)
+    for rows, frames in ((3, 37), (2, 13)):  # buckets 40 x 4 (a padding row), then 20 x 2
+        args = estimator_inputs(small.cfg, rows, frames, torch.float32, "cpu", seed=frames)
+        with torch.no_grad():
+            ref = small(*args, True)
+        out = runner(*args, True)
+        assert out.shape == ref.shape and (out - ref).abs().max().item() <= TOL
+    assert runner.captures == 2 and runner.eager_calls == 0
+
+
+def test_kernel_count_formula():
+    assert kernels_per_forward(4, 12) == 316  # CosyVoice2: 14 ResNet blocks, 56 transformer blocks
+    assert kernels_per_forward(4, 12, ffn_one_kernel=True) == 260
+    assert kernels_per_forward(4, 12, ffn_one_kernel=True, attention_out_fused=True) == 204
+    assert kernels_per_forward(4, 12, attention_out_fused=True, resnet_split_ln=True) == 288
+
+
+# -------------------------------------------------------------------------------------- GPU, full size
+
+_gpu = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def full():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(0)
+    est32 = CausalConditionalDecoder(DecoderConfig()).cuda().eval()
+    import copy
+
+    return est32, copy.deepcopy(est32).to(torch.bfloat16)
+
+
+@pytest.fixture
+def no_tf32():
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@_gpu
+@pytest.mark.parametrize("frames", [56, 206])
+@pytest.mark.parametrize("streaming", [True, False])
+def test_gpu_full_size_fp32_and_bf16(full, no_tf32, frames, streaming):
+    est32, est16 = full
+    args = estimator_inputs(est32.cfg, 2, frames, torch.float32, seed=frames)
+    a16 = tuple(z.to(torch.bfloat16) for z in args)
+    with torch.inference_mode():
+        ref = est32(*args, streaming)
+        assert (FusedEstimator(est32)(*args, streaming) - ref).abs().max().item() <= TOL
+        e_eager = (est16(*a16, streaming).float() - ref).abs()
+        e_fused = (FusedEstimator(est16)(*a16, streaming).float() - ref).abs()
+    # bf16: the fused kernels keep fp32 accumulators and round less often than eager, so no worse than it
+    assert e_fused.max().item() <= 1.5 * e_eager.max().item()
+    assert e_fused.mean().item() <= 1.5 * e_eager.mean().item()
+
+
+@_gpu
+@pytest.mark.parametrize("options", [{"attention_out_fused": True, "resnet_split_ln": True}, {"ffn_one_kernel": True}])
+def test_gpu_full_size_fp32_kernel_options(full, no_tf32, options):
+    est32, _ = full
+    args = estimator_inputs(est32.cfg, 2, 206, torch.float32, seed=7)
+    with torch.inference_mode():
+        for streaming in (True, False):
+            ref = est32(*args, streaming)
+            assert (FusedEstimator(est32, **options)(*args, streaming) - ref).abs().max().item() <= TOL
+
+
+@_gpu
+def test_gpu_full_size_padding_is_exact(full):
+    est32, est16 = full
+    valid = [206, 131, 0, 77]
+    for est, tol in ((est32, PAD_TOL), (est16, 1e-2)):
+        fused = FusedEstimator(est)
+        args = estimator_inputs(est.cfg, 4, 206, next(est.parameters()).dtype, valid=valid, seed=1)
+        with torch.inference_mode():
+            out = fused(*args, True)
+            assert torch.isfinite(out).all() and not out[2].any()
+            for row, n in ((1, 131), (3, 77)):
+                alone = fused(*(z[row:row + 1, ..., :n] if z.dim() == 3 else z[row:row + 1] for z in args), True)
+                assert (out[row:row + 1, :, :n] - alone).float().abs().max().item() <= tol
+                assert not out[row, :, n:].any()
+
+
+@_gpu
+def test_gpu_fused_flow_stage_equals_eager(no_tf32):
+    """The ``fused`` flow stage over a streamed schedule (graph replays) equals the eager stage in fp32."""
+    from cosyvoice_fast.backends.eager import EagerFlow
+    from cosyvoice_fast.backends.fused_flow import FusedFlow
+    from cosyvoice_fast.config import StreamParams, tiny_config
+    from cosyvoice_fast.modelfiles import build_modules
+    from cosyvoice_fast.request import ModelInputs
+    from cosyvoice_fast.schedule import plan
+
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    flow = build_modules(cfg)[1].cuda().eval()
+    n_prompt, n_tokens = 20, 90
+    inputs = ModelInputs(text_segments=[torch.tensor([[1, 2, 3]])],
+                         flow_prompt_speech_token=torch.randint(0, cfg.flow.vocab_size, (1, n_prompt)),
+                         prompt_feat=torch.randn(1, 2 * n_prompt, 80), embedding=torch.randn(1, 192)).to("cuda")
+    tokens = torch.randint(0, cfg.flow.vocab_size, (1, n_tokens), device="cuda")
+    calls = plan(n_prompt, n_tokens, StreamParams())
+    eager, fused = EagerFlow(flow, cfg), FusedFlow(flow, cfg)
+    for _ in range(2):  # the second pass replays captured graphs
+        for call in calls:
+            ref = eager.chunk(None, inputs, tokens[:, :call.n_tokens], call)
+            out = fused.chunk(None, inputs, tokens[:, :call.n_tokens], call)
+            assert out.shape == ref.shape and (out - ref).abs().max().item() <= TOL
+    assert fused.estimator.eager_calls == 0 and fused.estimator.replays > 0
+
+
+# ------------------------------------------------------------------------------------ registration (CPU)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_fused_flow_is_offered_only_with_cuda_and_says_why(tiny_models):
+    from cosyvoice_fast.backends import build_stage_set
+    from cosyvoice_fast.backends.base import BackendUnavailable, available_backends
+    from cosyvoice_fast.config import BackendConfig
+
+    info = {(b.stage, b.name): b for b in available_backends("cpu")}
+    assert not info[("flow", "fused")].available and "CUDA" in info[("flow", "fused")].reason
+    with pytest.raises(BackendUnavailable, match="CUDA GPU"):
+        build_stage_set(tiny_models, BackendConfig(flow="fused"))
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_estimator_flops_counts_every_frame_gemm(small, streaming):
+    """The profile's FLOP count = the eager estimator's per-frame Linear/Conv1d work (from forward hooks) plus
+    attention over the keys the chunk rule lets each query see."""
+    from cosyvoice_fast.kernels.estimator_profile import estimator_flops
+
+    rows, frames = 2, 45
+    total = []
+
+    def hook(mod, inp, out):  # noqa: ANN001
+        if isinstance(mod, torch.nn.Conv1d):
+            total.append(2 * out.numel() * mod.in_channels * mod.kernel_size[0])
+        elif out.dim() == 3:  # per-frame Linear (the time-embedding Linears act on (B, C) and are not counted)
+            total.append(2 * out.numel() * mod.in_features)
+
+    hooks = [m.register_forward_hook(hook) for m in small.modules()
+             if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d))]
+    try:
+        with torch.no_grad():
+            small(*estimator_inputs(small.cfg, rows, frames, torch.float32, "cpu"), streaming)
+    finally:
+        for h in hooks:
+            h.remove()
+    cfg = small.cfg
+    chunk = cfg.static_chunk_size if streaming else frames
+    keys = sum(min(frames, (i // chunk + 1) * chunk) for i in range(frames))
+    n_attn = cfg.n_blocks * (2 + cfg.num_mid_blocks)
+    attn = n_attn * 4 * rows * cfg.num_heads * cfg.attention_head_dim * keys
+    assert estimator_flops(cfg, rows, frames, streaming) == sum(total) + attn
