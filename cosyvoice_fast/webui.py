@@ -221,12 +221,20 @@ def serve(demo: gr.Blocks, *, host: str = "127.0.0.1", port: int | None = 7860, 
           service: Any = None) -> Any:
     """Queue with a concurrency limit and a bounded size (excess users are told the queue is full), an upload
     size limit, and no extra served paths.  ``GET /health`` (readiness JSON) and ``GET /metrics`` (Prometheus) of
-    the service are mounted beside the UI (see :mod:`cosyvoice_fast.metrics`); they need no login."""
+    the service are mounted beside the UI (see :mod:`cosyvoice_fast.metrics`); they need no login.  The ``/v1``
+    HTTP API (:mod:`cosyvoice_fast.http_api`) is mounted behind the same ``auth`` as the page."""
     from .metrics import http_routes
 
     service = service if service is not None else getattr(demo, "cosyvoice_service", None)
     app_kwargs = {"routes": http_routes(service)} if service is not None else {}
     demo.queue(default_concurrency_limit=concurrency, max_size=max_queue)
-    return demo.launch(server_name=host, server_port=port, share=share, auth=auth, max_file_size=max_file_size,
-                       prevent_thread_lock=prevent_thread_lock, quiet=quiet, show_error=True, ssr_mode=False,
-                       theme=gr.themes.Soft(), css=CSS, footer_links=["api"], app_kwargs=app_kwargs)
+    out = demo.launch(server_name=host, server_port=port, share=share, auth=auth, max_file_size=max_file_size,
+                      prevent_thread_lock=True, quiet=quiet, show_error=True, ssr_mode=False,
+                      theme=gr.themes.Soft(), css=CSS, footer_links=["api"], app_kwargs=app_kwargs)
+    if service is not None:  # the OpenAI-compatible /v1 API, behind the same login as the page
+        from .http_api import mount_api
+
+        mount_api(demo.app, service, auth=auth)
+    if not prevent_thread_lock:
+        demo.block_thread()
+    return out
