@@ -39,6 +39,7 @@ from .frontend.speaker import SpeakerCacheError
 from .frontend.text_normalize import EmptyTextError, TextTooLongError
 from .request import AudioChunk
 from .telemetry import now
+from .webui_queue import engine_record
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +191,10 @@ def create_api_router(get_service: Callable[[], Any]) -> APIRouter:
         watcher = asyncio.ensure_future(_disconnected(request))
         try:
             stream = await _admit(svc.engine, req, watcher)
+            record = engine_record(stream)
+            if record is not None:  # reading and checking the body came before the engine saw it: a TTFB stage
+                record.app_queue_s = max(0.0, record.received - received)
+                live.telemetry = record  # followers (the app's dashboard) see the engine's record as it fills
             first = await _next_chunk(stream, watcher)
         except ClientGone:
             watcher.cancel()
