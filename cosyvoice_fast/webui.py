@@ -20,6 +20,7 @@ from .request import MODE_LABELS
 from .http_api import api_store
 from .webui_handlers import CONFIG_FIELDS, VOICE_FIELDS, Handlers, random_seed
 from .webui_player import PLAYER_JS, STOP_JS, click_js
+from .webui_queue import count_input_refusals
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 MAX_UPLOAD = "10mb"
@@ -232,6 +233,7 @@ def build_demo(service: Any) -> gr.Blocks:
                       api_visibility="private")
         demo.load(h.refresh_speakers, None, speaker, api_visibility="private")
     h.blocks = demo
+    count_input_refusals(demo, getattr(service, "metrics", None))
     demo.cosyvoice_service = service  # read by serve() to mount /health and /metrics
     return demo
 

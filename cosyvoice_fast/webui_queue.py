@@ -8,9 +8,10 @@ engine's request stream): each access is guarded and degrades to "not measured" 
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from .telemetry import RequestTelemetry
 
@@ -50,3 +51,24 @@ def set_app_queue(stream: Any, seconds: float) -> None:
     rec = engine_record(stream)
     if rec is not None:
         rec.app_queue_s = max(0.0, float(seconds))
+
+
+def count_input_refusals(blocks: Any, metrics: Any, fn_names: Sequence[str] = ("synthesize", "ab")) -> None:
+    """Count as ``rejected`` the events of ``fn_names`` that Gradio itself refuses before the handler runs (its
+    input preprocessing: a file that was not uploaded by a user, a value a component cannot take, too few
+    inputs); otherwise /metrics would miss them, as the engine never sees them."""
+    if metrics is None or getattr(blocks, "_cosyvoice_counted", False):
+        return
+    original = blocks.preprocess_data
+
+    @functools.wraps(original)
+    async def preprocess_data(block_fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await original(block_fn, *args, **kwargs)
+        except Exception:
+            if getattr(block_fn, "name", None) in fn_names:
+                metrics.count_rejected("GradioInputError")
+            raise
+
+    blocks.preprocess_data = preprocess_data
+    blocks._cosyvoice_counted = True

@@ -299,3 +299,26 @@ def test_unknown_request_telemetry_is_404(server):
     with _http(server) as h:
         r = h.get("/v1/requests/nosuchid/telemetry")
     assert r.status_code == 404 and r.json()["error"]["param"] == "request_id"
+
+
+def test_metrics_export_process_figures_and_count_gradio_input_refusals(server):
+    url, svc = server
+
+    def rejected() -> float:
+        return svc.metrics.registry.get_sample_value("cosyvoice_requests_total", {"outcome": "rejected"})
+
+    text = httpx.get(url + "/metrics").text
+    for name in ("process_resident_memory_bytes", "process_cpu_seconds_total", "process_open_fds"):
+        assert name in text, name
+    with httpx.Client(base_url=url, timeout=60) as h:
+        assert h.post("/login", data={"username": AUTH[0], "password": AUTH[1]}).status_code in (200, 302, 303)
+        before = rejected()
+        # a server path passed as if uploaded: Gradio refuses it while preprocessing, before the handler runs
+        fake = {"path": str(PROMPT), "meta": {"_type": "gradio.FileData"}}
+        data = ["Hi", "cross_lingual", fake, None, "", "", None, 1, True, 1.0, 10, 10, 3, 2.0, 20, "eager", "eager",
+                "eager", "fp32", True, ""]
+        r = h.post("/gradio_api/call/synthesize", json={"data": data})
+        assert r.status_code == 200, r.text
+        events = h.get(f"/gradio_api/call/synthesize/{r.json()['event_id']}").text
+    assert "event: error" in events
+    assert rejected() == before + 1
