@@ -163,7 +163,7 @@ def build_demo(service: Any) -> gr.Blocks:
                         cfg = config_panel(h, max_tokens=default_cap, backend=fast)  # GPU: fastest by default
             with gr.Row():
                 run_btn = gr.Button("Synthesize", variant="primary", elem_id="synthesize-btn", scale=3)
-                stop_btn = gr.Button("Stop", variant="stop", scale=1)
+                stop_btn = gr.Button("Stop", variant="stop", scale=1, elem_id="stop-btn")
             if examples:
                 gr.Examples([[e["text"], e["mode"], e["prompt_wav"], e["prompt_text"], e["instruct_text"]]
                              for e in examples], [text, mode, upload, prompt_text, instruct],

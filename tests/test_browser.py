@@ -172,3 +172,31 @@ def test_page_synthesises_plays_and_plots(app_url, browser):
     WebDriverWait(browser, 20).until(lambda d: d.find_element(By.ID, "status").text.startswith("done:"))
     shot = _save_screenshot(browser)
     assert shot.stat().st_size > 20_000
+
+
+def test_stop_ends_as_stopped_with_partial_audio_and_a_history_entry(app_url, browser):
+    from selenium.webdriver.common.keys import Keys
+
+    browser.get(app_url)
+    WebDriverWait(browser, 30).until(lambda d: d.find_elements(By.ID, "synthesize-btn"))
+    caps = browser.find_elements(By.XPATH, "//*[text()='max speech tokens']/ancestor::div[contains(@class, "
+                                           "'block')][1]//input[@type='number']")
+    cap = next(c for c in caps if c.is_displayed())
+    cap.send_keys(Keys.CONTROL, "a", Keys.BACKSPACE)
+    cap.send_keys("2000", Keys.ENTER)  # 80 s of audio: still running when Stop is pressed
+    WebDriverWait(browser, 10).until(lambda d: cap.get_attribute("value") == "2000")
+    browser.execute_script("window.cvfPlayback = null;")
+    browser.find_element(By.ID, "synthesize-btn").click()
+    WebDriverWait(browser, 120).until(lambda d: d.execute_script(
+        "return window.cvfPlayback && window.cvfPlayback.heardMs !== undefined && window.cvfPlayback.chunks > 0"))
+    browser.find_element(By.ID, "stop-btn").click()
+    WebDriverWait(browser, 60).until(lambda d: d.find_element(By.ID, "status").text.startswith(("stopped", "done")))
+    status = browser.find_element(By.ID, "status").text
+    assert status.startswith("stopped:"), status
+    assert "before Stop" in status
+    rid = browser.execute_script("return window.cvfPlayback.id")
+    t = httpx.get(f"{app_url}v1/requests/{rid}/telemetry", timeout=10).json()
+    assert t["outcome"] == "cancelled"
+    assert len(t["telemetry"]["token_times"]) < 2000
+    WebDriverWait(browser, 20).until(lambda d: d.execute_script(HISTORY_POINTS) >= 1)  # the stopped run is listed
+    WebDriverWait(browser, 20).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#full-audio a[download]"))
