@@ -19,7 +19,7 @@ from . import dashboard as db
 from .request import MODE_LABELS
 from .http_api import api_store
 from .webui_handlers import CONFIG_FIELDS, VOICE_FIELDS, Handlers, random_seed
-from .webui_player import PLAYER_JS, STOP_JS, click_js
+from .webui_player import PLAYER_JS, STOP_JS, ab_click_js, click_js
 from .webui_queue import count_input_refusals
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
@@ -206,7 +206,8 @@ def build_demo(service: Any) -> gr.Blocks:
             with gr.Row():
                 audio_a = gr.Audio(label="A", type="numpy", format="wav", interactive=False)
                 audio_b = gr.Audio(label="B", type="numpy", format="wav", interactive=False)
-            ab_ttfb = gr.Plot(db.ttfb_figure(None), show_label=False, label="TTFB, A vs B")
+            ab_ttfb = gr.Plot(db.ttfb_figure(None), show_label=False, label="TTFB, A vs B",
+                              elem_id="ab-ttfb-plot")
             with gr.Row():
                 tl_a = gr.Plot(db.chunk_timeline_figure(None), show_label=False, label="A: chunks")
                 tl_b = gr.Plot(db.chunk_timeline_figure(None), show_label=False, label="B: chunks")
@@ -220,9 +221,12 @@ def build_demo(service: Any) -> gr.Blocks:
         # Stop aborts the page's stream and cancels the engine request; the run then ends as "stopped" with the
         # audio so far and a history entry (Gradio's cancels= would kill the event before it could say so)
         stop_btn.click(h.stop, client_rid, None, js=STOP_JS, queue=False, api_visibility="private")
-        ab_fields = VOICE_FIELDS + tuple(f"a_{n}" for n in CONFIG_FIELDS) + tuple(f"b_{n}" for n in CONFIG_FIELDS)
-        ab_btn.click(named(h.ab, ab_fields), voice + cfg_a + cfg_b, [audio_a, audio_b, ab_ttfb, tl_a, tl_b, diff],
-                     api_name="ab")
+        ab_fields = (VOICE_FIELDS + tuple(f"a_{n}" for n in CONFIG_FIELDS) + tuple(f"b_{n}" for n in CONFIG_FIELDS)
+                     + ("client_request_ids",))
+        ab_rids = gr.Textbox("", visible=False, label="client request ids")
+        ab_btn.click(named(h.ab, ab_fields), voice + cfg_a + cfg_b + [ab_rids],
+                     [audio_a, audio_b, ab_ttfb, tl_a, tl_b, diff], api_name="ab",
+                     js=ab_click_js(ab_fields, VOICE_FIELDS, CONFIG_FIELDS))
         clear_btn.click(h.clear_history, None, [hist_plot, history], api_visibility="private", queue=False)
         dice.click(random_seed, None, seed, api_name="random_seed", queue=False)
         save_btn.click(h.save_speaker, [save_name, upload, mic, prompt_text], speaker, api_name="save_speaker")

@@ -280,6 +280,21 @@ class Handlers:
             raise gr.Error("the engine produced no audio for this request")
         return np.concatenate(parts), tele
 
+    def _followed(self, rid: str, start_timeout: float) -> tuple[np.ndarray, dict[str, Any]]:
+        """The whole audio of the page's API request ``rid`` and its record with the page's figures."""
+        store = api_store(self.service)
+        try:
+            parts = [ch.samples for ch in store.follow(rid, start_timeout=start_timeout)]
+        except TimeoutError as e:
+            raise gr.Error(f"the page's audio request did not reach the server: {e}") from e
+        live = store.get(rid)
+        if not parts:
+            outcome = live.outcome if live is not None else "error"
+            raise gr.Error("stopped before the first audio chunk" if outcome == "cancelled"
+                           else _message(RuntimeError(live.error if live is not None and live.error
+                                                      else "the engine produced no audio for this request")))
+        return np.concatenate(parts), self._with_client(live.partial() if live else None, rid, wait_s=HEARD_WAIT_S)
+
     def _warm_prompt(self, req: SynthesisRequest) -> None:
         """Analyse the prompt voice once, so that the frontend's cache serves it to both A and B alike."""
         if self.frontend is None or req.prompt_wav is None:
@@ -291,15 +306,24 @@ class Handlers:
 
     def ab(self, *values: Any) -> Iterator[tuple]:
         """Same text, voice and seed through configuration A, then B (one after the other, so neither steals the
-        other's GPU time).  Yields A's result as soon as it exists, then B's and the comparison."""
-        voice, cfg_a, cfg_b, _ = self.split(values, VOICE_FIELDS, CONFIG_FIELDS, CONFIG_FIELDS)
-        req_a, req_b = self._checked_request(voice, cfg_a), self._checked_request(voice, cfg_b)
+        other's GPU time).  Yields A's result as soon as it exists, then B's and the comparison.  With the page's
+        two request ids (``client_request_ids``, "A,B") it follows the page's own streams instead of running them."""
+        voice, cfg_a, cfg_b, rest = self.split(values, VOICE_FIELDS, CONFIG_FIELDS, CONFIG_FIELDS)
+        rids = str(rest[0] or "").split(",") if rest and rest[0] else []
+        if len(rids) == 2 and all(rids):  # the page plays A then B through the API: follow those requests
+            self.request_from(voice, cfg_a), self.request_from(voice, cfg_b)
+            run_a = lambda: self._followed(rids[0], FOLLOW_TIMEOUT_S)  # noqa: E731
+            # B is requested once A has been heard to its end
+            run_b = lambda: self._followed(rids[1], FOLLOW_TIMEOUT_S + len(wav_a) / self.engine.sample_rate)  # noqa: E731
+        else:
+            req_a, req_b = self._checked_request(voice, cfg_a), self._checked_request(voice, cfg_b)
+            self._warm_prompt(req_a)  # otherwise only A would pay for analysing the prompt voice
+            run_a, run_b = (lambda: self._whole(req_a)), (lambda: self._whole(req_b))
         sr, skip = self.engine.sample_rate, gr.skip()
-        self._warm_prompt(req_a)  # otherwise only A would pay for analysing the prompt voice
-        wav_a, tele_a = self._whole(req_a)
+        wav_a, tele_a = run_a()
         yield ((sr, pcm16(wav_a)), skip, db.ttfb_figure([tele_a], ["A"]), db.chunk_timeline_figure(tele_a, "A"),
                skip, skip)
-        wav_b, tele_b = self._whole(req_b)
+        wav_b, tele_b = run_b()
         n = min(len(wav_a), len(wav_b))
         rows = db.ab_difference_rows(tele_a, tele_b)
         diff = float(np.max(np.abs(wav_a[:n] - wav_b[:n]))) if n else float("nan")

@@ -57,18 +57,18 @@ PLAYER_JS = r"""
     const run = P.run;
     if (!run) return "";
     run.abort.abort();
-    for (const s of run.sources) { try { s.stop(); } catch (e) {} }
+    for (const r of P.runs || []) for (const s of r.sources) { try { s.stop(); } catch (e) {} }
     run.stopped = true;
     return run.id;
   };
-  P.start = (id, v, t0) => {
-    P.stop();
+  function play(id, v, t0, abort) {
     const ctx = context();  // inside the click's user activation: allowed to start sound
-    const run = {id, clickAt: t0, abort: new AbortController(), sources: [], stopped: false, next: 0,
+    const run = {id, clickAt: t0, abort, sources: [], stopped: false, next: 0,
                  samples: 0, chunks: 0, underruns: 0, heardAt: null, firstByteAt: null, endAt: null, error: null};
     P.run = run;
     window.cvfPlayback = run;
-    (async () => {
+    P.runs.push(run);
+    return (async () => {
       const form = new FormData();
       const put = (k, x) => { if (x !== null && x !== undefined && x !== "") form.append(k, String(x)); };
       put("input", v.text); put("model", "cosyvoice2"); put("response_format", "pcm"); put("request_id", id);
@@ -88,6 +88,7 @@ PLAYER_JS = r"""
       const resp = await fetch(api("v1/audio/speech"), {method: "POST", body: form, signal: run.abort.signal,
                                                         credentials: "same-origin"});
       if (!resp.ok) {
+        run.endAt = performance.now();
         let msg = resp.status + "";
         try { msg = (await resp.json()).error.message; } catch (e) {}
         run.error = msg; setStatus("not played: " + msg); return;
@@ -134,10 +135,33 @@ PLAYER_JS = r"""
       run.playedWhenEnded = ctx.currentTime >= run.firstAt;  // the first sample was already out at stream end
       setStatus("played " + (run.samples / P.sampleRate).toFixed(2) + " s · heard " + run.heardMs.toFixed(0) +
                 " ms after the click · " + run.underruns + " gaps");
+      return run;
     })().catch((e) => {
-      if (run.stopped) { setStatus("stopped"); return; }
+      if (run.stopped || abort.signal.aborted) { run.stopped = true; setStatus("stopped"); return run; }
       run.error = String(e); setStatus("not played: " + e);
+      return run;
     });
+  }
+  P.runs = [];
+  P.start = (id, v, t0) => {
+    P.stop();
+    P.runs = [];
+    return play(id, v, t0, new AbortController());
+  };
+  P.sequence = async (items) => {  // A then B: B is requested when A has finished playing
+    P.stop();
+    P.runs = [];
+    const abort = new AbortController();
+    for (const [id, v] of items) {
+      if (abort.signal.aborted) break;
+      if (id !== items[0][0]) {
+        const prev = P.run;
+        const wait = prev && prev.next ? Math.max(0, (prev.next - P.ctx.currentTime) * 1000) : 0;
+        await new Promise((r) => setTimeout(r, wait));
+        if (abort.signal.aborted || (prev && prev.stopped)) break;
+      }
+      await play(id, v, performance.now(), abort);
+    }
   };
   P.click = (names, values) => {
     const t0 = clickAt !== null && performance.now() - clickAt < 2000 ? clickAt : performance.now();
@@ -146,6 +170,28 @@ PLAYER_JS = r"""
     const id = newId();
     try { P.start(id, v, t0); } catch (e) { console.error(e); return values; }
     values[names.indexOf("client_request_id")] = id;
+    return values;
+  };
+  async function warm(v) {  // analyse the prompt voice once (a 1-token request), so A and B both find it cached
+    const f = new FormData();
+    f.append("input", "."); f.append("response_format", "pcm"); f.append("max_tokens", "1");
+    f.append("mode", v.mode === "speaker" ? "speaker" : "cross_lingual");
+    if (v.mode === "speaker") f.append("voice", v.speaker);
+    else { const b = await promptBlob(v.prompt_upload || v.prompt_mic); if (b) f.append("prompt_audio", b, "prompt"); }
+    const r = await fetch(api("v1/audio/speech"), {method: "POST", body: f, credentials: "same-origin"});
+    await r.arrayBuffer();
+  }
+  P.abClick = (names, values, voiceNames, cfgNames) => {
+    const all = Object.fromEntries(names.map((n, i) => [n, values[i]]));
+    const pick = (p) => Object.fromEntries([...voiceNames.map((n) => [n, all[n]]),
+                                             ...cfgNames.map((n) => [n, all[p + n]])]);
+    const ids = [newId(), newId()];
+    context();
+    (async () => {
+      try { await warm(all); } catch (e) { console.warn("prompt warm-up failed", e); }
+      await P.sequence([[ids[0], pick("a_")], [ids[1], pick("b_")]]);
+    })();
+    values[names.indexOf("client_request_ids")] = ids.join(",");
     return values;
   };
   window.cvfPlayer = P;
@@ -157,6 +203,12 @@ PLAYER_JS = r"""
 def click_js(names: Sequence[str]) -> str:
     """The Synthesize button's ``js=``: starts the page's stream and hands its request id to the Gradio event."""
     return f"(...values) => window.cvfPlayer ? window.cvfPlayer.click({json.dumps(list(names))}, values) : values"
+
+
+def ab_click_js(names: Sequence[str], voice: Sequence[str], cfg: Sequence[str]) -> str:
+    """The A/B button's ``js=``: warms the prompt, plays A, then B once A has played, and hands both ids over."""
+    n, v, c = (json.dumps(list(x)) for x in (names, voice, cfg))
+    return f"(...values) => window.cvfPlayer ? window.cvfPlayer.abClick({n}, values, {v}, {c}) : values"
 
 
 STOP_JS = "(rid) => window.cvfPlayer ? window.cvfPlayer.stop() : rid"

@@ -147,7 +147,8 @@ def test_page_synthesises_plays_and_plots(app_url, browser):
         lambda d: d.find_element(By.ID, "status").text.startswith(("done:", "Error")) or
         d.find_elements(By.CSS_SELECTOR, ".toast-body"))
     status = browser.find_element(By.ID, "status").text
-    assert status.startswith("done:"), f"synthesis did not finish: {status!r}"
+    toasts = [t.text for t in browser.find_elements(By.CSS_SELECTOR, ".toast-body")]
+    assert status.startswith("done:"), f"synthesis did not finish: {status!r} {toasts}"
     run = _playback(browser)
     assert run["error"] is None and run["samples"] > 0
     assert "heard at" in status  # the dashboard's run is the page's stream
@@ -200,3 +201,30 @@ def test_stop_ends_as_stopped_with_partial_audio_and_a_history_entry(app_url, br
     assert len(t["telemetry"]["token_times"]) < 2000
     WebDriverWait(browser, 20).until(lambda d: d.execute_script(HISTORY_POINTS) >= 1)  # the stopped run is listed
     WebDriverWait(browser, 20).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#full-audio a[download]"))
+
+
+def test_ab_tab_plays_a_then_b_and_shows_both_heard_at_bars(app_url, browser):
+    browser.get(app_url)
+    WebDriverWait(browser, 30).until(lambda d: d.find_elements(By.ID, "synthesize-btn"))
+    browser.find_element(By.XPATH, "//button[@role='tab'][normalize-space()='A/B']").click()
+    WebDriverWait(browser, 10).until(lambda d: d.find_element(By.ID, "ab-btn").is_displayed())
+    browser.find_element(By.ID, "ab-btn").click()
+    runs = ("const rs = window.cvfPlayer.runs || []; return rs.length === 2 && rs.every(r => r.endAt !== null) ?"
+            " rs.map(r => ({id: r.id, heard_ms: r.heardMs, error: r.error, samples: r.samples,"
+            " played: r.playedWhenEnded})) : null;")
+    state = ("return (window.cvfPlayer.runs || []).map(r => ({id: r.id, chunks: r.chunks, end: r.endAt,"
+             " error: r.error}));")
+    try:
+        WebDriverWait(browser, 300).until(lambda d: d.execute_script(runs) is not None)
+    except Exception as e:  # say how far the page got
+        raise AssertionError(f"A/B playback did not finish: {browser.execute_script(state)}") from e
+    a, b = browser.execute_script(runs)
+    assert a["error"] is None and b["error"] is None and a["played"] and b["played"]
+    WebDriverWait(browser, 60).until(lambda d: "B · heard" in d.find_element(By.ID, "ab-ttfb-plot").text)
+    text = browser.find_element(By.ID, "ab-ttfb-plot").text
+    assert "A · heard" in text and "heard at" in text
+    for r in (a, b):
+        t = httpx.get(f"{app_url}v1/requests/{r['id']}/telemetry", timeout=10).json()
+        assert t["outcome"] == "ok"
+        assert t["telemetry"]["client"]["heard_ms"] == pytest.approx(r["heard_ms"])
+        assert sum(c["n_samples"] for c in t["telemetry"]["chunks"]) == r["samples"]
