@@ -1,14 +1,18 @@
 """A person's path through the app in a real browser: headless Chromium (Debian package) via Selenium loads the
-page, presses Synthesize with the default inputs, and sees the audio element get a source and the Plotly charts
-render.  A screenshot is saved to ``test-artifacts/app.png`` (and to ``assets/screenshot.png`` with
-``UPDATE_SCREENSHOT=1``, for the README)."""
+page, presses Synthesize with the default inputs, hears the stream through Web Audio before the request ends, and
+sees the Plotly charts render with the "heard at" bar.  Click -> first sample played and the server's TTFB of each
+run go to ``test-artifacts/heard_at.json``; a screenshot to ``test-artifacts/app.png`` (and to
+``assets/screenshot.png`` with ``UPDATE_SCREENSHOT=1``, for the README)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 from pathlib import Path
+
+import httpx
 
 import pytest
 
@@ -81,6 +85,60 @@ def _save_screenshot(drv) -> Path:
     return out
 
 
+PLAYBACK = ("const r = window.cvfPlayback; if (!r || r.endAt === null) return null;"
+            "return {id: r.id, heard_ms: r.heardMs, first_byte_ms: r.firstByteAt - r.clickAt,"
+            " end_ms: r.endAt - r.clickAt, played_before_end: r.playedWhenEnded, chunks: r.chunks,"
+            " samples: r.samples, gaps: r.underruns, error: r.error};")
+
+
+def _playback(drv) -> dict:
+    """The page's figures of its last run, once its stream has ended."""
+    WebDriverWait(drv, 120).until(lambda d: d.execute_script(PLAYBACK) is not None)
+    return drv.execute_script(PLAYBACK)
+
+
+def _server(url: str, rid: str) -> dict:
+    t = httpx.get(f"{url}v1/requests/{rid}/telemetry", timeout=10).json()
+    assert t["outcome"] == "ok", t
+    return t["telemetry"]
+
+
+def test_audio_plays_before_the_request_ends_and_heard_at_is_recorded(app_url, browser):
+    """Five runs: the first sample is out before the stream ends; click -> first sample played ("heard at"),
+    the page's first byte and the server's TTFB of each run are written to test-artifacts/heard_at.json."""
+    browser.get(app_url)
+    WebDriverWait(browser, 30).until(lambda d: d.find_elements(By.ID, "synthesize-btn"))
+    runs = []
+    for _ in range(6):  # the first run warms the prompt cache and is not counted
+        browser.execute_script("window.cvfPlayback = null;")
+        browser.find_element(By.ID, "synthesize-btn").click()
+        run = _playback(browser)
+        WebDriverWait(browser, 120).until(lambda d: d.find_element(By.ID, "status").text.startswith("done:"))
+        assert run["error"] is None, run["error"]
+        assert run["played_before_end"] is True, "the first sample had not played when the stream ended"
+        assert run["heard_ms"] < run["end_ms"]
+        tele = _server(app_url, run["id"])
+        assert run["samples"] == sum(c["n_samples"] for c in tele["chunks"])  # the page got every sample
+        assert tele["client"]["heard_ms"] == pytest.approx(run["heard_ms"])  # the page's report reached the server
+        runs.append({**run, "server_ttfb_ms": tele["derived"]["ttfb_ms"],
+                     "server_ttfb_breakdown_ms": tele["derived"]["ttfb_breakdown_ms"], "chunks_server": len(tele["chunks"])})
+    counted = runs[1:]
+
+    def p50(key: str) -> float:
+        v = sorted(r[key] for r in counted)
+        return (v[len(v) // 2] + v[(len(v) - 1) // 2]) / 2
+
+    summary = {"runs": runs, "counted": len(counted), "heard_ms_p50": p50("heard_ms"),
+               "first_byte_ms_p50": p50("first_byte_ms"), "server_ttfb_ms_p50": p50("server_ttfb_ms")}
+    summary["heard_minus_server_ttfb_ms_p50"] = summary["heard_ms_p50"] - summary["server_ttfb_ms_p50"]
+    diffs = sorted(r["heard_ms"] - r["server_ttfb_ms"] for r in counted)
+    summary["per_run_heard_minus_server_ttfb_ms_p50"] = (diffs[len(diffs) // 2] + diffs[(len(diffs) - 1) // 2]) / 2
+    out = REPO / "test-artifacts" / "heard_at.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2))
+    assert summary["heard_ms_p50"] >= summary["server_ttfb_ms_p50"]  # the ear never hears before the server made it
+
+
 def test_page_synthesises_plays_and_plots(app_url, browser):
     browser.get(app_url)
     WebDriverWait(browser, 30).until(lambda d: d.find_elements(By.ID, "synthesize-btn"))
@@ -91,15 +149,15 @@ def test_page_synthesises_plays_and_plots(app_url, browser):
         lambda d: d.find_element(By.ID, "status").text.startswith(("done:", "Error")) or
         d.find_elements(By.CSS_SELECTOR, ".toast-body"))
     status = browser.find_element(By.ID, "status").text
-    assert status.startswith("done:"), f"synthesis did not finish: {status!r}"
-    WebDriverWait(browser, 20).until(lambda d: any(
-        (a.get_attribute("src") or "") for a in d.find_elements(By.CSS_SELECTOR, "#stream-audio audio")))
-    src = browser.find_element(By.CSS_SELECTOR, "#stream-audio audio").get_attribute("src")
-    assert src.startswith(("blob:", "http")), src
+    toasts = [t.text for t in browser.find_elements(By.CSS_SELECTOR, ".toast-body")]
+    assert status.startswith("done:"), f"synthesis did not finish: {status!r} {toasts}"
+    run = _playback(browser)
+    assert run["error"] is None and run["samples"] > 0
+    assert "heard at" in status  # the dashboard's run is the page's stream
     WebDriverWait(browser, 20).until(
         lambda d: d.find_elements(By.CSS_SELECTOR, "#ttfb-plot .js-plotly-plot g.trace.bars"))
     legend = browser.find_element(By.CSS_SELECTOR, "#ttfb-plot .js-plotly-plot").text
-    for stage in ("llm_prefill", "flow", "vocoder"):
+    for stage in ("llm_prefill", "flow", "vocoder", "heard at"):
         assert stage in legend
     assert browser.find_elements(By.CSS_SELECTOR, "#timeline-plot .js-plotly-plot g.trace.bars")
     assert "playback deadline" in browser.find_element(By.CSS_SELECTOR, "#timeline-plot .js-plotly-plot").text
@@ -117,3 +175,58 @@ def test_page_synthesises_plays_and_plots(app_url, browser):
     WebDriverWait(browser, 20).until(lambda d: d.find_element(By.ID, "status").text.startswith("done:"))
     shot = _save_screenshot(browser)
     assert shot.stat().st_size > 20_000
+
+
+def test_stop_ends_as_stopped_with_partial_audio_and_a_history_entry(app_url, browser):
+    from selenium.webdriver.common.keys import Keys
+
+    browser.get(app_url)
+    WebDriverWait(browser, 30).until(lambda d: d.find_elements(By.ID, "synthesize-btn"))
+    caps = browser.find_elements(By.XPATH, "//*[text()='max speech tokens']/ancestor::div[contains(@class, "
+                                           "'block')][1]//input[@type='number']")
+    cap = next(c for c in caps if c.is_displayed())
+    cap.send_keys(Keys.CONTROL, "a", Keys.BACKSPACE)
+    cap.send_keys("2000", Keys.ENTER)  # 80 s of audio: still running when Stop is pressed
+    WebDriverWait(browser, 10).until(lambda d: cap.get_attribute("value") == "2000")
+    browser.execute_script("window.cvfPlayback = null;")
+    browser.find_element(By.ID, "synthesize-btn").click()
+    WebDriverWait(browser, 120).until(lambda d: d.execute_script(
+        "return window.cvfPlayback && window.cvfPlayback.heardMs !== undefined && window.cvfPlayback.chunks > 0"))
+    browser.find_element(By.ID, "stop-btn").click()
+    WebDriverWait(browser, 60).until(lambda d: d.find_element(By.ID, "status").text.startswith(("stopped", "done")))
+    status = browser.find_element(By.ID, "status").text
+    assert status.startswith("stopped:"), status
+    assert "before Stop" in status
+    rid = browser.execute_script("return window.cvfPlayback.id")
+    t = httpx.get(f"{app_url}v1/requests/{rid}/telemetry", timeout=10).json()
+    assert t["outcome"] == "cancelled"
+    assert len(t["telemetry"]["token_times"]) < 2000
+    WebDriverWait(browser, 20).until(lambda d: d.execute_script(HISTORY_POINTS) >= 1)  # the stopped run is listed
+    WebDriverWait(browser, 20).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#full-audio a[download]"))
+
+
+def test_ab_tab_plays_a_then_b_and_shows_both_heard_at_bars(app_url, browser):
+    browser.get(app_url)
+    WebDriverWait(browser, 30).until(lambda d: d.find_elements(By.ID, "synthesize-btn"))
+    browser.find_element(By.XPATH, "//button[@role='tab'][normalize-space()='A/B']").click()
+    WebDriverWait(browser, 10).until(lambda d: d.find_element(By.ID, "ab-btn").is_displayed())
+    browser.find_element(By.ID, "ab-btn").click()
+    runs = ("const rs = window.cvfPlayer.runs || []; return rs.length === 2 && rs.every(r => r.endAt !== null) ?"
+            " rs.map(r => ({id: r.id, heard_ms: r.heardMs, error: r.error, samples: r.samples,"
+            " played: r.playedWhenEnded})) : null;")
+    state = ("return (window.cvfPlayer.runs || []).map(r => ({id: r.id, chunks: r.chunks, end: r.endAt,"
+             " error: r.error}));")
+    try:
+        WebDriverWait(browser, 300).until(lambda d: d.execute_script(runs) is not None)
+    except Exception as e:  # say how far the page got
+        raise AssertionError(f"A/B playback did not finish: {browser.execute_script(state)}") from e
+    a, b = browser.execute_script(runs)
+    assert a["error"] is None and b["error"] is None and a["played"] and b["played"]
+    WebDriverWait(browser, 60).until(lambda d: "B · heard" in d.find_element(By.ID, "ab-ttfb-plot").text)
+    text = browser.find_element(By.ID, "ab-ttfb-plot").text
+    assert "A · heard" in text and "heard at" in text
+    for r in (a, b):
+        t = httpx.get(f"{app_url}v1/requests/{r['id']}/telemetry", timeout=10).json()
+        assert t["outcome"] == "ok"
+        assert t["telemetry"]["client"]["heard_ms"] == pytest.approx(r["heard_ms"])
+        assert sum(c["n_samples"] for c in t["telemetry"]["chunks"]) == r["samples"]
