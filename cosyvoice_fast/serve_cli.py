@@ -69,5 +69,6 @@ def cmd_serve(a: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not leave Ray half shut down
         stop(started)
     return 0

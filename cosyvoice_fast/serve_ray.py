@@ -238,11 +238,15 @@ def start(opts: RayServeOptions) -> bool:
 
 
 def stop(started_ray: bool) -> None:
-    """Take the app down; and Serve and Ray too when :func:`start` started them."""
+    """Take the app down; and Serve and Ray too when :func:`start` started them (Ray is shut down even when
+    Serve's shutdown fails, so no Ray process outlives the command)."""
     import ray
 
-    if started_ray:
-        serve.shutdown()
-        ray.shutdown()
-    else:
-        serve.delete(APP_NAME)
+    try:
+        if started_ray:
+            serve.shutdown()
+        else:
+            serve.delete(APP_NAME)
+    finally:
+        if started_ray:
+            ray.shutdown()

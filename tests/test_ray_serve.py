@@ -10,6 +10,7 @@ deployment answers 503; shutting down leaves no Ray process behind.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import threading
@@ -235,6 +236,33 @@ def test_32_concurrent_streams_across_replicas_equal_their_solo_runs(cluster):
     assert len({r["replica"] for _, r in runs}) == 2  # 32 streams > one replica's 16: both served
 
 
+def _ok_counts_by_replica(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("ray_cosyvoice_requests_total{") and 'outcome="ok"' in line:
+            replica = re.search(r'replica="([^"]+)"', line).group(1)
+            out[replica] = out.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+@pytest.mark.ray
+def test_replica_metrics_reach_rays_exporter_labelled_by_replica(cluster):
+    """After the 8 solo + 32 concurrent requests above, Ray's Prometheus exporter shows 40 ok requests, split
+    over the two replicas' own registries."""
+    import ray
+
+    port = ray._private.worker._global_node.metrics_export_port
+    counts: dict[str, float] = {}
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        counts = _ok_counts_by_replica(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text)
+        if sum(counts.values()) >= 40 and len(counts) == 2:
+            break
+        time.sleep(2)
+    assert len(counts) == 2 and sum(counts.values()) == 40, counts
+    assert all(v > 0 for v in counts.values())
+
+
 @pytest.mark.ray
 def test_killed_replica_ends_its_streams_with_an_error_and_is_replaced(cluster):
     kinds = [(20 + i % 4, "alice") for i in range(16)]
@@ -306,6 +334,24 @@ def test_remote_front_end_streams_from_the_cluster(cluster):
         got = np.concatenate([c.samples for c in svc.engine.stream(req)])
         ref = _speak(cluster.url, 3, "alice", 10)["audio"]
         assert np.array_equal(np.round(got * 32767).astype(np.int16), ref)
+        # the app's handlers on the remote service: the same request from the page, and a clear refusal
+        from cosyvoice_fast.webui_handlers import CONFIG_FIELDS, VOICE_FIELDS, Handlers
+
+        voice = {"text": req.text, "mode": "speaker", "prompt_upload": None, "prompt_mic": None, "prompt_text": "",
+                 "instruct_text": "", "speaker": "alice", "seed": 103, "stream": True, "speed": 1.0}
+        cfg = {"token_hop_len_first": 5, "token_hop_len": 25, "pre_lookahead_len": 3, "stream_scale_factor": 2.0,
+               "max_tokens": 10, "llm": "eager", "flow": "eager", "vocoder": "eager", "dtype": "fp32",
+               "incremental_flow": True}
+        h = Handlers(svc)
+        last = list(h.synthesize(*[voice[k] for k in VOICE_FIELDS], *[cfg[k] for k in CONFIG_FIELDS], []))[-1]
+        sr, wav = last[1]
+        assert sr == SAMPLE_RATE and _same_audio(wav, ref)  # the page re-quantises the floats (truncating)
+        assert last[6].startswith("done: ")
+        import gradio as gr
+
+        voice.update(mode="cross_lingual", prompt_upload=str(serve_ray.REPO_ROOT / "assets" / "cross_lingual_prompt.wav"))
+        with pytest.raises(gr.Error, match="saved voices only"):
+            list(h.synthesize(*[voice[k] for k in VOICE_FIELDS], *[cfg[k] for k in CONFIG_FIELDS], []))
     finally:
         svc.close()
 
