@@ -6,6 +6,7 @@ import argparse
 import logging
 import signal
 import threading
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -17,6 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--synthetic", choices=["tiny", "full"], help="random-weight model of that size (no download)")
     p.add_argument("--device", default="auto", help="replica device (default: cuda when the replica has a GPU)")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="default: bf16 on GPU, fp32 on CPU")
+    p.add_argument("--backend", help="backend preset (eager, cudagraph, tensorrt, ...) or llm:flow:vocoder "
+                                     "(default: cudagraph on GPU, eager on CPU)")
     p.add_argument("--address", help="Ray cluster to join: auto (the one `ray start --head` started on this host) "
                                      "or HOST:PORT; default: start a local Ray on this host")
     p.add_argument("--replicas", type=int, default=1, help="replicas (engines) to run (default 1)")
@@ -38,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
 
 
-def options_from_args(a: argparse.Namespace) -> "RayServeOptions":  # noqa: F821 - imported lazily below
+def options_from_args(a: argparse.Namespace) -> Any:
+    """The validated :class:`~cosyvoice_fast.serve_ray.RayServeOptions` of the command line."""
     from pathlib import Path
 
     from .engine_config import EngineConfig
@@ -46,10 +50,11 @@ def options_from_args(a: argparse.Namespace) -> "RayServeOptions":  # noqa: F821
 
     return RayServeOptions(
         engine=EngineConfig(max_streams=a.max_streams, queue_limit=a.queue_limit), model_dir=a.model_dir,
-        synthetic=a.synthetic, device=a.device, dtype=a.dtype, speaker_dir=str(Path(a.speaker_dir).resolve()),
-        replicas=a.replicas, min_replicas=a.min_replicas, max_replicas=a.max_replicas,
-        target_ongoing=a.target_ongoing, gpus_per_replica=a.gpus_per_replica, cpus_per_replica=a.cpus_per_replica,
-        max_queued_requests=a.max_queued_requests, host=a.host, port=a.port, address=a.address)
+        synthetic=a.synthetic, device=a.device, dtype=a.dtype, backend=a.backend,
+        speaker_dir=str(Path(a.speaker_dir).resolve()), replicas=a.replicas, min_replicas=a.min_replicas,
+        max_replicas=a.max_replicas, target_ongoing=a.target_ongoing, gpus_per_replica=a.gpus_per_replica,
+        cpus_per_replica=a.cpus_per_replica, max_queued_requests=a.max_queued_requests, host=a.host, port=a.port,
+        address=a.address)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:

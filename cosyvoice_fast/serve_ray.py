@@ -49,6 +49,7 @@ class RayServeOptions:
     synthetic: str | None = None
     device: str = "auto"
     dtype: str | None = None
+    backend: str | None = None
     speaker_dir: str = "speakers"
     replicas: int = 1
     min_replicas: int = 1
@@ -82,6 +83,8 @@ class RayServeOptions:
         need(self.metrics_period_s > 0, "metrics_period_s", "must be positive")
         need(self.health_check_period_s > 0, "health_check_period_s", "must be positive")
         need(self.dtype in (None, "fp32", "fp16", "bf16"), "dtype", "must be fp32, fp16 or bf16")
+        if self.backend is not None:
+            backend_config(self.backend, "fp32")  # a bad name fails here, in the driver, not in every replica
 
     @property
     def capacity(self) -> int:
@@ -89,10 +92,26 @@ class RayServeOptions:
         return self.engine.max_streams + self.engine.queue_limit
 
 
+def backend_config(name: str, dtype: str) -> Any:
+    """A backend preset of the benchmark (``eager``, ``cudagraph``, ``tensorrt``...) or ``llm:flow:vocoder``."""
+    from .bench import BACKEND_PRESETS
+    from .config import BackendConfig
+
+    if name in BACKEND_PRESETS:
+        p = BACKEND_PRESETS[name]
+        return BackendConfig(llm=p.llm, flow=p.flow, vocoder=p.vocoder, dtype=dtype, incremental=p.incremental)
+    parts = name.split(":")
+    if len(parts) != 3:
+        raise ConfigError(f"RayServeOptions.backend {name!r} is unknown: use a preset "
+                          f"({', '.join(BACKEND_PRESETS)}) or llm:flow:vocoder, e.g. cudagraph:cudagraph:cudagraph")
+    return BackendConfig(llm=parts[0], flow=parts[1], vocoder=parts[2], dtype=dtype)
+
+
 # ------------------------------------------------------------------------------------------------ the replica
 def load_replica_service(opts: RayServeOptions, device: str) -> Any:
     """Load the models and an engine sized by ``opts.engine`` (the engine takes the config where it knows it;
-    else its admission limit is set to the same capacity, so Serve's limit and the engine's agree)."""
+    else its admission limit is set to the same capacity, so Serve's limit and the engine's agree) whose
+    default backend is ``opts.backend`` (default: cudagraph on a GPU, the service's own on CPU)."""
     from .service import load_service
 
     kwargs: dict[str, Any] = {"progress": False, "speaker_cache_dir": opts.speaker_dir}
@@ -105,6 +124,11 @@ def load_replica_service(opts: RayServeOptions, device: str) -> Any:
     svc = load_service(opts.model_dir, opts.synthetic, device, dtype, **kwargs)
     if not any(n in kwargs for n in ("engine_config", "config")):
         svc.engine.max_active = opts.capacity
+    name = opts.backend or ("cudagraph" if device.startswith("cuda") else None)
+    if name is not None:  # requests name no backend: they get the replica's (built now, not at the first request)
+        cfg = backend_config(name, dtype)
+        svc.engine.stages(cfg)
+        svc.engine.default_backend = cfg
     return svc
 
 
