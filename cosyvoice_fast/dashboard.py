@@ -30,6 +30,9 @@ STAGE_HELP = {"app_queue": "waiting in the server front end's queue (Gradio's, t
               "handoff": "engine to caller (queue hand-over)"}
 TIMELINE_PARTS = (("LLM tokens", "llm_decode"), ("queue", "queue"), ("flow", "flow"), ("vocoder", "vocoder"),
                   ("emission", "handoff"))
+HEARD_COLOR = "#e7298a"
+HEARD_HELP = ("click -> first sample played, measured by the page (network, the page's decoding and the audio "
+              "output's latency on top of the server's TTFB)")
 RUN_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
 SUMMARY_HEADERS = ["metric", "value", "unit"]
 AB_HEADERS = ["metric", "A", "B", "B − A", "B / A"]
@@ -78,8 +81,9 @@ def breakdown_ms(t: TeleLike) -> dict[str, float]:
 
 
 def ttfb_figure(runs: TeleLike | Sequence[TeleLike] | None, labels: Sequence[str] | None = None,
-                title: str = "Time to first audio, by stage") -> go.Figure:
-    """Horizontal stacked bar per run: one trace per stage (trace name = stage), values in ms, total at the end."""
+                title: str = "Time to first audio, by stage", x_range: Sequence[float] | None = None) -> go.Figure:
+    """Horizontal stacked bar per run: one trace per stage (trace name = stage), values in ms, total at the end;
+    under it, where the page played the run, a "heard at" bar (click -> first sample played)."""
     if runs is None:
         return empty_figure("Run a synthesis to see where the time to first audio goes.")
     runs = [runs] if isinstance(runs, (RequestTelemetry, Mapping)) else list(runs)
@@ -104,9 +108,34 @@ def ttfb_figure(runs: TeleLike | Sequence[TeleLike] | None, labels: Sequence[str
         if _fin(total):
             fig.add_annotation(x=sum(v for v in bd.values() if _fin(v)) + r, y=name, text=f" {total:.0f} ms",
                                showarrow=False, xanchor="left", font=dict(size=12))
-    fig.update_layout(**_LAYOUT, barmode="stack", title=title, height=150 + 45 * len(names),
-                      xaxis_title="ms since the request was received", yaxis=dict(autorange="reversed"))
+    heard = [(f"{n} · heard", heard_ms(d)) for n, d in zip(names, dicts) if _fin(heard_ms(d))]
+    if heard:  # the listener's figure, measured by the page: its own bar under the server's stages
+        fig.add_trace(go.Bar(name="heard at", y=[h[0] for h in heard], x=[h[1] for h in heard], orientation="h",
+                             marker_color=HEARD_COLOR, customdata=[HEARD_HELP] * len(heard),
+                             hovertemplate="<b>heard at</b> %{x:.1f} ms<br>%{customdata}<extra>%{y}</extra>"))
+        for y, ms in heard:
+            fig.add_annotation(x=ms, y=y, text=f" {ms:.0f} ms", showarrow=False, xanchor="left", font=dict(size=12))
+    heard_rows = {h[0] for h in heard}
+    order = [y for n in names for y in (n, f"{n} · heard") if y == n or y in heard_rows]
+    fig.update_layout(**_top_legend(_LAYOUT), barmode="stack", height=190 + 40 * len(order),
+                      title=dict(text=title, y=1.0, yref="container", yanchor="top", pad=dict(t=10)),
+                      xaxis_title="ms: server stages since the request was received; heard at since the click",
+                      yaxis=dict(autorange="reversed", categoryorder="array", categoryarray=order))
+    if x_range is not None:
+        fig.update_xaxes(range=list(x_range))
     return fig
+
+
+def heard_ms(t: TeleLike) -> float:
+    """Click -> first sample played, as the page measured it (NaN when no page played this run)."""
+    d = as_dict(t) or {}
+    return _num((d.get("client") or {}).get("heard_ms"))
+
+
+def _top_legend(layout: Mapping[str, Any]) -> dict[str, Any]:
+    """A horizontal legend between the title and the plot, with room for it (it wraps in half-width plots)."""
+    return {**layout, "margin": dict(l=60, r=20, t=110, b=40),
+            "legend": dict(orientation="h", yanchor="bottom", y=1.02, xanchor="left", x=0, traceorder="normal")}
 
 
 def _chunk_spans(d: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -144,7 +173,8 @@ def _flow_note(span: Mapping[str, Any]) -> str:
     return note + (f"; state kept: {state / 2 ** 20:.1f} MiB" if state else "")
 
 
-def chunk_timeline_figure(t: TeleLike | None, title: str = "Chunk timeline") -> go.Figure:
+def chunk_timeline_figure(t: TeleLike | None, title: str = "Chunk timeline",
+                          x_range: Sequence[float] | None = None) -> go.Figure:
     """One row per audio chunk: when its tokens were generated, waited, ran through flow and vocoder, and reached
     the caller, against the moment playback needs it (the deadline); late chunks (underruns) are marked red."""
     d = as_dict(t)
@@ -188,12 +218,45 @@ def chunk_timeline_figure(t: TeleLike | None, title: str = "Chunk timeline") -> 
     if flows:
         modes = sorted({s["flow_mode"] for s in spans if s["flow_mode"]})
         sub += f" · flow {min(flows):.0f}–{max(flows):.0f} ms/chunk" + (f" ({', '.join(modes)})" if modes else "")
-    # the legend wraps onto several rows in a half-width plot (A/B tab): room for it between title and plot
-    layout = {**_LAYOUT, "margin": dict(l=60, r=20, t=96, b=40)}
-    fig.update_layout(**layout, barmode="overlay", height=218 + 34 * len(spans),
+    # the legend wraps onto several rows in a half-width plot (A/B tab): room for it between title and plot;
+    # rows keep chunk order whichever stage first drew a chunk
+    fig.update_layout(**_top_legend(_LAYOUT), barmode="overlay", height=230 + 34 * len(spans),
                       title=dict(text=title + sub, y=1.0, yref="container", yanchor="top", pad=dict(t=10)),
-                      xaxis_title="ms since the request was received", yaxis=dict(autorange="reversed"))
+                      xaxis_title="ms since the request was received",
+                      yaxis=dict(autorange="reversed", categoryorder="array", categoryarray=labels))
+    if x_range is not None:
+        fig.update_xaxes(range=list(x_range))
     return fig
+
+
+def timeline_extent(*runs: TeleLike | None) -> tuple[float, float]:
+    """One x range (ms) covering every chunk of ``runs``: A/B timelines drawn on it compare by eye."""
+    end = 0.0
+    for t in runs:
+        d = as_dict(t)
+        for s in _chunk_spans(d) if d else []:
+            for part, _ in TIMELINE_PARTS:
+                if s[part] is not None:
+                    end = max(end, s[part][1])
+            if _fin(s["deadline_ms"]):
+                end = max(end, s["deadline_ms"])
+    return 0.0, end * 1.05 + 1.0
+
+
+def status_line(t: TeleLike, outcome: str) -> str:
+    """The status under the player at the end of a run: done, or stopped with what was made before Stop."""
+    d = as_dict(t) or {}
+    der = d.get("derived") or {}
+    chunks = d.get("chunks") or []
+    audio = sum(_num(c.get("n_samples")) / (c.get("sample_rate") or 1) for c in chunks)
+    under = sum(bool(c.get("underrun")) for c in der.get("chunks") or [])
+    heard = heard_ms(d)
+    tail = f", heard at {heard:.0f} ms" if _fin(heard) else ""
+    if outcome == "cancelled":
+        return (f"stopped: {len(chunks)} chunks, {audio:.2f} s of audio before Stop, TTFB {_fmt(der.get('ttfb_ms'), 0)}"
+                f" ms{tail}")
+    return (f"done: {len(chunks)} chunks, {audio:.2f} s of audio, TTFB {_fmt(der.get('ttfb_ms'), 0)} ms, "
+            f"RTF {_fmt(der.get('rtf'), 3)}, {under} underruns{tail}")
 
 
 def run_label(params: Mapping[str, Any]) -> str:
@@ -253,6 +316,8 @@ def summary_rows(t: TeleLike | None) -> list[list[Any]]:
                         2), "s"],
             ["underruns", sum(bool(c.get("underrun")) for c in der.get("chunks") or []), "late chunks"],
             ["speaker cache", "hit" if d.get("speaker_cache_hit") else "miss", ""]]
+    if _fin(heard_ms(d)):
+        rows.insert(1, ["heard at", r(heard_ms(d), 1), "ms click → first sample played"])
     if d.get("error"):
         rows.append(["error", d["error"], ""])
     return rows
@@ -268,6 +333,7 @@ def _ab_metrics(d: Mapping[str, Any]) -> dict[str, float]:
 
     m = {"TTFB (ms)": _num(der.get("ttfb_ms"))}
     m.update({f"  {s} (ms)": v for s, v in breakdown_ms(d).items()})
+    m["heard at (ms)"] = heard_ms(d)
     m.update({"RTF": _num(der.get("rtf")), "tokens/s": _num(der.get("tokens_per_s")),
               "chunks": float(len(chunks)), "underruns": float(sum(bool(c.get("underrun")) for c in chunks)),
               "flow ms / chunk": mean("flow_ms"), "vocoder ms / chunk": mean("vocoder_ms"),

@@ -17,7 +17,8 @@ import math
 import time
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
+                               generate_latest)
 
 from .telemetry import RequestTelemetry
 
@@ -45,6 +46,8 @@ class EngineMetrics:
         self.active = Gauge("cosyvoice_active_requests", "Requests queued or running in the engine", registry=r)
         for o in ("ok", "cancelled", "error", "rejected"):
             self.requests.labels(o)  # present (at 0) from the start, so rates work before the first failure
+        # the serving process: resident memory, CPU seconds, open file descriptors (Linux /proc), start time
+        ProcessCollector(registry=r)
 
     def attach(self, engine: Any) -> "EngineMetrics":
         """Observe ``engine``'s requests and read its active-request count at scrape time."""

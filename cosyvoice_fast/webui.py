@@ -17,7 +17,10 @@ import gradio as gr
 
 from . import dashboard as db
 from .request import MODE_LABELS
+from .http_api import api_store
 from .webui_handlers import CONFIG_FIELDS, VOICE_FIELDS, Handlers, random_seed
+from .webui_player import PLAYER_JS, STOP_JS, click_js
+from .webui_queue import count_input_refusals
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 MAX_UPLOAD = "10mb"
@@ -85,16 +88,27 @@ def config_panel(h: Handlers, *, hop_first: int = 25, lookahead: int = 3, max_to
     return comps
 
 
-def named(fn: Any, names: Sequence[str]) -> Any:
-    """``fn(*values)`` with a signature naming each input, so the API page and gradio_client show real names."""
+def named(fn: Any, names: Sequence[str], with_request: bool = False) -> Any:
+    """``fn(*values)`` with a signature naming each input, so the API page and gradio_client show real names.
+    ``with_request``: Gradio also passes its ``gr.Request`` (last), handed to ``fn`` as ``request=``."""
+    n = len(names)
     if inspect.isgeneratorfunction(fn):
         def wrapper(*values: Any) -> Any:
-            yield from fn(*values)
+            if with_request:
+                yield from fn(*values[:n], request=values[n] if len(values) > n else None)
+            else:
+                yield from fn(*values)
     else:
         def wrapper(*values: Any) -> Any:
+            if with_request:
+                return fn(*values[:n], request=values[n] if len(values) > n else None)
             return fn(*values)
-    wrapper.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
+    params = [inspect.Parameter(x, inspect.Parameter.POSITIONAL_OR_KEYWORD) for x in names]
+    if with_request:
+        params.append(inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=gr.Request))
+    wrapper.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    # Gradio finds the gr.Request parameter through the type hints (``__annotations__``), not the signature
+    wrapper.__annotations__ = {"request": gr.Request} if with_request else {}
     wrapper.__name__ = fn.__name__
     wrapper.__doc__ = fn.__doc__
     return wrapper
@@ -108,6 +122,7 @@ def build_demo(service: Any) -> gr.Blocks:
     """The whole UI for one loaded service."""
     can_stream = shutil.which("ffmpeg") is not None  # Gradio encodes streamed audio with ffmpeg
     h = Handlers(service, stream_audio=can_stream)
+    api_store(service)  # the page's API requests and this app's events share one request store
     examples = load_examples()
     default_cap = 150 if service.synthetic else 0
     fast = next((n for n in ("cudagraph",) if n in h.backend_choices("flow")[0]), None)
@@ -153,9 +168,13 @@ def build_demo(service: Any) -> gr.Blocks:
                 gr.Examples([[e["text"], e["mode"], e["prompt_wav"], e["prompt_text"], e["instruct_text"]]
                              for e in examples], [text, mode, upload, prompt_text, instruct],
                             example_labels=[e["label"] for e in examples], label="Examples")
+            gr.HTML("<div id='player-status' class='tip'>The page plays the stream from the first chunk (Web Audio)."
+                    "</div>", elem_id="player")
+            client_rid = gr.Textbox("", visible=False, label="client request id")
             with gr.Row():
-                stream_out = gr.Audio(label="Streaming output (plays from the first chunk)", streaming=can_stream,
-                                      autoplay=True, interactive=False, elem_id="stream-audio")
+                # gradio_client users get the stream here; the page plays it through Web Audio instead
+                stream_out = gr.Audio(label="Streaming output (API clients)", streaming=can_stream,
+                                      autoplay=False, interactive=False, elem_id="stream-audio", visible=False)
                 full_out = gr.Audio(label="Full utterance (wav download)", type="numpy", format="wav",
                                     interactive=False, buttons=["download"], elem_id="full-audio")
             status = gr.Markdown("", elem_id="status", label="status")
@@ -194,11 +213,13 @@ def build_demo(service: Any) -> gr.Blocks:
             diff = gr.Dataframe(headers=db.AB_HEADERS, label="Difference (B − A)", interactive=False)
 
         voice = [text, mode, upload, mic, prompt_text, instruct, speaker, seed, stream, speed]
-        run_ev = run_btn.click(named(h.synthesize, VOICE_FIELDS + CONFIG_FIELDS + ("history",)),
-                               voice + cfg + [history],
-                               [stream_out, full_out, ttfb_plot, timeline, hist_plot, summary, status, raw, history],
-                               api_name="synthesize", show_progress="minimal")
-        stop_btn.click(None, None, None, cancels=[run_ev], api_visibility="private")
+        run_names = VOICE_FIELDS + CONFIG_FIELDS + ("history", "client_request_id")
+        run_btn.click(named(h.synthesize, run_names, with_request=True), voice + cfg + [history, client_rid],
+                      [stream_out, full_out, ttfb_plot, timeline, hist_plot, summary, status, raw, history],
+                      api_name="synthesize", show_progress="minimal", js=click_js(run_names))
+        # Stop aborts the page's stream and cancels the engine request; the run then ends as "stopped" with the
+        # audio so far and a history entry (Gradio's cancels= would kill the event before it could say so)
+        stop_btn.click(h.stop, client_rid, None, js=STOP_JS, queue=False, api_visibility="private")
         ab_fields = VOICE_FIELDS + tuple(f"a_{n}" for n in CONFIG_FIELDS) + tuple(f"b_{n}" for n in CONFIG_FIELDS)
         ab_btn.click(named(h.ab, ab_fields), voice + cfg_a + cfg_b, [audio_a, audio_b, ab_ttfb, tl_a, tl_b, diff],
                      api_name="ab")
@@ -211,6 +232,8 @@ def build_demo(service: Any) -> gr.Blocks:
         stream.change(lambda s: gr.update(interactive=not s, value=1.0), stream, speed, queue=False,
                       api_visibility="private")
         demo.load(h.refresh_speakers, None, speaker, api_visibility="private")
+    h.blocks = demo
+    count_input_refusals(demo, getattr(service, "metrics", None))
     demo.cosyvoice_service = service  # read by serve() to mount /health and /metrics
     return demo
 
@@ -221,12 +244,21 @@ def serve(demo: gr.Blocks, *, host: str = "127.0.0.1", port: int | None = 7860, 
           service: Any = None) -> Any:
     """Queue with a concurrency limit and a bounded size (excess users are told the queue is full), an upload
     size limit, and no extra served paths.  ``GET /health`` (readiness JSON) and ``GET /metrics`` (Prometheus) of
-    the service are mounted beside the UI (see :mod:`cosyvoice_fast.metrics`); they need no login."""
+    the service are mounted beside the UI (see :mod:`cosyvoice_fast.metrics`); they need no login.  The ``/v1``
+    HTTP API (:mod:`cosyvoice_fast.http_api`) is mounted behind the same ``auth`` as the page."""
     from .metrics import http_routes
 
     service = service if service is not None else getattr(demo, "cosyvoice_service", None)
     app_kwargs = {"routes": http_routes(service)} if service is not None else {}
     demo.queue(default_concurrency_limit=concurrency, max_size=max_queue)
-    return demo.launch(server_name=host, server_port=port, share=share, auth=auth, max_file_size=max_file_size,
-                       prevent_thread_lock=prevent_thread_lock, quiet=quiet, show_error=True, ssr_mode=False,
-                       theme=gr.themes.Soft(), css=CSS, footer_links=["api"], app_kwargs=app_kwargs)
+    out = demo.launch(server_name=host, server_port=port, share=share, auth=auth, max_file_size=max_file_size,
+                      prevent_thread_lock=True, quiet=quiet, show_error=True, ssr_mode=False,
+                      theme=gr.themes.Soft(), css=CSS, head=PLAYER_JS, footer_links=["api"],
+                      app_kwargs=app_kwargs)
+    if service is not None:  # the OpenAI-compatible /v1 API, behind the same login as the page
+        from .http_api import mount_api
+
+        mount_api(demo.app, service, auth=auth)
+    if not prevent_thread_lock:
+        demo.block_thread()
+    return out

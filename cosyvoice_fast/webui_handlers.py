@@ -9,10 +9,11 @@ library's own message; the server keeps serving.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 import secrets
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import gradio as gr
 import numpy as np
@@ -21,7 +22,9 @@ from . import dashboard as db
 from .backends.base import available_backends
 from .config import BackendConfig, StreamParams
 from .request import MODE_LABELS, SynthesisRequest
-from .telemetry import RequestTelemetry, now
+from .http_api import api_store
+from .telemetry import RequestTelemetry
+from .webui_queue import engine_record, gradio_queue_wait, set_app_queue
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +34,8 @@ CONFIG_FIELDS = ("token_hop_len_first", "token_hop_len", "pre_lookahead_len", "s
                  "llm", "flow", "vocoder", "dtype", "incremental_flow")
 STAGE_NAMES = ("llm", "flow", "vocoder")
 MAX_HISTORY = 200
+FOLLOW_TIMEOUT_S = 15.0  # the page's API request reaches the server at the same time as this event
+HEARD_WAIT_S = 1.0  # at the end, how long to wait for the page's "heard at" report
 
 
 def pcm16(x: np.ndarray) -> np.ndarray:
@@ -68,6 +73,7 @@ class Handlers:
         self.frontend = service.frontend
         self.device = service.models.device
         self.backends = available_backends(self.device)
+        self.blocks: Any = None  # the gr.Blocks (set by build_demo): its queue tells how long events waited
 
     # ------------------------------------------------------------------------------------------ header
     def backend_choices(self, stage: str) -> tuple[list[str], str]:
@@ -147,24 +153,58 @@ class Handlers:
                 metrics.count_rejected()
             raise
 
-    def _open(self, req: SynthesisRequest) -> Iterator[Any]:
-        """Start the request: the frontend runs here, so prompt problems surface before any audio."""
+    def _open(self, req: SynthesisRequest, app_queue_s: float = 0.0) -> Any:
+        """Start the request: the frontend runs here, so prompt problems surface before any audio.
+        ``app_queue_s``: how long the event waited in Gradio's queue (a TTFB stage)."""
         try:
-            return self.engine.stream(req)
+            stream = self.engine.stream(req)
+            set_app_queue(stream, app_queue_s)
+            return stream
         except (ValueError, RuntimeError) as e:  # frontend validation, ConfigError, BackendUnavailable, engine full
             raise gr.Error(_message(e)) from e
         except Exception as e:  # anything else (OSError, ...): a message without server paths, never a raw trace
             log.exception("request %s failed before synthesis", req.request_id)
             raise gr.Error(f"could not start synthesis: {_message(e)}") from e
 
-    @staticmethod
-    def _live(req: SynthesisRequest, t0: float, timings: list[Any], chunk: Any) -> RequestTelemetry:
-        """The engine's own record when the chunk carries it; else a partial one from the chunk timings so far."""
-        if getattr(chunk, "telemetry", None) is not None:
-            return chunk.telemetry
-        t = RequestTelemetry(req.request_id, received=t0)
-        t.chunks = list(timings)
-        return t
+    def _source(self, voice: dict[str, Any], cfg: dict[str, Any], rid: str,
+                request: Any) -> tuple[Iterator[Any], Callable[[], RequestTelemetry | None], Callable[[], str]]:
+        """Where this run's chunks come from: the page's own API request ``rid`` (the page plays it through Web
+        Audio; this event only draws the dashboard) or, without one (gradio_client, no JavaScript), a request
+        run here.  Returns (chunks, the engine's live record, the outcome so far)."""
+        if rid:
+            self.request_from(voice, cfg)  # same checks and messages as a direct run; the API counts refusals
+            store = api_store(self.service)
+            try:
+                chunks = store.follow(rid, start_timeout=FOLLOW_TIMEOUT_S)
+                first = next(chunks, None)
+            except TimeoutError as e:
+                raise gr.Error(f"the page's audio request did not reach the server: {e}") from e
+            live = store.get(rid)
+            if first is None and live is not None and live.outcome in ("rejected", "error"):
+                raise gr.Error(_message(RuntimeError(live.error or "the request failed")))
+            return (itertools.chain([first] if first is not None else [], chunks),
+                    lambda: live.partial() if live is not None else None,
+                    lambda: (live.outcome or "running") if live is not None else "error")
+        req = self._checked_request(voice, cfg)
+        stream = self._open(req, app_queue_s=gradio_queue_wait(request, self.blocks))
+        state = {"outcome": "running"}
+
+        def chunks() -> Iterator[Any]:
+            got_last = False
+            try:
+                for ch in stream:
+                    got_last = got_last or ch.is_last
+                    yield ch
+            finally:
+                stream.close()  # cancels the engine request if the user pressed Stop or left
+                state["outcome"] = "ok" if got_last else "cancelled"
+
+        return chunks(), lambda: engine_record(stream), lambda: state["outcome"]
+
+    def stop(self, rid: str | None) -> None:
+        """Stop button: cancel the page's current request (the page also aborts its audio fetch)."""
+        if rid:
+            self.engine.cancel(rid)
 
     # ------------------------------------------------------------------------------------------ synthesis
     def split(self, values: Sequence[Any], *groups: Sequence[str]) -> list[dict[str, Any]]:
@@ -174,46 +214,52 @@ class Handlers:
             i += len(names)
         return out + [list(values[i:])]
 
-    def synthesize(self, *values: Any) -> Iterator[tuple]:
+    def synthesize(self, *values: Any, request: Any = None) -> Iterator[tuple]:
         """Stream one request: yields (audio chunk, full wav, TTFB fig, timeline fig, history fig, summary, status,
-        telemetry json, history state) with each chunk; the full wav, history and raw telemetry come at the end."""
+        telemetry json, history state) with each chunk; the full wav, history and raw telemetry come at the end.
+        A Stop ends the run as "stopped" with the audio so far and a history entry."""
         voice, cfg, rest = self.split(values, VOICE_FIELDS, CONFIG_FIELDS)
         history = list(rest[0] or []) if rest else []
-        req = self._checked_request(voice, cfg)
+        rid = str(rest[1] or "") if len(rest) > 1 else ""
+        chunks, record, outcome = self._source(voice, cfg, rid, request)
         sr = self.engine.sample_rate
-        t0 = now()
-        chunks = self._open(req)
         parts: list[np.ndarray] = []
-        timings: list[Any] = []
-        tele: RequestTelemetry | None = None
         skip = gr.skip()
         try:
             for ch in chunks:
                 parts.append(ch.samples)
-                timings.append(ch.timing)
-                tele = self._live(req, t0, timings, ch)
+                tele = self._with_client(record(), rid)
                 status = (f"streaming… chunk {ch.index + 1}, {sum(map(len, parts)) / sr:.2f} s of audio, "
-                          f"first audio after {tele.ttfb * 1e3:.0f} ms")
-                audio = (sr, pcm16(ch.samples)) if self.stream_audio else skip
+                          f"first audio after {tele['derived']['ttfb_ms'] or 0:.0f} ms")
+                audio = (sr, pcm16(ch.samples)) if self.stream_audio and not rid else skip
                 yield (audio, skip, db.ttfb_figure(tele), db.chunk_timeline_figure(tele), skip,
                        db.summary_rows(tele), status, skip, skip)
         except gr.Error:
             raise
         except Exception as e:  # a failure inside the engine: report it, keep serving
-            log.exception("request %s failed", req.request_id)
+            log.exception("request %s failed", rid or "(app)")
             raise gr.Error(f"synthesis failed: {_message(e)}") from e
-        finally:
-            chunks.close()  # cancels the engine request if the user pressed Stop or left
-        if tele is None:
-            raise gr.Error("the engine produced no audio for this request")
+        if not parts:
+            raise gr.Error("stopped before the first audio chunk" if outcome() == "cancelled"
+                           else "the engine produced no audio for this request")
         wav = np.concatenate(parts)
+        tele = self._with_client(record(), rid, wait_s=HEARD_WAIT_S)
         history = (history + [db.history_record(tele, len(history) + 1)])[-MAX_HISTORY:]
-        s = tele.summary()
-        status = (f"done: {s['chunks']} chunks, {s['audio_s']:.2f} s of audio, TTFB {s['ttfb_ms']:.0f} ms, "
-                  f"RTF {s['rtf']:.3f}, {s['underruns']} underruns")
-        yield (skip if self.stream_audio else (sr, pcm16(wav)), (sr, pcm16(wav)), db.ttfb_figure(tele),
-               db.chunk_timeline_figure(tele), db.history_figure(history), db.summary_rows(tele), status,
-               tele.to_dict(), history)
+        rows = db.summary_rows(tele)
+        status = db.status_line(tele, outcome())
+        yield (skip if self.stream_audio and not rid else (sr, pcm16(wav)), (sr, pcm16(wav)), db.ttfb_figure(tele),
+               db.chunk_timeline_figure(tele), db.history_figure(history), rows, status, tele, history)
+
+    def _with_client(self, tele: RequestTelemetry | None, rid: str, wait_s: float = 0.0) -> dict[str, Any]:
+        """The record's JSON plus what the page measured (``client.heard_ms``), waiting up to ``wait_s`` for it."""
+        d = tele.to_dict() if tele is not None else {"chunks": [], "derived": {}}
+        if rid:
+            store = api_store(self.service)
+            if wait_s:
+                store.wait_client(rid, "heard_ms", wait_s)
+            live = store.get(rid)
+            d["client"] = dict(live.client) if live is not None else {}
+        return d
 
     def clear_history(self) -> tuple:
         return db.history_figure([]), []
@@ -260,8 +306,10 @@ class Handlers:
         rows += [[f"audio max |B − A| (first {n} samples)", None, None, round(diff, 6), None],
                  ["audio samples", len(wav_a), len(wav_b), len(wav_b) - len(wav_a),
                   round(len(wav_b) / len(wav_a), 3) if len(wav_a) else None]]
+        span = db.timeline_extent(tele_a, tele_b)  # one x axis for both timelines
         yield ((sr, pcm16(wav_a)), (sr, pcm16(wav_b)), db.ttfb_figure([tele_a, tele_b], ["A", "B"]),
-               db.chunk_timeline_figure(tele_a, "A"), db.chunk_timeline_figure(tele_b, "B"), rows)
+               db.chunk_timeline_figure(tele_a, "A", x_range=span), db.chunk_timeline_figure(tele_b, "B", x_range=span),
+               rows)
 
     # ------------------------------------------------------------------------------------------ saved voices
     def _frontend(self) -> Any:

@@ -232,7 +232,7 @@ def test_no_host_files_are_served(app):
     for path in ("/etc/passwd", str(REPO / "app.py"), "app.py", str(PROMPT)):
         assert httpx.get(f"{url}gradio_api/file={path}").status_code in (403, 404), path
     # a server path passed as if it had been uploaded is refused, not read
-    data = list(args(prompt_upload={"path": str(PROMPT), "meta": {"_type": "gradio.FileData"}}).values())
+    data = list(args(prompt_upload={"path": str(PROMPT), "meta": {"_type": "gradio.FileData"}}).values()) + [""]
     r = httpx.post(f"{url}gradio_api/call/synthesize", json={"data": data})
     events = httpx.get(f"{url}gradio_api/call/synthesize/{r.json()['event_id']}", timeout=60).text
     assert "event: error" in events and "not uploaded by a user" in events
