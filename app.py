@@ -12,17 +12,15 @@ import sys
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from cosyvoice_fast.cli_args import add_cli_args, from_cli_args
+
     ap = argparse.ArgumentParser(prog="python app.py", description=__doc__.splitlines()[0])
-    ap.add_argument("--model-dir", help="CosyVoice2-0.5B directory (default: pretrained_models/CosyVoice2-0.5B, "
-                                        "else a synthetic model)")
-    ap.add_argument("--synthetic", choices=["tiny", "full"], help="run on random weights of that size (no download)")
+    add_cli_args(ap)  # --model-dir, --synthetic, --device, --dtype, default backends, engine capacity
     ap.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for every interface)")
     ap.add_argument("--port", type=int, default=7860)
     ap.add_argument("--share", action="store_true", help="also open a public gradio.live link")
     ap.add_argument("--auth", metavar="USER:PASS", help="require this login")
     ap.add_argument("--speaker-cache", default="speakers", metavar="DIR", help="where saved voices are kept")
-    ap.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 … (default: cuda if available)")
-    ap.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
     ap.add_argument("--concurrency", type=int, default=4, help="requests synthesised at the same time")
     ap.add_argument("--max-queue", type=int, default=32, help="waiting requests beyond which users are turned away")
     ap.add_argument("--backend-url", metavar="URL", help="front a Serve cluster (python -m cosyvoice_fast serve --ray)"
@@ -32,6 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--auth must look like user:password")
     if a.concurrency < 1 or a.max_queue < 1:
         ap.error("--concurrency and --max-queue must be at least 1")
+    a.run = from_cli_args(a, ap)
     return a
 
 
@@ -48,8 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
             svc = connect(a.backend_url)
         else:
-            svc = load_service(a.model_dir, a.synthetic, a.device, a.dtype, speaker_cache_dir=a.speaker_cache,
-                               progress=True)
+            svc = load_service(**a.run.service_kwargs(), speaker_cache_dir=a.speaker_cache, progress=True)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -11,25 +11,20 @@ from pathlib import Path
 log = logging.getLogger("cosyvoice_fast")
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model-dir", help="CosyVoice2-0.5B directory (default: pretrained_models/CosyVoice2-0.5B)")
-    p.add_argument("--synthetic", choices=["tiny", "full"], help="random-weight model of that size (no download)")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 … (default: cuda if available)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
-
-
 DEFAULT_PROMPT = Path(__file__).resolve().parent.parent / "assets" / "cross_lingual_prompt.wav"
 
 
 def cmd_synth(a: argparse.Namespace) -> int:
     import soundfile as sf
 
-    from .config import BackendConfig, StreamParams
+    from .cli_args import from_cli_args
+    from .config import StreamParams
     from .request import SynthesisRequest
     from .service import load_service
     from .telemetry import format_breakdown
 
-    svc = load_service(a.model_dir, a.synthetic, a.device, a.dtype, speaker_cache_dir=a.speaker_cache)
+    run = from_cli_args(a)
+    svc = load_service(**run.service_kwargs(), speaker_cache_dir=a.speaker_cache)
     try:
         mode = a.mode or ("speaker" if a.speaker else "zero_shot" if a.prompt_text else "cross_lingual")
         if a.prompt_wav is None and mode != "speaker":
@@ -40,8 +35,7 @@ def cmd_synth(a: argparse.Namespace) -> int:
             instruct_text=a.instruct or "", speaker=a.speaker, seed=a.seed, stream=a.stream,
             stream_params=StreamParams(token_hop_len_first=a.token_hop_len_first,
                                        pre_lookahead_len=a.pre_lookahead_len),
-            backend=BackendConfig(llm=a.llm_backend, flow=a.flow_backend, vocoder=a.vocoder_backend,
-                                  dtype=a.dtype, incremental=not a.recompute_flow),
+            backend=run.backend,
             speed=a.speed)
         if svc.synthetic:
             log.warning(svc.banner)
@@ -88,7 +82,7 @@ def cmd_synthetic(a: argparse.Namespace) -> int:
 
 def cmd_backends(a: argparse.Namespace) -> int:
     from .backends.base import available_backends
-    from .service import pick_device
+    from .cli_args import pick_device
 
     for b in available_backends(pick_device(a.device)):
         print(f"{b.stage:<8}{b.name:<13}{'yes' if b.available else 'no':<5}{b.reason}")
@@ -96,12 +90,14 @@ def cmd_backends(a: argparse.Namespace) -> int:
 
 
 def cmd_speaker_state(a: argparse.Namespace) -> int:
+    from .cli_args import from_cli_args
     from .config import BackendConfig
     from .service import load_service
 
-    svc = load_service(a.model_dir, a.synthetic, a.device, a.dtype, speaker_cache_dir=a.speaker_cache)
+    run = from_cli_args(a)
+    svc = load_service(**run.service_kwargs(), speaker_cache_dir=a.speaker_cache)
     try:
-        cfg = BackendConfig(flow=a.flow_backend, dtype=a.dtype)
+        cfg = BackendConfig(flow=a.flow_backend, dtype=run.dtype)
         for name in a.names:
             n = svc.engine.store_flow_state(name, cfg)
             log.info("stored the flow prompt state of %r (%s flow, %s): %.1f MB", name, cfg.flow, cfg.dtype, n / 1e6)
@@ -123,12 +119,14 @@ def cmd_soak(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .cli_args import add_cli_args
+
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     ap = argparse.ArgumentParser(prog="python -m cosyvoice_fast")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("synth", help="synthesise one utterance and print its TTFB breakdown")
-    _add_model_args(p)
+    add_cli_args(p)
     p.add_argument("--text", required=True)
     p.add_argument("--mode", choices=["zero_shot", "cross_lingual", "instruct2", "speaker"])
     p.add_argument("--prompt-wav")
@@ -141,19 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speed", type=float, default=1.0)
     p.add_argument("--token-hop-len-first", type=int, default=25)
     p.add_argument("--pre-lookahead-len", type=int, default=3)
-    p.add_argument("--llm-backend", default="eager")
-    p.add_argument("--flow-backend", default="eager")
-    p.add_argument("--vocoder-backend", default="eager")
-    p.add_argument("--recompute-flow", action="store_true",
-                   help="recompute the whole prefix for every streaming chunk (upstream's scheme) instead of the "
-                        "incremental flow")
     p.add_argument("--out", default="out.wav")
     p.add_argument("--telemetry-json")
     p.set_defaults(fn=cmd_synth)
 
     p = sub.add_parser("speaker-state", help="store saved speakers' flow prompt state in the speaker cache, so "
                        "their first chunk skips the prompt after a restart (large: ~230 MB per 3 s voice in bf16)")
-    _add_model_args(p)
+    add_cli_args(p, parts=("model", "device", "engine"))
     p.add_argument("names", nargs="+", help="saved speaker names")
     p.add_argument("--speaker-cache", default="speakers")
     p.add_argument("--flow-backend", default="cudagraph", choices=["eager", "cudagraph"],
@@ -175,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_backends)
 
     p = sub.add_parser("build-engines", help="export the flow estimator to ONNX and build TensorRT engines")
-    _add_model_args(p)
+    add_cli_args(p, parts=("model",))
     p.add_argument("--engines-dir", default="engines")
     p.add_argument("--onnx-only", action="store_true", help="stop after the ONNX export (no TensorRT needed)")
     p.add_argument("--engine-dtype", default="fp16", choices=["fp32", "fp16", "bf16"],

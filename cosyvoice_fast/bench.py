@@ -16,7 +16,7 @@ import logging
 import math
 import threading
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -142,11 +142,10 @@ def bench_config(engine: Any, backend: BackendConfig, concurrency: int, n_reques
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from .cli_args import add_cli_args, from_cli_args
+
     ap = argparse.ArgumentParser(prog="python -m cosyvoice_fast.bench")
-    ap.add_argument("--model-dir")
-    ap.add_argument("--synthetic", choices=["tiny", "full"])
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="bf16", choices=["fp32", "fp16", "bf16"])
+    add_cli_args(ap, parts=("model", "device", "engine"))
     ap.add_argument("--backends", default="eager,cudagraph")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--requests", type=int, default=20)
@@ -168,12 +167,14 @@ def main(argv: list[str] | None = None) -> int:
     from .backends.base import available_backends
     from .service import load_service
 
-    svc = load_service(a.model_dir, a.synthetic, a.device, a.dtype, speaker_cache_dir=None, progress=False)
+    run = from_cli_args(a, ap)
+    a.dtype = run.dtype  # the device's default when not given: the results and the table say which
+    svc = load_service(**run.service_kwargs(), speaker_cache_dir=None, progress=False)
     dev = svc.models.device
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     avail = {(b.stage, b.name): b for b in available_backends(dev)}
     results: dict[str, Any] = {"gpu": gpu, "dtype": a.dtype, "model": svc.model_name, "args": vars(a),
-                               "torch": torch.__version__, "runs": []}
+                               "engine_config": asdict(run.engine), "torch": torch.__version__, "runs": []}
     try:
         for name in a.backends.split(","):
             backend = parse_backend(name, a.dtype)

@@ -55,15 +55,14 @@ def _pct(xs: list[float], q: float) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     from .bench import synthetic_inputs
+    from .cli_args import add_cli_args, from_cli_args
     from .config import BackendConfig, StreamParams
     from .runtime.state import SegmentState
     from .schedule import plan
     from .service import load_service
 
     ap = argparse.ArgumentParser(prog="python -m cosyvoice_fast.bench_flow")
-    ap.add_argument("--synthetic", default="full", choices=["tiny", "full"])
-    ap.add_argument("--model-dir")
-    ap.add_argument("--dtype", default="bf16", choices=["fp32", "fp16", "bf16"])
+    add_cli_args(ap, parts=("model", "device"), synthetic_default="full")
     ap.add_argument("--prompt-tokens", type=int, default=75)
     ap.add_argument("--tokens", type=int, default=1075, help="generated tokens (default schedule)")
     ap.add_argument("--chunks", type=int, default=20, help="chunks of the constant-hop schedule")
@@ -75,8 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if not torch.cuda.is_available():
         raise SystemExit("bench_flow needs a CUDA GPU")
-    svc = load_service(a.model_dir, None if a.model_dir else a.synthetic, "cuda", a.dtype, speaker_cache_dir=None,
-                       progress=False)
+    run = from_cli_args(a, ap)
+    if run.device.type != "cuda":
+        raise SystemExit(f"bench_flow needs a CUDA GPU (--device {a.device} is not one)")
+    a.dtype = run.dtype
+    svc = load_service(**run.service_kwargs(), speaker_cache_dir=None, progress=False)
     dtype = BackendConfig(dtype=a.dtype).torch_dtype
     schedules = {
         "default": (StreamParams(), a.tokens),

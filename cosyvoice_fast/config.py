@@ -375,6 +375,18 @@ BACKEND_NAMES = ("eager", "cudagraph", "tensorrt", "trtllm")
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+def default_dtype(device: torch.device | str) -> str:
+    """The dtype a run uses when none is asked for: bf16 on a CUDA GPU (the fast backends are built for it),
+    fp32 elsewhere (bf16/fp16 on a CPU are slow and inexact).  The one place this default lives."""
+    return "bf16" if torch.device(device).type == "cuda" else "fp32"
+
+
+#: every backend name each stage accepts (whether it can run on this machine is ``backends.base``'s business)
+BACKEND_CHOICES: dict[str, tuple[str, ...]] = {"llm": ("eager", "cudagraph", "trtllm"),
+                                               "flow": ("eager", "incremental", "cudagraph", "tensorrt"),
+                                               "vocoder": ("eager", "cudagraph")}
+
+
 @dataclass(frozen=True, slots=True)
 class BackendConfig:
     """Which implementation runs each stage, and in which dtype.
@@ -394,10 +406,7 @@ class BackendConfig:
     incremental: bool = True
 
     def __post_init__(self) -> None:
-        allowed = {"llm": ("eager", "cudagraph", "trtllm"),
-                   "flow": ("eager", "incremental", "cudagraph", "tensorrt"),
-                   "vocoder": ("eager", "cudagraph")}
-        for stage, ok in allowed.items():
+        for stage, ok in BACKEND_CHOICES.items():
             v = getattr(self, stage)
             if v not in ok:
                 raise ConfigError(f"unknown {stage} backend {v!r}; choose one of {', '.join(ok)}")

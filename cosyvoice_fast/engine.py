@@ -30,9 +30,11 @@ from typing import AsyncIterator, Callable
 import numpy as np
 import torch
 
+from .backends import StageCache
 from .backends.base import StageSet, check_available
 from .backends.cudagraph_flow import call_frames
 from .config import BackendConfig, ConfigError, StreamParams
+from .engine_config import EngineConfig
 from .modelfiles import LoadedModels
 from .request import AudioChunk, ModelInputs, SynthesisRequest
 from .runtime.state import RequestState, SegmentState
@@ -61,12 +63,14 @@ class Engine:
     """Serve streaming synthesis requests on one set of loaded models."""
 
     def __init__(self, models: LoadedModels, frontend: object | None = None,
-                 backend: BackendConfig | None = None, max_active: int = 64):
+                 backend: BackendConfig | None = None, max_active: int | None = None,
+                 config: EngineConfig | None = None):
         self.models = models
         self.frontend = frontend
         self.default_backend = backend or BackendConfig()
-        self.max_active = max_active
-        self._stage_sets: dict[BackendConfig, StageSet] = {}
+        self.config = config or EngineConfig(**({} if max_active is None else {"max_streams": max_active}))
+        self.max_active = self.config.max_streams
+        self._stage_sets = StageCache(models, self.config)
         self._stage_lock = threading.Lock()
         self._cv = threading.Condition()
         self._incoming: deque[RequestState] = deque()
@@ -83,14 +87,13 @@ class Engine:
         return self.models.config.sample_rate
 
     def stages(self, config: BackendConfig) -> StageSet:
-        """The stage implementations for ``config`` (built once, then shared: they hold no request state)."""
+        """The stage implementations for ``config``: each stage is built once per (stage, backend, dtype) and
+        shared with every config naming it (they hold no request state); a bounded number is kept per stage
+        (``EngineConfig.stage_variants``)."""
         with self._stage_lock:
             if config not in self._stage_sets:
                 check_available(config, self.models.device)
-                from .backends import build_stage_set
-
-                self._stage_sets[config] = build_stage_set(self.models, config)
-            return self._stage_sets[config]
+            return self._stage_sets.get(config)
 
     def store_flow_state(self, speaker: str, backend: BackendConfig | None = None) -> int:
         """Compute a saved speaker's flow prompt state with ``backend``'s incremental flow (default: the
@@ -184,13 +187,20 @@ class Engine:
         """A snapshot for health checks, metrics and soak tests (the public seam: nothing outside reads the
         engine's private fields).  Keys: ``running`` (worker alive and not closed), ``active`` (admitted and
         running), ``queued`` (waiting for admission), ``stage_sets`` (built stage sets as ``llm/flow/vocoder/dtype``
-        strings), ``observers``, ``max_active``."""
+        strings), ``observers``, ``max_active``; also ``stage_configs`` (the cached sets' backend configs as dicts,
+        ``incremental`` included), ``stages_built`` (implementations as ``stage/backend/dtype``, least recently used
+        first), ``stage_variants`` (the bound per stage), ``queue_limit`` and ``llm_slots`` (``None``: sized when
+        the cudagraph LLM is built) from the engine's config."""
         with self._cv:
             active, queued = len(self._active), len(self._incoming)
-        with self._stage_lock:
-            sets = [f"{c.llm}/{c.flow}/{c.vocoder}/{c.dtype}" for c in self._stage_sets]
+        configs = self._stage_sets.configs()  # the cache's own lock: a build in progress does not block this
+        built = self._stage_sets.stage_names()
+        sets = [f"{c.llm}/{c.flow}/{c.vocoder}/{c.dtype}" for c in configs]
         return {"running": self._thread.is_alive() and not self._closed, "active": active, "queued": queued,
-                "stage_sets": sets, "observers": len(self._observers), "max_active": self.max_active}
+                "stage_sets": sets, "observers": len(self._observers), "max_active": self.max_active,
+                "stage_configs": [{k: getattr(c, k) for k in BackendConfig.__slots__} for c in configs],
+                "stages_built": built, "stage_variants": self.config.stage_variants,
+                "queue_limit": self.config.queue_limit, "llm_slots": self.config.llm_slots}
 
     def active_requests(self) -> int:
         with self._cv:

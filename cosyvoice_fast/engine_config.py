@@ -8,9 +8,16 @@ the runtime.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import Any
 
 from .yamlconf import ConfigError
+
+log = logging.getLogger(__name__)
+
+#: bytes of one element per dtype name, for KV sizing without importing torch here
+_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def _positive_tuple(name: str, values: tuple[int, ...]) -> None:
@@ -40,6 +47,10 @@ class EngineConfig:
       them one after the other.  Ignored on CPU.
     - ``capture_at_start``: capture every graph the config names when the stage set is built (a progress bar),
       so nothing is captured while serving.
+    - ``llm_memory_fraction``: share of the free GPU memory (read when the LLM stage is built) that the KV cache
+      may take when ``llm_slots`` is ``None``; the rest is left to flow/vocoder graphs and their buffers.
+    - ``stage_variants``: built implementations kept per stage (LLM, flow, vocoder); the least recently used one
+      beyond it is dropped.  3 keeps the default set and both sides of an A/B comparison warm.
     """
 
     max_streams: int = 64
@@ -51,9 +62,11 @@ class EngineConfig:
     vocoder_rows: tuple[int, ...] = (1, 2, 4, 8, 16)
     cuda_streams: int = 2
     capture_at_start: bool = True
+    llm_memory_fraction: float = 0.25
+    stage_variants: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("max_streams", "max_context"):
+        for name in ("max_streams", "max_context", "stage_variants"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"EngineConfig.{name} must be a positive integer, got {v!r}")
@@ -69,3 +82,54 @@ class EngineConfig:
             _positive_tuple(name, getattr(self, name))
         if self.cuda_streams not in (1, 2):
             raise ConfigError(f"EngineConfig.cuda_streams must be 1 or 2, got {self.cuda_streams!r}")
+        f = self.llm_memory_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f <= 1.0:
+            raise ConfigError(f"EngineConfig.llm_memory_fraction must be a number in (0, 1], got {f!r}")
+
+
+def kv_bytes_per_token(qwen: Any, dtype: Any) -> int:
+    """KV-cache bytes one LM position costs: layers x (K and V) x kv_heads x head_dim x element size.
+
+    ``qwen`` is the model's :class:`~cosyvoice_fast.config.QwenConfig` (anything with ``num_hidden_layers``,
+    ``num_key_value_heads`` and ``head_dim``); ``dtype`` a torch dtype or a name (``bf16``, ``float32``...)."""
+    name = str(dtype).replace("torch.", "")
+    if name not in _DTYPE_BYTES:
+        raise ConfigError(f"kv_bytes_per_token: unknown dtype {dtype!r}; use fp32, fp16 or bf16")
+    return int(qwen.num_hidden_layers) * 2 * int(qwen.num_key_value_heads) * int(qwen.head_dim) * _DTYPE_BYTES[name]
+
+
+def llm_slots_for_memory(max_streams: int, max_context: int, bytes_per_token: int, free_bytes: int,
+                         fraction: float) -> int:
+    """How many LLM slots of ``max_context`` positions fit in ``fraction`` of ``free_bytes``, at most
+    ``max_streams`` (more slots than streams could never be used).
+
+    At least one slot when one fits in all of the free memory (a small GPU still serves one stream at a time);
+    none fitting at all is an error naming the knob to turn."""
+    per_slot = max_context * bytes_per_token
+    n = int(free_bytes * fraction) // per_slot
+    if n >= 1:
+        return min(max_streams, n)
+    if per_slot <= free_bytes:
+        return 1
+    raise ConfigError(f"EngineConfig.max_context: one LLM slot of {max_context} positions needs "
+                      f"{per_slot / 2**20:.0f} MiB of KV cache but only {free_bytes / 2**20:.0f} MiB of GPU memory "
+                      "is free; lower --max-context or free GPU memory")
+
+
+def resolve_llm_slots(config: EngineConfig, qwen: Any, dtype: Any, device: Any) -> int:
+    """``config.llm_slots`` if set; else ``max_streams`` on CPU (memory is not the limit there) or the slots
+    that fit in ``llm_memory_fraction`` of the GPU's free memory now (call it after the weights are loaded)."""
+    if config.llm_slots is not None:
+        return config.llm_slots
+    if getattr(device, "type", str(device)) != "cuda":
+        return config.max_streams
+    import torch
+
+    free, _total = torch.cuda.mem_get_info(device)
+    per_token = kv_bytes_per_token(qwen, dtype)
+    slots = llm_slots_for_memory(config.max_streams, config.max_context, per_token, free,
+                                 config.llm_memory_fraction)
+    log.info("LLM slots sized from free GPU memory: %d (%.1f GiB free, %.0f KiB per position, %d positions per "
+             "slot, %.0f%% of free memory at most)", slots, free / 2**30, per_token / 1024, config.max_context,
+             config.llm_memory_fraction * 100)
+    return slots

@@ -24,6 +24,7 @@ from .telemetry import RequestTelemetry
 
 TTFB_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0)
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class EngineMetrics:
@@ -44,21 +45,39 @@ class EngineMetrics:
         self.underruns = Counter("cosyvoice_underruns", "Chunks delivered after their playback deadline",
                                  registry=r)
         self.active = Gauge("cosyvoice_active_requests", "Requests queued or running in the engine", registry=r)
+        self.queue_depth = Gauge("cosyvoice_queue_depth", "Requests waiting in the engine's admission queue",
+                                 registry=r)
+        self.queue_wait = Histogram("cosyvoice_queue_wait_seconds", "Time a request waited in the engine's admission "
+                                    "queue for a free slot (the TTFB stage 'admission')", buckets=WAIT_BUCKETS,
+                                    registry=r)
+        self.refused = Counter("cosyvoice_refused", "Requests refused because the engine's admission queue was full "
+                               "(EngineBusy; HTTP 429/503)", registry=r)
         for o in ("ok", "cancelled", "error", "rejected"):
             self.requests.labels(o)  # present (at 0) from the start, so rates work before the first failure
         # the serving process: resident memory, CPU seconds, open file descriptors (Linux /proc), start time
         ProcessCollector(registry=r)
 
     def attach(self, engine: Any) -> "EngineMetrics":
-        """Observe ``engine``'s requests and read its active-request count at scrape time."""
+        """Observe ``engine``'s requests and read its queue figures from ``engine.stats()`` at scrape time."""
         engine.add_observer(self.observe)
-        self.active.set_function(engine.active_requests)
+
+        def count(*keys: str) -> float:
+            st = engine.stats()
+            return float(sum(st[k] for k in keys))
+
+        self.active.set_function(lambda: count("active", "queued"))
+        self.queue_depth.set_function(lambda: count("queued"))
         return self
 
     def observe(self, tele: RequestTelemetry, outcome: str) -> None:
         self.requests.labels(outcome).inc()
         if tele.error:
             self.errors.labels(tele.error.split(":", 1)[0] or "Error").inc()
+            if outcome == "rejected" and tele.error.startswith("EngineBusy"):
+                self.refused.inc()
+        wait = queue_wait(tele)
+        if math.isfinite(wait):
+            self.queue_wait.observe(wait)
         delivered = [c for c in tele.chunks if math.isfinite(c.delivered)]
         if delivered and math.isfinite(tele.ttfb):
             self.ttfb.observe(max(0.0, tele.ttfb))
@@ -78,12 +97,23 @@ class EngineMetrics:
         return generate_latest(self.registry)
 
 
+def queue_wait(tele: RequestTelemetry) -> float:
+    """Seconds ``tele``'s request waited in the engine's admission queue (``admitted - frontend_done``); 0 when
+    it started without a wait (no ``admitted`` stamp but it reached prefill), nan when it never got that far."""
+    if not math.isfinite(tele.frontend_done):
+        return math.nan
+    if math.isfinite(tele.admitted):
+        return max(0.0, tele.admitted - tele.frontend_done)
+    return 0.0 if math.isfinite(tele.prefill_start) else math.nan
+
+
 def health(service: Any) -> dict[str, Any]:
     """Readiness of ``service``: ``ready`` is True when the model is loaded and the engine accepts work."""
     from .backends.base import available_backends
 
     engine = service.engine
-    running = engine._thread.is_alive() and not engine._closed
+    stats = engine.stats()
+    running = bool(stats["running"])
     models = service.models
     backends: dict[str, list[str]] = {}
     for b in available_backends(models.device):
@@ -93,9 +123,10 @@ def health(service: Any) -> dict[str, Any]:
             "model_loaded": models is not None, "model": service.model_name, "synthetic": bool(service.synthetic),
             "device": str(models.device), "dtype": str(models.dtype).replace("torch.", ""),
             "frontend": service.frontend is not None, "backends": backends,
-            "backends_built": sorted(f"{c.llm}/{c.flow}/{c.vocoder} {c.dtype}" + ("" if c.incremental else " recompute")
-                                     for c in engine._stage_sets),
-            "active_requests": engine.active_requests(), "sample_rate": engine.sample_rate,
+            "backends_built": sorted(f"{c['llm']}/{c['flow']}/{c['vocoder']} {c['dtype']}"
+                                     + ("" if c["incremental"] else " recompute") for c in stats["stage_configs"]),
+            "active_requests": stats["active"] + stats["queued"], "queued_requests": stats["queued"],
+            "sample_rate": engine.sample_rate,
             "time": time.time()}
 
 

@@ -20,22 +20,24 @@ def main(argv: list[str] | None = None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from .bench import synthetic_inputs
+    from .cli_args import add_cli_args, from_cli_args
     from .config import BackendConfig, StreamParams
     from .runtime.state import SegmentState
     from .schedule import plan
     from .service import load_service
 
     ap = argparse.ArgumentParser(prog="python -m cosyvoice_fast.profile_stages")
-    ap.add_argument("--synthetic", default="full", choices=["tiny", "full"])
-    ap.add_argument("--model-dir")
-    ap.add_argument("--dtype", default="bf16", choices=["fp32", "fp16", "bf16"])
+    add_cli_args(ap, parts=("model", "device"), synthetic_default="full")
     ap.add_argument("--prompt-tokens", type=int, default=75)
     ap.add_argument("--tokens", type=int, default=1075, help="generated tokens of the long utterance")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_stages needs a CUDA GPU")
-    svc = load_service(a.model_dir, None if a.model_dir else a.synthetic, "cuda", a.dtype, speaker_cache_dir=None,
-                       progress=False)
+    run = from_cli_args(a, ap)
+    if run.device.type != "cuda":
+        raise SystemExit(f"profile_stages needs a CUDA GPU (--device {a.device} is not one)")
+    a.dtype = run.dtype
+    svc = load_service(**run.service_kwargs(), speaker_cache_dir=None, progress=False)
     try:
         inp = synthetic_inputs(svc.models.config, a.prompt_tokens, 30, 0).to("cuda", getattr(torch, {
             "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[a.dtype]))

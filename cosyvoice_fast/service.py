@@ -7,13 +7,13 @@ Order of preference: an explicit ``--model-dir``; else ``pretrained_models/CosyV
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
-
-from .config import TORCH_DTYPES, BackendConfig
+from .cli_args import pick_device
+from .config import TORCH_DTYPES, BackendConfig, default_dtype
 from .engine import Engine
+from .engine_config import EngineConfig
 from .metrics import EngineMetrics, health
 from .modelfiles import LoadedModels, find_model_dir, load_models
 from .synthetic import synthetic_model_dir
@@ -41,20 +41,17 @@ class Service:
         self.engine.close()
 
 
-def pick_device(device: str | None) -> torch.device:
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: no CUDA GPU is visible; use --device cpu")
-    return dev
-
-
 def load_service(model_dir: str | Path | None = None, synthetic: str | None = None, device: str | None = None,
-                 dtype: str = "fp32", speaker_cache_dir: str | Path | None = "speakers",
-                 progress: bool = True) -> Service:
-    """Load models, frontend and engine; the banner says exactly what is running."""
+                 dtype: str | None = None, speaker_cache_dir: str | Path | None = "speakers",
+                 progress: bool = True, backend: BackendConfig | None = None,
+                 engine_config: EngineConfig | None = None) -> Service:
+    """Load models, frontend and engine; the banner says exactly what is running.
+
+    ``dtype`` None follows the device (bf16 on CUDA, fp32 on CPU); ``backend`` is the engine's default stage set
+    (built now; its dtype is replaced by the one loaded), ``engine_config`` its capacity.  The command-line tools
+    get all of these from :func:`cosyvoice_fast.cli_args.from_cli_args` (``RunChoices.service_kwargs()``)."""
     dev = pick_device(device)
+    dtype = dtype or default_dtype(dev)
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: choose fp32, fp16 or bf16")
     if dev.type == "cpu" and dtype != "fp32":
@@ -85,7 +82,8 @@ def load_service(model_dir: str | Path | None = None, synthetic: str | None = No
         log.warning("model directory lacks %s: prompt voices are disabled",
                     ", ".join(models.files.missing_frontend_files()))
         banner += " Prompt-voice frontend unavailable (missing " + ", ".join(models.files.missing_frontend_files()) + ")."
-    engine = Engine(models, frontend=frontend, backend=BackendConfig(dtype=dtype))
+    default = replace(backend, dtype=dtype) if backend is not None else BackendConfig(dtype=dtype)
+    engine = Engine(models, frontend=frontend, backend=default, config=engine_config)
     return Service(engine=engine, frontend=frontend, models=models, synthetic=is_synth, banner=banner,
                    model_name=("synthetic-" + (synthetic or "tiny")) if is_synth else path.name,
                    metrics=EngineMetrics().attach(engine))

@@ -51,11 +51,10 @@ class Resources:
         p = psutil.Process()
         fds = p.num_fds() if hasattr(p, "num_fds") else p.num_handles()
         fe = getattr(engine, "frontend", None)
-        with engine._cv:
-            active, incoming = len(engine._active), len(engine._incoming)
+        st = engine.stats()
         return cls(rss_mb=p.memory_info().rss / 2**20, fds=fds, threads=threading.active_count(),
-                   engine_active=active, engine_incoming=incoming, engine_stage_sets=len(engine._stage_sets),
-                   engine_observers=len(engine._observers), frontend_lru=len(getattr(fe, "_lru", ()) or ()))
+                   engine_active=st["active"], engine_incoming=st["queued"], engine_stage_sets=len(st["stage_sets"]),
+                   engine_observers=st["observers"], frontend_lru=len(getattr(fe, "_lru", ()) or ()))
 
 
 @dataclass
@@ -231,10 +230,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model-dir", help="CosyVoice2-0.5B directory (default: pretrained_models/CosyVoice2-0.5B)")
-    p.add_argument("--synthetic", choices=["tiny", "full"], help="random-weight model of that size (no download)")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 … (default: cuda if available)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
+    from .cli_args import add_cli_args
+
+    add_cli_args(p)
     p.add_argument("--requests", type=int, default=500)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=25, help="speech tokens per request (25 = 1 s of audio)")
@@ -245,13 +243,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_soak(a: argparse.Namespace) -> int:
+    from .cli_args import from_cli_args
     from .service import load_service
 
     if a.requests < 2 or a.concurrency < 1:
         print("error: --requests must be at least 2 and --concurrency at least 1", file=sys.stderr)
         return 2
+    try:
+        run = from_cli_args(a)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="cosyvoice_soak_speakers_") as spk:
-        svc = load_service(a.model_dir, a.synthetic, a.device, a.dtype, speaker_cache_dir=spk, progress=False)
+        svc = load_service(**run.service_kwargs(), speaker_cache_dir=spk, progress=False)
         try:
             if svc.frontend is None:
                 print("error: the soak needs a model directory with the frontend files (prompt voices)",

@@ -1,53 +1,199 @@
-"""Stage backends: eager (the reference), cudagraph, tensorrt (flow estimator), trtllm (speech LM)."""
+"""Stage backends: eager (the reference), cudagraph, tensorrt (flow estimator), trtllm (speech LM).
+
+Stage implementations are built once per (stage, backend, dtype) and shared by every stage set that names them:
+switching only the vocoder (the app's A/B tab) reuses the LLM and flow already built, instead of a second LLM
+with its own KV cache and graphs.  :class:`StageCache` keeps a bounded number per stage.
+"""
 
 from __future__ import annotations
 
 import copy
+import logging
+import threading
+import weakref
+from collections import OrderedDict
+from typing import Any, Callable, Iterator
 
 import torch
 
 from ..config import BackendConfig
+from ..engine_config import EngineConfig, resolve_llm_slots
 from .base import StageSet
 
-def build_stage_set(models, config: BackendConfig) -> StageSet:  # noqa: ANN001 - LoadedModels (import cycle)
-    """Instantiate the stage implementations ``config`` names, over ``models`` (cast copies if dtype differs)."""
+log = logging.getLogger(__name__)
+
+StageKey = tuple[str, str, str]  # (stage, implementation, dtype); the vocoder's dtype is always fp32 (HiFT)
+
+
+def stage_keys(config: BackendConfig) -> dict[str, StageKey]:
+    """The key of each stage ``config`` needs: configs that build the same object get the same key (the flow's
+    ``incremental`` flag picks another runner; ``incremental`` as a flow name is the eager flow with it on;
+    the tensorrt flow ignores it; HiFT always runs in fp32)."""
+    flow = config.flow
+    if flow in ("eager", "incremental"):
+        flow = "incremental" if (config.incremental or flow == "incremental") else "eager"
+    elif flow == "cudagraph" and config.incremental:
+        flow = "cudagraph-incremental"
+    return {"llm": ("llm", config.llm, config.dtype), "flow": ("flow", flow, config.dtype),
+            "vocoder": ("vocoder", config.vocoder, "fp32")}
+
+
+def _build_llm(models: Any, name: str, llm: torch.nn.Module, dtype: torch.dtype, engine: EngineConfig) -> Any:
     from . import eager
 
-    dtype = config.torch_dtype
-    llm, flow = models.llm, models.flow
-    if dtype != models.dtype:
-        if models.device.type == "cpu" and dtype != torch.float32:
-            raise ValueError(f"dtype {config.dtype} is for GPUs; on CPU use fp32")
-        llm = copy.deepcopy(models.llm).to(dtype)
-        flow = copy.deepcopy(models.flow).to(dtype)
-    if config.llm == "eager":
-        llm_stage = eager.EagerLLM(llm, models.config)
-    elif config.llm == "cudagraph":
+    if name == "eager":
+        return eager.EagerLLM(llm, models.config)
+    if name == "cudagraph":
         from .cudagraph_llm import CudaGraphLLM
 
-        llm_stage = CudaGraphLLM(llm, models.config)
-    else:
-        from .trtllm import TrtLlmLLM
+        slots = resolve_llm_slots(engine, models.config.llm.qwen, dtype, models.device)
+        return CudaGraphLLM(llm, models.config, slots=slots, max_len=engine.max_context)
+    from .trtllm import TrtLlmLLM
 
-        llm_stage = TrtLlmLLM(llm, models.config)
-    if config.flow == "eager" and not config.incremental:
-        flow_stage = eager.EagerFlow(flow, models.config)
-    elif config.flow in ("eager", "incremental"):
+    return TrtLlmLLM(llm, models.config)
+
+
+def _build_flow(models: Any, name: str, flow: torch.nn.Module) -> Any:
+    from . import eager
+
+    if name == "eager":
+        return eager.EagerFlow(flow, models.config)
+    if name == "incremental":
         from ..runtime.flow_state import IncrementalFlow
 
-        flow_stage = IncrementalFlow(flow, models.config)
-    elif config.flow == "cudagraph":
+        return IncrementalFlow(flow, models.config)
+    if name in ("cudagraph", "cudagraph-incremental"):
         from .cudagraph_flow import CudaGraphFlow
 
-        flow_stage = CudaGraphFlow(flow, models.config, incremental=config.incremental)
-    else:
-        from .tensorrt_flow import TensorRTFlow
+        return CudaGraphFlow(flow, models.config, incremental=name == "cudagraph-incremental")
+    from .tensorrt_flow import TensorRTFlow
 
-        flow_stage = TensorRTFlow(flow, models.config)
-    if config.vocoder == "eager":
-        voc_stage = eager.EagerVocoder(models.hift)
-    else:
-        from .cudagraph_vocoder import CudaGraphVocoder
+    return TensorRTFlow(flow, models.config)
 
-        voc_stage = CudaGraphVocoder(models.hift)
-    return StageSet(config=config, llm=llm_stage, flow=flow_stage, vocoder=voc_stage)
+
+def _build_vocoder(models: Any, name: str) -> Any:
+    from . import eager
+
+    if name == "eager":
+        return eager.EagerVocoder(models.hift)
+    from .cudagraph_vocoder import CudaGraphVocoder
+
+    return CudaGraphVocoder(models.hift)
+
+
+class StageCache:
+    """Built stage implementations of one engine, at most ``engine_config.stage_variants`` per stage.
+
+    ``get(config)`` returns a :class:`StageSet` whose three members are shared with every other set naming the
+    same (stage, backend, dtype).  Past the bound the least recently used implementation is dropped, with every
+    cached set that holds it (requests still running on it keep it alive until they finish).  Weights cast to
+    another dtype are shared by all implementations of that dtype and freed with the last of them.
+    Thread-safe: builds are serialised (two first requests for one config build it once), and the views
+    (``configs``, ``stage_names``: health checks and metrics scrapes) never wait for a build, which may capture
+    graphs for seconds.
+    """
+
+    def __init__(self, models: Any, engine_config: EngineConfig | None = None):
+        self.models = models
+        self.engine_config = engine_config or EngineConfig()
+        self._stages: OrderedDict[StageKey, Any] = OrderedDict()
+        self._sets: OrderedDict[BackendConfig, StageSet] = OrderedDict()
+        self._casts: weakref.WeakValueDictionary[tuple[str, torch.dtype], torch.nn.Module] = \
+            weakref.WeakValueDictionary()
+        self._lock = threading.Lock()  # guards the two dicts; held only briefly
+        self._build_lock = threading.Lock()  # one build at a time
+
+    def _hit(self, config: BackendConfig) -> StageSet | None:
+        with self._lock:
+            hit = self._sets.get(config)
+            if hit is not None:
+                self._sets.move_to_end(config)
+                for key in stage_keys(config).values():
+                    self._stages.move_to_end(key)
+            return hit
+
+    def get(self, config: BackendConfig) -> StageSet:
+        hit = self._hit(config)
+        if hit is not None:
+            return hit
+        with self._build_lock:
+            hit = self._hit(config)  # built by another thread while this one waited
+            if hit is not None:
+                return hit
+            keys = stage_keys(config)
+            dtype = config.torch_dtype
+            if dtype != self.models.dtype and self.models.device.type == "cpu" and dtype != torch.float32:
+                raise ValueError(f"dtype {config.dtype} is for GPUs; on CPU use fp32")
+            try:
+                llm = self._stage(keys["llm"], lambda: _build_llm(self.models, config.llm,
+                                                                  self._cast("llm", dtype), dtype, self.engine_config))
+                flow = self._stage(keys["flow"], lambda: _build_flow(self.models, keys["flow"][1],
+                                                                     self._cast("flow", dtype)))
+                voc = self._stage(keys["vocoder"], lambda: _build_vocoder(self.models, config.vocoder))
+                built = StageSet(config=config, llm=llm, flow=flow, vocoder=voc)
+                with self._lock:
+                    self._sets[config] = built
+            finally:  # also when a later stage failed to build: the bound holds either way
+                with self._lock:
+                    self._evict()
+            return built
+
+    def _stage(self, key: StageKey, build: Callable[[], Any]) -> Any:
+        with self._lock:
+            stage = self._stages.get(key)
+            if stage is not None:
+                self._stages.move_to_end(key)
+                return stage
+        log.info("building the %s stage: %s backend, %s", *key)
+        stage = build()  # outside the view lock: captures may take seconds
+        with self._lock:
+            self._stages[key] = stage
+        return stage
+
+    def _cast(self, part: str, dtype: torch.dtype) -> torch.nn.Module:
+        module = getattr(self.models, part)
+        if dtype == self.models.dtype:
+            return module
+        cast = self._casts.get((part, dtype))
+        if cast is None:
+            cast = copy.deepcopy(module).to(dtype)
+            self._casts[(part, dtype)] = cast
+        return cast
+
+    def _evict(self) -> None:
+        limit = self.engine_config.stage_variants
+        for stage in ("llm", "flow", "vocoder"):
+            keys = [k for k in self._stages if k[0] == stage]  # least recently used first
+            for key in keys[:max(0, len(keys) - limit)]:
+                gone = self._stages.pop(key)
+                log.info("dropping the %s stage (%s backend, %s): more than %d built", *key, limit)
+                for cfg in [c for c, s in self._sets.items() if getattr(s, stage) is gone]:
+                    del self._sets[cfg]
+
+    # ---- views for stats() and health -----------------------------------------------------------------------
+    def configs(self) -> list[BackendConfig]:
+        """The backend configs whose stage sets are cached, least recently used first."""
+        with self._lock:
+            return list(self._sets)
+
+    def stage_names(self) -> list[str]:
+        """Built implementations as ``stage/backend/dtype`` strings, least recently used first."""
+        with self._lock:
+            return ["/".join(k) for k in self._stages]
+
+    def __iter__(self) -> Iterator[BackendConfig]:
+        return iter(self.configs())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sets)
+
+    def __contains__(self, config: object) -> bool:
+        with self._lock:
+            return config in self._sets
+
+
+def build_stage_set(models: Any, config: BackendConfig, engine_config: EngineConfig | None = None) -> StageSet:
+    """A stand-alone stage set for ``config`` over ``models`` (cast copies where the dtype differs).  An engine
+    uses its :class:`StageCache` instead, so that sets share their stages."""
+    return StageCache(models, engine_config).get(config)
