@@ -8,6 +8,8 @@ import signal
 import threading
 from typing import Any
 
+from .cli_args import add_cli_args, from_cli_args
+
 log = logging.getLogger(__name__)
 
 
@@ -17,7 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", help="CosyVoice2-0.5B directory, the same path on every host")
     p.add_argument("--synthetic", choices=["tiny", "full"], help="random-weight model of that size (no download)")
     p.add_argument("--device", default="auto", help="replica device (default: cuda when the replica has a GPU)")
-    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="default: bf16 on GPU, fp32 on CPU")
+    p.add_argument("--dtype", dest="replica_dtype", choices=["fp32", "fp16", "bf16"],
+                   help="replica precision (default: bf16 on GPU replicas, fp32 on CPU ones)")
     p.add_argument("--backend", help="backend preset (eager, cudagraph, tensorrt, ...) or llm:flow:vocoder "
                                      "(default: cudagraph on GPU, eager on CPU)")
     p.add_argument("--address", help="Ray cluster to join: auto (the one `ray start --head` started on this host) "
@@ -30,8 +33,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-replicas", type=int, help="autoscale between --min-replicas and this")
     p.add_argument("--target-ongoing", type=float,
                    help="autoscaling target: requests per replica (default: --max-streams)")
-    p.add_argument("--max-streams", type=int, default=16, help="requests one engine runs at once")
-    p.add_argument("--queue-limit", type=int, default=16, help="requests waiting in one engine's admission queue")
     p.add_argument("--max-queued-requests", type=int,
                    help="requests each proxy holds while every replica is full before answering 503 "
                         "(default: what all replicas admit together)")
@@ -39,18 +40,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="saved speakers, shared by every replica (a network file system path across hosts)")
     p.add_argument("--host", default="127.0.0.1", help="interface of Serve's HTTP proxy (0.0.0.0 for every one)")
     p.add_argument("--port", type=int, default=8000)
+    add_cli_args(p, parts=("engine",))  # each replica's EngineConfig: the same flags as every other tool
 
 
 def options_from_args(a: argparse.Namespace) -> Any:
     """The validated :class:`~cosyvoice_fast.serve_ray.RayServeOptions` of the command line."""
     from pathlib import Path
 
-    from .engine_config import EngineConfig
     from .serve_ray import RayServeOptions
 
     return RayServeOptions(
-        engine=EngineConfig(max_streams=a.max_streams, queue_limit=a.queue_limit), model_dir=a.model_dir,
-        synthetic=a.synthetic, device=a.device, dtype=a.dtype, backend=a.backend,
+        engine=from_cli_args(a).engine, model_dir=a.model_dir,
+        synthetic=a.synthetic, device=a.device, dtype=a.replica_dtype, backend=a.backend,
         speaker_dir=str(Path(a.speaker_dir).resolve()), replicas=a.replicas, min_replicas=a.min_replicas,
         max_replicas=a.max_replicas, target_ongoing=a.target_ongoing, gpus_per_replica=a.gpus_per_replica,
         cpus_per_replica=a.cpus_per_replica, max_queued_requests=a.max_queued_requests, host=a.host, port=a.port,

@@ -13,7 +13,6 @@ directory (``--speaker-dir``; a network file system across hosts), read by every
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import threading
@@ -26,7 +25,6 @@ from ray import serve
 
 from .engine_config import EngineConfig
 from .serve_metrics import RegistryMirror
-from .serve_routes import api_router
 from .yamlconf import ConfigError
 
 log = logging.getLogger(__name__)
@@ -109,27 +107,16 @@ def backend_config(name: str, dtype: str) -> Any:
 
 # ------------------------------------------------------------------------------------------------ the replica
 def load_replica_service(opts: RayServeOptions, device: str) -> Any:
-    """Load the models and an engine sized by ``opts.engine`` (the engine takes the config where it knows it;
-    else its admission limit is set to the same capacity, so Serve's limit and the engine's agree) whose
-    default backend is ``opts.backend`` (default: cudagraph on a GPU, the service's own on CPU)."""
+    """Load the models and an engine sized by ``opts.engine`` whose default backend (what requests that name none
+    get) is ``opts.backend``: by default cudagraph on a GPU, the eager reference on CPU."""
+    from .config import BackendConfig
     from .service import load_service
 
-    kwargs: dict[str, Any] = {"progress": False, "speaker_cache_dir": opts.speaker_dir}
-    params = inspect.signature(load_service).parameters
-    for name in ("engine_config", "config"):
-        if name in params:
-            kwargs[name] = opts.engine
-            break
     dtype = opts.dtype or ("bf16" if device.startswith("cuda") else "fp32")
-    svc = load_service(opts.model_dir, opts.synthetic, device, dtype, **kwargs)
-    if not any(n in kwargs for n in ("engine_config", "config")):
-        svc.engine.max_active = opts.capacity
     name = opts.backend or ("cudagraph" if device.startswith("cuda") else None)
-    if name is not None:  # requests name no backend: they get the replica's (built now, not at the first request)
-        cfg = backend_config(name, dtype)
-        svc.engine.stages(cfg)
-        svc.engine.default_backend = cfg
-    return svc
+    backend = backend_config(name, dtype) if name else BackendConfig(dtype=dtype)
+    return load_service(opts.model_dir, opts.synthetic, device, dtype, speaker_cache_dir=opts.speaker_dir,
+                        progress=False, backend=backend, engine_config=opts.engine)
 
 
 class _ReplicaHeaders:
@@ -162,7 +149,9 @@ def _replica_id() -> str:
 def build_asgi_app(get_service: Callable[[], Any]) -> FastAPI:
     """A replica's HTTP app: the project's ``/v1`` routes and ``GET /health``, naming the replica on responses."""
     api = FastAPI(title="cosyvoice_fast on Ray Serve")
-    api.include_router(api_router(get_service))
+    from .http_api import create_api_router
+
+    api.include_router(create_api_router(get_service))
     api.add_middleware(_ReplicaHeaders, replica=_replica_id())
 
     @api.get("/health")

@@ -134,12 +134,24 @@ def test_remote_refusals_keep_the_clusters_message():
     with pytest.raises(EngineBusy, match=r"the cluster is full \(Request dropped due to backpressure"):
         _remote(lambda req: httpx.Response(503, text=busy)).stream(
             SynthesisRequest(text="hi", mode="speaker", speaker="alice"))
-    with pytest.raises(ValueError, match=r"HTTP 400\): no saved speaker named 'zed'"):
-        _remote(lambda req: httpx.Response(400, json={"detail": "no saved speaker named 'zed'"})).stream(
+    err = {"error": {"message": "voice 'zed' is not known here", "param": "voice"}}
+    with pytest.raises(ValueError, match=r"HTTP 400\): voice 'zed' is not known here"):
+        _remote(lambda req: httpx.Response(400, json=err)).stream(
             SynthesisRequest(text="hi", mode="speaker", speaker="zed"))
-    with pytest.raises(ValueError, match="saved voices only"):
-        _remote(lambda req: httpx.Response(200)).stream(SynthesisRequest(text="hi", mode="cross_lingual",
-                                                                          prompt_wav=b"x"))
+
+
+def test_remote_request_bodies_carry_the_voice_or_the_prompt():
+    import base64
+
+    from cosyvoice_fast.remote_service import request_body
+
+    b = request_body(SynthesisRequest(text="hi", mode="speaker", speaker="alice", seed=5, max_tokens=9), "m")
+    assert (b["voice"], b["mode"], b["seed"], b["max_tokens"], b["response_format"]) == ("alice", "speaker", 5, 9,
+                                                                                          "pcm")
+    assert "prompt_audio" not in b and "backends" not in b  # the replicas' own backends serve it
+    b = request_body(SynthesisRequest(text="hi", mode="zero_shot", prompt_wav=b"RIFFdata", prompt_text="hello"),
+                     "m")
+    assert base64.b64decode(b["prompt_audio"]) == b"RIFFdata" and b["prompt_text"] == "hello" and "voice" not in b
 
 
 # ------------------------------------------------------------------------------------------------ the cluster
@@ -172,7 +184,9 @@ class Cluster:
                  runtime_env={"env_vars": {"PYTHONPATH": str(serve_ray.REPO_ROOT)}})
         self.session_dir = ray._private.worker._global_node.get_session_dir_path()
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
-        self.opts = serve_ray.RayServeOptions(engine=EngineConfig(max_streams=8, queue_limit=8), synthetic="tiny",
+        # queue_limit 0: the engine admits max_streams requests (its admission queue is another branch's work), so
+        # each replica is sent exactly what it runs
+        self.opts = serve_ray.RayServeOptions(engine=EngineConfig(max_streams=16, queue_limit=0), synthetic="tiny",
                                               speaker_dir=str(self.speaker_dir), replicas=2, port=self.port,
                                               max_queued_requests=32, health_check_period_s=1.0)
         serve.run(serve_ray.build_app(self.opts, 0), name=serve_ray.APP_NAME, route_prefix="/", blocking=False)
@@ -240,8 +254,8 @@ HEALTHY = {"status": "DeploymentStatus.HEALTHY", "RUNNING": 2}
 @pytest.mark.ray
 def test_32_concurrent_streams_across_replicas_equal_their_solo_runs(cluster):
     _save_voice(cluster.speaker_dir, "bob", 2)  # saved after the replicas started: the shared directory is read live
-    voices = sorted(httpx.get(f"{cluster.url}/v1/audio/voices", timeout=30).json()["voices"])
-    assert voices == ["alice", "bob"]
+    voices = httpx.get(f"{cluster.url}/v1/audio/voices", timeout=30).json()["voices"]
+    assert sorted(v["name"] for v in voices if v["kind"] == "saved") == ["alice", "bob"]
     kinds = [(i, "alice" if i % 2 else "bob") for i in range(8)]
     solo = {k: _speak(cluster.url, *k, max_tokens=10) for k in kinds}
     assert all("audio" in s for s in solo.values()), solo
@@ -367,10 +381,12 @@ def test_remote_front_end_streams_from_the_cluster(cluster):
         assert last[6].startswith("done: ")
         import gradio as gr
 
-        prompt = serve_ray.REPO_ROOT / "assets" / "cross_lingual_prompt.wav"
+        prompt = serve_ray.REPO_ROOT / "assets" / "cross_lingual_prompt.wav"  # an upload travels as base64
         voice.update(mode="cross_lingual", prompt_upload=str(prompt))
-        with pytest.raises(gr.Error, match="saved voices only"):
-            list(h.synthesize(*[voice[k] for k in VOICE_FIELDS], *[cfg[k] for k in CONFIG_FIELDS], []))
+        last = list(h.synthesize(*[voice[k] for k in VOICE_FIELDS], *[cfg[k] for k in CONFIG_FIELDS], []))[-1]
+        assert last[6].startswith("done: ") and len(last[1][1]) > 0
+        with pytest.raises(gr.Error, match="voices are saved on the cluster"):
+            h.save_speaker("carol", str(prompt), None, "")
     finally:
         svc.close()
 
