@@ -225,11 +225,13 @@ class RemoteFrontend:
     client: httpx.Client
 
     def list_speakers(self) -> list[str]:
+        """The cluster's saved speakers (its bundled voices are the replicas' to resolve, as here)."""
         r = self.client.get("/v1/audio/voices")
         r.raise_for_status()
         voices = r.json()
         voices = voices.get("voices", voices.get("data", [])) if isinstance(voices, dict) else voices
-        return sorted(v if isinstance(v, str) else (v.get("name") or v.get("id")) for v in voices)
+        return sorted(v if isinstance(v, str) else (v.get("name") or v.get("id")) for v in voices
+                      if isinstance(v, str) or v.get("kind", "saved") == "saved")
 
     def _refuse(self, *_: Any, **__: Any) -> Any:
         raise ValueError("voices are saved on the cluster, not through this page: save them into the cluster's "
