@@ -6,7 +6,7 @@ serves the project's own HTTP API (``/v1/audio/speech`` streamed, ``/v1/audio/vo
 through Serve's proxy, so clients cannot tell one replica from a cluster.
 
 Limits follow the engine: a replica is sent at most ``max_streams + queue_limit`` requests (what its engine
-admits); beyond that requests wait in the proxy, up to ``max_queued_requests``, then get 503 with a Retry-After.
+admits, running plus waiting in its admission queue); beyond that requests wait in the proxy, up to ``max_queued_requests``, then get 503 with a Retry-After.
 A replica whose engine worker stopped fails its health check and is replaced.  Saved speakers live in one shared
 directory (``--speaker-dir``; a network file system across hosts), read by every replica.
 """
@@ -40,7 +40,8 @@ class RayServeOptions:
     ``replicas`` is a fixed count unless ``max_replicas`` is set (then Serve autoscales between ``min_replicas``
     and ``max_replicas``, aiming at ``target_ongoing`` requests per replica).  ``gpus_per_replica`` is ignored on
     a cluster without GPUs (CPU replicas).  ``max_queued_requests`` is how many requests each proxy holds while
-    every replica is full before answering 503 (``None``: one replica's capacity)."""
+    every replica is full before answering 503 (``None``: what all replicas admit together, so that a burst, whose
+    requests all sit in the proxy's queue for a moment before assignment, is not turned away)."""
 
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(max_streams=16, queue_limit=16))
     model_dir: str | None = None
