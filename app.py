@@ -23,6 +23,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--speaker-cache", default="speakers", metavar="DIR", help="where saved voices are kept")
     ap.add_argument("--concurrency", type=int, default=4, help="requests synthesised at the same time")
     ap.add_argument("--max-queue", type=int, default=32, help="waiting requests beyond which users are turned away")
+    ap.add_argument("--backend-url", metavar="URL", help="front a Serve cluster (python -m cosyvoice_fast serve --ray)"
+                                                         " at URL instead of loading a model here")
     a = ap.parse_args(argv)
     if a.auth is not None and (":" not in a.auth or not a.auth.split(":", 1)[0]):
         ap.error("--auth must look like user:password")
@@ -53,7 +55,12 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.getLogger(__name__).info("loading the model …")
     try:
-        svc = load_service(**a.run.service_kwargs(), speaker_cache_dir=a.speaker_cache, progress=True)
+        if a.backend_url:
+            from cosyvoice_fast.remote_service import connect
+
+            svc = connect(a.backend_url)
+        else:
+            svc = load_service(**a.run.service_kwargs(), speaker_cache_dir=a.speaker_cache, progress=True)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

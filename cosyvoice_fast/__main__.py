@@ -1,4 +1,4 @@
-"""Command line: ``python -m cosyvoice_fast {synth,speaker-state,download,build-engines,synthetic,backends,soak}``."""
+"""Command line: ``python -m cosyvoice_fast {synth,speaker-state,download,build-engines,synthetic,backends,soak,serve}``."""
 
 from __future__ import annotations
 
@@ -184,6 +184,12 @@ def main(argv: list[str] | None = None) -> int:
 
     soak_arguments(p)
     p.set_defaults(fn=cmd_soak)
+
+    p = sub.add_parser("serve", help="serve the HTTP API on Ray Serve replicas (one engine per GPU, many hosts)")
+    from .serve_cli import add_arguments as serve_arguments, cmd_serve
+
+    serve_arguments(p)
+    p.set_defaults(fn=cmd_serve)
 
     a = ap.parse_args(argv)
     try:
