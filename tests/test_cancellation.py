@@ -252,7 +252,7 @@ def app(tmp_path_factory):
 def _endless(prompt_file):
     """/synthesize inputs: cross-lingual, 3-token chunks, 2000 tokens (far longer than any test waits)."""
     return ["hello there", "cross_lingual", prompt_file, None, "", "", None, 1, True, 1.0, 3, 3, 0, 1.0, 2000,
-            "eager", "eager", "eager", "fp32", True]
+            "eager", "eager", "eager", "fp32", True, ""]  # last: client_request_id (none: the app synthesises)
 
 
 def test_app_client_cancel_frees_the_engine(app):
