@@ -40,10 +40,7 @@ def gradio_queue_wait(request: Any, blocks: Any, fn_name: str = "synthesize") ->
 def engine_record(stream: Any) -> RequestTelemetry | None:
     """The engine's own :class:`RequestTelemetry` of a running request (filled in as it runs)."""
     rec = getattr(stream, "telemetry", None)
-    if isinstance(rec, RequestTelemetry):
-        return rec
-    state = getattr(stream, "_state", None)  # Engine.stream's RequestStream keeps it on its request state
-    return getattr(state, "telemetry", None)
+    return rec if isinstance(rec, RequestTelemetry) else None
 
 
 def set_app_queue(stream: Any, seconds: float) -> None:

@@ -10,7 +10,7 @@ import threading
 from typing import Any
 
 from ..request import AudioChunk
-from ..telemetry import now
+from ..telemetry import RequestTelemetry, now
 from .state import RequestState
 
 #: the end-of-stream marker a request's output queue receives last
@@ -35,6 +35,11 @@ class RequestStream:
     @property
     def request_id(self) -> str:
         return self._state.id
+
+    @property
+    def telemetry(self) -> RequestTelemetry:
+        """The request's live record (front ends set ``app_queue_s`` on it and draw it while it streams)."""
+        return self._state.telemetry
 
     def __iter__(self) -> "RequestStream":
         return self
