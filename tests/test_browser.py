@@ -12,9 +12,9 @@ import shutil
 import socket
 from pathlib import Path
 
-import httpx
-
 import pytest
+
+httpx = pytest.importorskip("httpx", reason="httpx is not installed here (pip install -r requirements.txt)")
 
 webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.webdriver.chrome.service import Service as ChromeService  # noqa: E402

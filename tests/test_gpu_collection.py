@@ -1,4 +1,5 @@
-"""The GPU box has no soundfile, librosa, gradio or plotly: ``pytest -m gpu tests/`` must still collect cleanly."""
+"""The GPU box has no soundfile, librosa, gradio, plotly, ray, httpx, fastapi, tokenizers, openai or av:
+``pytest -m gpu tests/`` must still collect cleanly."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MISSING_ON_GPU_BOX = ("soundfile", "librosa", "gradio", "gradio_client", "plotly")
+MISSING_ON_GPU_BOX = ("soundfile", "librosa", "gradio", "gradio_client", "plotly", "ray", "httpx", "fastapi",
+                      "starlette", "tokenizers", "openai", "av", "websockets", "selenium")
 
 _SHIM = '''
 import sys

@@ -11,13 +11,13 @@ import socket
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
-import soundfile as sf
 
-openai = pytest.importorskip("openai")
-av = pytest.importorskip("av")
+httpx = pytest.importorskip("httpx", reason="httpx is not installed here (pip install -r requirements.txt)")
+sf = pytest.importorskip("soundfile", reason="soundfile is not installed here (pip install -r requirements.txt)")
+openai = pytest.importorskip("openai", reason="openai is not installed here (pip install -r requirements.txt)")
+av = pytest.importorskip("av", reason="av is not installed here (pip install -r requirements.txt)")
 
 from cosyvoice_fast.audio_encode import to_pcm16  # noqa: E402
 from cosyvoice_fast.engine import EngineBusy, EngineClosed  # noqa: E402

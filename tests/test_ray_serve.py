@@ -17,9 +17,10 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import numpy as np
 import pytest
+
+httpx = pytest.importorskip("httpx", reason="httpx is not installed here (pip install -r requirements.txt)")
 
 from cosyvoice_fast.engine import EngineBusy
 from cosyvoice_fast.engine_config import EngineConfig

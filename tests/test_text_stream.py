@@ -12,7 +12,10 @@ import queue
 import random
 
 import pytest
-from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
+
+tokenizers = pytest.importorskip("tokenizers", reason="tokenizers is not installed here "
+                                                      "(pip install -r requirements.txt)")
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers  # noqa: E402
 
 from cosyvoice_fast.frontend.text import EOS_TOKEN, SPECIAL_TOKENS, TextTokenizer, _build_byte_level_bpe
 from cosyvoice_fast.frontend.text_normalize import EmptyTextError, TextTooLongError
