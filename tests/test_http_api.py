@@ -5,6 +5,7 @@ disconnect cancels the engine request, every error status comes as OpenAI's JSON
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import socket
@@ -275,7 +276,8 @@ def test_auth_is_enforced_on_the_api(server):
 
 def test_engine_full_is_429_and_engine_closed_is_503(server, monkeypatch):
     svc = server[1]
-    monkeypatch.setattr(svc.engine, "max_active", 1)
+    # one request running and none may wait: the next is refused (the engine queues up to queue_limit otherwise)
+    monkeypatch.setattr(svc.engine, "config", dataclasses.replace(svc.engine.config, max_streams=1, queue_limit=0))
     with _http(server) as h:
         with h.stream("POST", "/v1/audio/speech", json={"input": "Long.", "voice": "cross_lingual_prompt",
                                                          "response_format": "pcm", "max_tokens": 2000,

@@ -44,7 +44,7 @@ def test_soak_200_requests_no_growth(svc):
     # the engine's own containers are back where they were
     assert rep.after.engine_active == rep.after.engine_incoming == 0
     assert rep.after.engine_stage_sets == rep.before.engine_stage_sets
-    assert rep.after.engine_observers == rep.before.engine_observers == 1
+    assert rep.after.engine_observers == rep.before.engine_observers  # request log + metrics: none added
     assert rep.after.frontend_lru <= svc.frontend.config.prompt_lru_size
     assert rep.after.threads <= rep.before.threads + 1
     assert rep.wall_s < 60
