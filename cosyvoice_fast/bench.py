@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .config import BackendConfig, StreamParams
+from .config import BackendConfig, ConfigError, StreamParams
 from .request import ModelInputs, SynthesisRequest
 from .telemetry import RequestTelemetry, aggregate, percentile
 
@@ -54,16 +54,17 @@ def synthetic_inputs(cfg: Any, prompt_tokens: int, text_tokens: int, seed: int) 
     )
 
 
-def parse_backend(name: str, dtype: str) -> BackendConfig:
+def parse_backend(name: str, dtype: str, field: str = "--backends") -> BackendConfig:
     """A preset name (``eager``, ``cudagraph``, ...) or an explicit ``llm:flow:vocoder`` triple, e.g.
-    ``cudagraph:eager:cudagraph`` to measure one stage's backend against the others held fixed."""
+    ``cudagraph:eager:cudagraph`` to measure one stage's backend against the others held fixed.  A bad name raises
+    :class:`ConfigError` naming ``field`` (the flag or option it came from)."""
     if name in BACKEND_PRESETS:
         p = BACKEND_PRESETS[name]
         return BackendConfig(llm=p.llm, flow=p.flow, vocoder=p.vocoder, dtype=dtype, incremental=p.incremental)
     parts = name.split(":")
     if len(parts) != 3:
-        raise SystemExit(f"unknown backend {name!r}: use a preset ({', '.join(BACKEND_PRESETS)}) "
-                         "or llm:flow:vocoder, e.g. cudagraph:eager:cudagraph")
+        raise ConfigError(f"{field} {name!r} is unknown: use a preset ({', '.join(BACKEND_PRESETS)}) "
+                          "or llm:flow:vocoder, e.g. cudagraph:eager:cudagraph")
     return BackendConfig(llm=parts[0], flow=parts[1], vocoder=parts[2], dtype=dtype)
 
 
@@ -178,7 +179,10 @@ def main(argv: list[str] | None = None) -> int:
                                "engine_config": asdict(run.engine), "torch": torch.__version__, "runs": []}
     try:
         for name in a.backends.split(","):
-            backend = parse_backend(name, a.dtype)
+            try:
+                backend = parse_backend(name, a.dtype)
+            except ConfigError as e:
+                raise SystemExit(str(e)) from None
             missing = [f"{s}:{getattr(backend, s)} ({avail[(s, getattr(backend, s))].reason})"
                        for s in ("llm", "flow", "vocoder") if not avail[(s, getattr(backend, s))].available]
             if missing:

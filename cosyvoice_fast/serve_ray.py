@@ -92,18 +92,10 @@ class RayServeOptions:
 
 
 def backend_config(name: str, dtype: str) -> Any:
-    """A backend preset of the benchmark (``eager``, ``cudagraph``, ``tensorrt``...) or ``llm:flow:vocoder``."""
-    from .bench import BACKEND_PRESETS
-    from .config import BackendConfig
+    """A backend preset of the benchmark (``eager``, ``cudagraph``, ``fused``...) or ``llm:flow:vocoder``."""
+    from .bench import parse_backend
 
-    if name in BACKEND_PRESETS:
-        p = BACKEND_PRESETS[name]
-        return BackendConfig(llm=p.llm, flow=p.flow, vocoder=p.vocoder, dtype=dtype, incremental=p.incremental)
-    parts = name.split(":")
-    if len(parts) != 3:
-        raise ConfigError(f"RayServeOptions.backend {name!r} is unknown: use a preset "
-                          f"({', '.join(BACKEND_PRESETS)}) or llm:flow:vocoder, e.g. cudagraph:cudagraph:cudagraph")
-    return BackendConfig(llm=parts[0], flow=parts[1], vocoder=parts[2], dtype=dtype)
+    return parse_backend(name, dtype, "RayServeOptions.backend")
 
 
 # ------------------------------------------------------------------------------------------------ the replica
