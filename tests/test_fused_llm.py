@@ -43,17 +43,10 @@ def test_refuses_a_cpu_model_and_says_what_to_choose():
 
 
 def _random_full_size_lm(dtype: torch.dtype) -> Qwen2LM:
-    """CosyVoice2-0.5B shapes with seeded random weights (norms at 1, a sharper speech head)."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    with torch.device("cuda"):
-        lm = Qwen2LM(full_config().llm)
-    with torch.no_grad():
-        for name, p in lm.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.1 if name.startswith("llm_decoder.weight") else 0.02, generator=g)
-    return lm.to(dtype).eval().requires_grad_(False)
+    """CosyVoice2-0.5B shapes with seeded random weights (:func:`cosyvoice_fast.synthetic.random_full_size_lm`)."""
+    from cosyvoice_fast.synthetic import random_full_size_lm
+
+    return random_full_size_lm(dtype)
 
 
 @pytest.fixture(params=[False, True], ids=["plain", "pdl"])
