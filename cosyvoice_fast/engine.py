@@ -13,7 +13,7 @@ Shape of the runtime (the engine is the only scheduler; stage backends execute t
   never more than the backend's free slots (a request without a slot waits, it does not fail), (4) runs every
   ready *first* chunk (first audio has priority) batched, (5) steps every running LM in one
   ``llm.decode(states)`` per stage set, (6) runs every ready chunk of every request (first or later, earliest
-  playback deadline first) in one flow call per stage set (``chunk_batch``: streams already on the incremental
+  playback deadline first) in one flow call per stage set (``solve``: streams already on the incremental
   path continue there, the rest share batched solves per length bucket); vocoding stays per request.
   A new request therefore waits at most one turn, never behind another request's long tail.  Everything runs
   on one CUDA stream (``EngineConfig.cuda_streams`` is not used yet: no LLM/flow overlap).
@@ -468,12 +468,12 @@ class Engine:
 
     def _run_chunks(self, states: list[RequestState]) -> None:
         """Run the next pending chunk of each of ``states``.  Requests on the same stage set whose flow stage
-        has ``chunk_batch`` share one batched flow computation; every other chunk runs alone.  Vocoding and
+        has ``solve`` share one batched flow computation; every other chunk runs alone.  Vocoding and
         emission stay per request.  A failing batched call is retried item by item, so that only the culprit's
         request fails."""
         for group in self._by_stage_set(states):
             flow = group[0].stages.flow
-            batch = getattr(flow, "chunk_batch", None)
+            batch = getattr(flow, "solve", None)
             if len(group) == 1 or batch is None or getattr(flow, "max_batch", 2) <= 1:
                 for st in group:
                     self._guard(st, self._run_chunk)
@@ -490,7 +490,7 @@ class Engine:
                 mels = batch(items)
                 _sync(self.models.device)
                 if len(mels) != len(items):
-                    raise RuntimeError(f"chunk_batch returned {len(mels)} mels for {len(items)} items")
+                    raise RuntimeError(f"solve returned {len(mels)} mels for {len(items)} items")
             except Exception:  # noqa: BLE001 - isolate the culprit: each request alone, failures stay its own
                 log.exception("batched flow call for %d requests failed; retrying them one by one", len(items))
                 for st, call, timing in taken:

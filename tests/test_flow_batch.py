@@ -73,21 +73,21 @@ def test_batched_chunks_equal_per_item_chunks(flow, case):
         assert (a - b).abs().max().item() <= TOL
 
 
-def test_eager_chunk_batch_policies(flow, case):
+def test_eager_solve_policies(flow, case):
     items = _items(case)
     ref = [flow_chunk_mel(flow, inp, tok, call) for _, inp, tok, call in items]
     stage = EagerFlow(flow, tiny_config())
     assert stage.max_batch == 1  # CPU: the reference stays a plain loop
-    assert all(torch.equal(a, b) for a, b in zip(stage.chunk_batch(items), ref))  # a loop of chunk(): exact
+    assert all(torch.equal(a, b) for a, b in zip(stage.solve(items), ref))  # a loop of chunk(): exact
     stage.max_batch, stage.share_padded = 4, True
-    assert all((a - b).abs().max().item() <= TOL for a, b in zip(stage.chunk_batch(items), ref))
+    assert all((a - b).abs().max().item() <= TOL for a, b in zip(stage.solve(items), ref))
     # same-length items (same prompt, same call, different text and speaker) share an unpadded solve; equal to
     # float rounding (bit-exact on some CPUs, not on all: BLAS may block a batch of 4 differently)
     same = [(None, _inputs(case, 20, i), case["token"][:, i:i + 40], plan(20, 90, StreamParams())[0])
             for i in range(4)]
     stage.share_padded = False
     solo = [stage.chunk(*it) for it in same]
-    assert all((a - b).abs().max().item() <= 1e-5 for a, b in zip(stage.chunk_batch(same), solo))
+    assert all((a - b).abs().max().item() <= 1e-5 for a, b in zip(stage.solve(same), solo))
 
 
 def test_solver_feeds_the_estimator_2b_rows(flow, case):
@@ -157,7 +157,7 @@ def test_graph_estimator_pads_batch_rows(flow, fake_graphs):
     assert runner.eager_calls == 2 and runner.replays == 5
 
 
-def test_cudagraph_chunk_batch_through_the_row_padded_runner(flow, case, fake_graphs):
+def test_cudagraph_solve_through_the_row_padded_runner(flow, case, fake_graphs):
     """CudaGraphFlow's batched path on CPU (fake graphs stand in for CUDA graphs)."""
     stage = CudaGraphFlow.__new__(CudaGraphFlow)  # __init__ refuses without CUDA
     stage.flow, stage.config, stage.incremental = flow, tiny_config(), None
@@ -165,7 +165,7 @@ def test_cudagraph_chunk_batch_through_the_row_padded_runner(flow, case, fake_gr
     stage.encoder = GraphEncoder(flow, torch.device("cpu"))  # off the GPU it runs flow.encode eagerly
     items = _items(case)
     ref = [flow_chunk_mel(flow, inp, tok, call) for _, inp, tok, call in items]
-    out = stage.chunk_batch(items)
+    out = stage.solve(items)
     for a, b in zip(out, ref):
         assert a.shape == b.shape and (a - b).abs().max().item() <= TOL
     assert stage.estimator.eager_calls == 0
@@ -191,11 +191,11 @@ class SpyBatchFlow:
         self._check(inputs)
         return self.inner.chunk(seg, inputs, tokens, call)
 
-    def chunk_batch(self, items):  # noqa: ANN001
+    def solve(self, items):  # noqa: ANN001
         self.batches.append(len(items))
         for it in items:
             self._check(it[1])
-        return self.inner.chunk_batch(items)
+        return self.inner.solve(items)
 
 
 PARAMS = StreamParams(token_hop_len_first=5, token_hop_len=5, pre_lookahead_len=0)
@@ -303,7 +303,7 @@ def no_tf32():
 
 
 @_gpu
-def test_gpu_cudagraph_chunk_batch_equals_eager_fp32(tiny_models, case, no_tf32):
+def test_gpu_cudagraph_solve_equals_eager_fp32(tiny_models, case, no_tf32):
     import copy
 
     flow_cuda = copy.deepcopy(tiny_models.flow).cuda().eval()
@@ -312,29 +312,29 @@ def test_gpu_cudagraph_chunk_batch_equals_eager_fp32(tiny_models, case, no_tf32)
     ref = [eager.chunk(*it) for it in items]
     stage = CudaGraphFlow(flow_cuda, tiny_config())
     for _ in range(2):  # the second pass replays the graphs captured by the first
-        out = stage.chunk_batch(items)
+        out = stage.solve(items)
         errs = [(a - b).abs().max().item() for a, b in zip(out, ref)]
         assert [a.shape for a in out] == [b.shape for b in ref]
         assert max(errs) <= 1e-4, errs
     assert stage.estimator.eager_calls == 0
     # a bigger batch (12 streaming items -> 24 rows -> the 32-row graph; 8 final -> 16 rows) stays exact too
-    out = stage.chunk_batch(items * 4)
+    out = stage.solve(items * 4)
     assert max((a - b).abs().max().item() for a, b in zip(out, ref * 4)) <= 1e-4
     assert stage.estimator.eager_calls == 0
     assert {k[1] for c in stage.estimator.caches.values() for k in c.graphs} >= {16, 32}
     eager.max_batch, eager.share_padded = 16, True
-    out = eager.chunk_batch(items)
+    out = eager.solve(items)
     assert max((a - b).abs().max().item() for a, b in zip(out, ref)) <= 1e-4
 
 
 @_gpu
-def test_gpu_cudagraph_chunk_batch_bf16_stays_close(tiny_models, case):
+def test_gpu_cudagraph_solve_bf16_stays_close(tiny_models, case):
     import copy
 
     flow16 = copy.deepcopy(tiny_models.flow).cuda().to(torch.bfloat16).eval()
     items = _items(case, "cuda", torch.bfloat16)
     ref = [EagerFlow(flow16, tiny_config()).chunk(*it) for it in items]
-    out = CudaGraphFlow(flow16, tiny_config()).chunk_batch(items)
+    out = CudaGraphFlow(flow16, tiny_config()).solve(items)
     for a, b in zip(out, ref):
         scale = max(1.0, b.abs().max().item())
         assert torch.isfinite(a).all()

@@ -8,7 +8,7 @@ stage backend offers batch calls over request states and keeps no per-request st
   and ``capacity`` (slots; ``None`` = unbounded).  The slot index, cache position, token history, generator
   and length limits live on the :class:`LLMState`, which the request's segment owns.
 - flow: ``chunk(segment_state, inputs, tokens, call) -> mel (1, 80, new frames)``; optionally
-  ``chunk_batch(items) -> list of mels`` for several requests' calls at once (``items`` are
+  ``solve(items) -> list of mels`` for several requests' calls at once (``items`` are
   ``(segment_state, inputs, tokens, call)`` tuples; each mel must equal that item's ``chunk`` up to float
   rounding) and ``max_batch`` (items it will share; <= 1 means "do not batch").
 - vocoder: ``vocode(mel, cache_source, generator) -> (wav, source)``.

@@ -16,7 +16,7 @@ inputs run the eager estimator (counted in :attr:`GraphEstimator.eager_calls`). 
 (bucket, dtype) separately for chunk-causal (streaming) and full attention, captured on first use (or ahead
 of time with :meth:`CudaGraphFlow.warmup`) and LRU-capped by ``max_graphs`` per mode.
 
-Batched solves (:meth:`CudaGraphFlow.chunk_batch`): B requests' chunks share one guided Euler solve, so each
+Batched solves (:meth:`CudaGraphFlow.solve`): B requests' chunks share one guided Euler solve, so each
 estimator call has 2B rows (B conditional, B unconditional).  Graphs are keyed by (bucket, rows, dtype) with
 the rows padded up to :data:`ROW_SIZES` (2, 4, 8, 16, 32) by all-zero rows whose mask is 0 (their output is
 zero and, rows being independent, they touch no real row).  A solve is capped at 16 requests and at the
@@ -347,7 +347,7 @@ class CudaGraphFlow:
         rows = bucket_rows(2 * n_items) or 2 * n_items
         return rows * self.estimator.bucket(frames) ** 2
 
-    def chunk_batch(self, items: Sequence[Any], stream: bool = True) -> list[Tensor]:
+    def solve(self, items: Sequence[Any], stream: bool = True) -> list[Tensor]:
         """Several requests' chunks (first or later, any mix of requests): a segment that already streams
         incrementally (its state lives in the buffers or a saved copy) continues alone on that path; every
         other chunk joins one graph-replayed full-recompute solve per attention mode (split to stay within

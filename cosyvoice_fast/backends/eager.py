@@ -153,13 +153,13 @@ def flow_chunk_mel_batch(flow: torch.nn.Module, items: Sequence[ChunkItem], stre
 class EagerFlow:
     """Full-prefix recomputation per chunk (upstream's behaviour).
 
-    :meth:`chunk_batch` shares the CFM solve between up to ``max_batch`` items.  By default only items whose
+    :meth:`solve` shares the CFM solve between up to ``max_batch`` items.  By default only items whose
     estimator inputs have the same length share one (no padding); with ``share_padded = True`` any lengths
     share a right-padded solve.  Either way each item equals its own :meth:`chunk` to float rounding (~1e-6 in
     fp32), but not always bit for bit: padded attention reduces over more keys, and BLAS may block a bigger
     batch differently (on CPU, 8 items already differ in the last bits, 4 do not).  Bit-for-bit equality with
     a solo run is this reference backend's contract on CPU, where batching buys nothing (compute-bound), so
-    there ``max_batch`` defaults to 1 (``chunk_batch`` is then a loop of :meth:`chunk`); on a GPU, where each
+    there ``max_batch`` defaults to 1 (``solve`` is then a loop of :meth:`chunk`); on a GPU, where each
     chunk is launch-bound, it defaults to 16."""
 
     share_padded = False
@@ -174,7 +174,7 @@ class EagerFlow:
               ) -> torch.Tensor:
         return flow_chunk_mel(self.flow, inputs, tokens, call, stream)
 
-    def chunk_batch(self, items: Sequence[ChunkItem], stream: bool = True) -> list[torch.Tensor]:
+    def solve(self, items: Sequence[ChunkItem], stream: bool = True) -> list[torch.Tensor]:
         """Several requests' chunks with shared CFM solves; one mel per item, each equal to its :meth:`chunk`."""
         if len(items) == 1 or self.max_batch <= 1:
             return [self.chunk(*item, stream=stream) for item in items]
