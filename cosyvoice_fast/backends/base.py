@@ -11,7 +11,9 @@ stage backend offers batch calls over request states and keeps no per-request st
   ``solve(items) -> list of mels`` for several requests' calls at once (``items`` are
   ``(segment_state, inputs, tokens, call)`` tuples; each mel must equal that item's ``chunk`` up to float
   rounding) and ``max_batch`` (items it will share; <= 1 means "do not batch").
-- vocoder: ``vocode(mel, cache_source, generator) -> (wav, source)``.
+- vocoder: ``vocode(mel, cache_source, generator) -> (wav, source)``; optionally
+  ``vocode_batch(mels, sources, generators) -> (wavs, sources)`` for B chunks of one shape at once (each row
+  equals that row's ``vocode`` up to float rounding; the noise of row i is drawn from ``generators[i]``).
 """
 
 from __future__ import annotations
@@ -49,6 +51,12 @@ class LLMState:
     cache: Any = None
     extra: Any = None
     done: bool = False
+
+    @property
+    def ready(self) -> bool:
+        """Whether the state can be stepped now.  Always on plain states; a bi-streaming state is not while it
+        waits for more text (the engine then neither steps nor fails it, and is woken by ``Engine.wake``)."""
+        return True
 
     @property
     def step(self) -> int:
