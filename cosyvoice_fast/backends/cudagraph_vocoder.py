@@ -1,4 +1,4 @@
-"""HiFT with its filter network (``decode``) captured in CUDA graphs, one per (rows, exact mel length).
+"""HiFT with its filter network (``decode``) captured in CUDA graphs, one per exact mel length.
 
 HiFT's convolutions look both ways, so zero-padding a chunk to a length bucket would change its last samples:
 graphs are therefore keyed by the exact length.  The streaming schedule uses few lengths (2·first hop, then
@@ -9,22 +9,21 @@ Weight norm is folded into plain weights first (same numbers, fewer kernels).
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 
 from .base import BackendUnavailable
-from .eager import batch_sources
 from .graphs import GraphCache
 
 
 class CudaGraphVocoder:
-    def __init__(self, hift: torch.nn.Module, max_graphs: int = 128):
+    def __init__(self, hift: torch.nn.Module, max_graphs: int = 48):
         dev = next(hift.parameters()).device
         if dev.type != "cuda" or not torch.cuda.is_available():
             raise BackendUnavailable("vocoder backend 'cudagraph' needs the model on a CUDA GPU")
         self.hift = hift
-        self.max_batch = 16  # chunks per filter replay
+        # One chunk per replay: graphs are keyed by the exact length, and a row count per key would multiply
+        # the shapes to capture (HiFT per chunk is a few ms; sharing it is not worth captures while serving).
+        self.max_batch = 1
         self.plain = hift.remove_weight_norm().eval()
         self.graphs = GraphCache(lambda mel, src: (self.plain.decode(mel, src),), dev, max_graphs, "hift")
 
@@ -36,14 +35,5 @@ class CudaGraphVocoder:
             n = cache_source.shape[-1]
             if n > 0:
                 source = torch.cat([cache_source.to(source), source[:, :, n:]], dim=2)
-            (wav,) = self.graphs.run((1, mel.shape[-1]), mel, source.contiguous())
+            (wav,) = self.graphs.run(mel.shape[-1], mel, source.contiguous())
             return wav.clone(), source
-
-    def vocode_batch(self, mels: torch.Tensor, sources: torch.Tensor, generators: Sequence[torch.Generator | None]
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """B chunks of one shape: excitation row by row (each from its own generator), one filter replay."""
-        mels = mels.float().contiguous()
-        with torch.inference_mode():
-            src = batch_sources(self.plain, mels, sources, generators).contiguous()
-            (wav,) = self.graphs.run((mels.shape[0], mels.shape[-1]), mels, src)
-            return wav.clone(), src

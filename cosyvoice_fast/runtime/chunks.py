@@ -158,6 +158,13 @@ class ChunkRunner:
 
     def _vocode_and_emit(self, items: list[tuple[Taken, torch.Tensor]]) -> None:
         voc = items[0][0][0].stages.vocoder
+        if getattr(voc, "vocode_batch", None) is None or getattr(voc, "max_batch", 16) <= 1:
+            for item in items:  # no shared forward: each chunk goes out as soon as it is vocoded
+                self._vocode_and_emit_all(voc, [item])
+        else:
+            self._vocode_and_emit_all(voc, items)
+
+    def _vocode_and_emit_all(self, voc: Any, items: list[tuple[Taken, torch.Tensor]]) -> None:
         outs = vocode_chunks(voc, [self._job(t, m) for t, m in items])
         self.sched.count("vocoder_calls", 1, "vocoder_rows", len(items))
         for (t, _), out in zip(items, outs):
