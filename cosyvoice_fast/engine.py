@@ -169,6 +169,11 @@ class Engine:
             # while it waited) is woken by the worker with the end-of-stream marker, so no thread is left behind.
             stream.close()
 
+    def wake(self) -> None:  # bistream hook (h19e implements)
+        """A text source delivered text: let the scheduler step the states that were waiting for it."""
+        with self._cv:
+            self._cv.notify_all()
+
     def cancel(self, request_id: str) -> bool:
         with self._cv:
             for st in list(self._incoming) + self._active:
@@ -293,7 +298,11 @@ class Engine:
                        **{k: getattr(request.stream_params, k) for k in StreamParams.__slots__}}
         stages = self.stages(cfg)
         dev = self.models.device
-        inputs = self.prepare(request, tele).to(dev, cfg.torch_dtype)  # prompt mel/embedding feed the flow
+        if request.text_source is not None:  # bistream hook
+            from .runtime.bistream import bistream_inputs  # bistream hook
+            stages, inputs = bistream_inputs(self, request, stages, tele)  # bistream hook
+        else:  # bistream hook
+            inputs = self.prepare(request, tele).to(dev, cfg.torch_dtype)  # prompt mel/embedding feed the flow
         tele.frontend_done = now()
         g_llm = torch.Generator(device=dev).manual_seed(request.seed)
         g_voc = torch.Generator(device=dev).manual_seed(request.seed + 1)
@@ -321,6 +330,9 @@ class Engine:
                     self._incoming.clear()
                     return
                 self._admit_waiting()
+                if self._active and not self._incoming and all(_idle(s) for s in self._active):
+                    self._cv.wait(timeout=0.5)  # bistream hook (h19e implements): every LM waits for text
+                    continue
             if not self._active:
                 continue
             try:
@@ -426,7 +438,8 @@ class Engine:
     def _decode(self) -> None:
         """One ``decode`` call per stage set over every running LM (the cudagraph LLM makes it one replay)."""
         rows = [st for st in self._active if st.segment is not None and st.segment.llm_started
-                and not st.segment.llm_done and not st.cancelled.is_set()]
+                and not st.segment.llm_done and not st.cancelled.is_set()
+                and st.segment.llm.ready]  # bistream hook (h19e implements)
         for group in self._by_stage_set(rows):
             try:
                 results = group[0].stages.llm.decode([st.segment.llm for st in group])
@@ -570,6 +583,13 @@ class Engine:
         st.close()  # frees the LLM slot, flow and vocoder state
         if st in self._active:
             self._active.remove(st)
+
+
+def _idle(st: RequestState) -> bool:  # bistream hook (h19e implements)
+    """Nothing to do for ``st`` until its text source delivers: its LM waits for text, no chunk is pending."""
+    seg = st.segment
+    return (seg is not None and seg.llm_started and not seg.llm_done and not seg.pending and seg.llm is not None
+            and not seg.llm.ready and not st.cancelled.is_set())
 
 
 def _sync(device: torch.device) -> None:

@@ -51,6 +51,11 @@ class LLMState:
     done: bool = False
 
     @property
+    def ready(self) -> bool:  # bistream hook (h19e implements)
+        """False while the state cannot step yet (a bi-streamed text waiting for pieces); plain states: True."""
+        return True
+
+    @property
     def step(self) -> int:
         """Index of the token the next draw produces (selects the eos mask)."""
         return len(self.history)
