@@ -17,7 +17,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Iterator
 
 import torch
 
@@ -29,6 +29,27 @@ def _read_some(stream: BinaryIO) -> bytes:
     """Whatever is available now (at most one read), b"" at the end: pieces are used as soon as they arrive."""
     read1 = getattr(stream, "read1", None)
     return read1(4096) if read1 is not None else stream.read(4096)
+
+
+def stdin_pieces(stream: BinaryIO) -> Iterator[str]:
+    """The text of ``stream`` as it comes (one read per piece, UTF-8 decoded incrementally), for
+    ``synth --bistream``: the engine's reader thread pulls it while the LM speaks what came before."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    while data := _read_some(stream):
+        yield decoder.decode(data)
+    tail = decoder.decode(b"", final=True)
+    if tail:
+        yield tail
+
+
+def bistream_summary(tele: object) -> str:
+    """One line: text pieces, first audio from the first piece and from the 5th text token, last-audio lag."""
+    def ms(x: float) -> str:
+        return "n/a" if x != x else f"{1000 * x:.0f} ms"
+
+    return (f"bi-streaming: {len(tele.text_arrivals)} text pieces; first audio {ms(tele.first_audio_from_text)} "
+            f"after the first piece, {ms(tele.first_audio_from_token5)} after the 5th text token; last audio "
+            f"{ms(tele.last_audio_lag)} after the last piece")
 
 
 def parser() -> argparse.ArgumentParser:
