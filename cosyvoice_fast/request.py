@@ -118,7 +118,8 @@ class SynthesisRequest:
     ignore_eos: bool = False
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     #: bi-streaming: the text as it is written (an iterable or async iterable of str pieces, or a queue.Queue
-    #: ended by None) instead of ``text``; read under ``source_limits``
+    #: ended by None) instead of ``text``; read under ``source_limits``.  With ``inputs`` (the prompt side) the
+    #: pieces are sequences of text-token ids instead (no tokenizer needed)
     text_source: Any = None
     source_limits: SourceLimits = field(default_factory=SourceLimits)
 
@@ -137,7 +138,7 @@ class SynthesisRequest:
             raise ConfigError("ignore_eos needs max_tokens (otherwise the LM would never stop)")
         if self.text_source is not None:
             _check_source(self.text_source)
-            if self.text.strip() or self.inputs is not None:
+            if self.text.strip():
                 raise ConfigError("give either text or text_source, not both: text_source streams the text in "
                                   "pieces, text is the whole of it")
             if not isinstance(self.source_limits, SourceLimits):

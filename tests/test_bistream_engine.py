@@ -178,3 +178,34 @@ def test_adapter_tokens_equal_the_eager_driver(svc):
         if res is not None:
             got.append(res)
     assert got == ref and len(got) == MAX_TOKENS
+
+
+def test_pre_tokenised_source_with_model_inputs(svc):
+    """``inputs`` (the prompt side) + a source of token-id lists: no tokenizer needed (the GPU bench's path)."""
+    from cosyvoice_fast.bench import synthetic_inputs
+    from cosyvoice_fast.bench_bistream import paced
+
+    inputs = synthetic_inputs(svc.models.config, 20, 23, seed=2)
+    ids = inputs.text_segments[0][0].tolist()
+    runs = []
+    for piece in (1, 3, 7, len(ids)):
+        req = SynthesisRequest(inputs=inputs, text_source=paced(ids, piece, 0.0), seed=2, max_tokens=MAX_TOKENS)
+        chunks = list(svc.engine.stream(req))
+        runs.append(np.concatenate([c.samples for c in chunks]))
+        assert len(chunks[-1].telemetry.text_arrivals) == -(-len(ids) // piece)
+    assert len(runs[0]) == MAX_TOKENS * 960
+    for r in runs[1:]:
+        np.testing.assert_allclose(r, runs[0], rtol=0, atol=1e-5)
+
+
+def test_bench_bistream_runs_on_the_tiny_model(tmp_path):
+    import json
+
+    from cosyvoice_fast.bench_bistream import main
+
+    assert main(["--synthetic", "tiny", "--device", "cpu", "--concurrency", "1,2", "--requests", "2",
+                 "--gen-tokens", "30", "--text-tokens", "12", "--piece-interval-ms", "0", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    for c in ("1", "2"):
+        agg = res["by_concurrency"][c]
+        assert agg["requests"] == 2 and agg["first_audio_from_text_p50_ms"] > 0 and agg["last_audio_lag_p50_ms"] > 0

@@ -102,6 +102,7 @@ class BistreamLLM:
                 for i, logp in zip(rows, logps):
                     st = states[i]
                     bs = st.bistream
+                    logp = logp.to(st.generator.device)  # the graph runner hands log-probs back on the host
                     token = decide(bs.next_step(), logp, bs.out, self.sampler, st.generator)
                     results[i] = bs.accept(token)
                     if results[i] is not None:

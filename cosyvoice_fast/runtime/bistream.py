@@ -82,6 +82,27 @@ class TextFeed:
             self.t_text_token_5 = now
 
 
+@dataclass(eq=False)
+class IdText:
+    """The :class:`IncrementalText` interface for text that arrives already tokenised (benchmarks, a GPU box
+    without the tokenizer): pieces are sequences of text-token ids."""
+
+    ids: list[int] = field(default_factory=list)
+
+    def push(self, piece: Any) -> list[int]:
+        try:
+            new = [int(i) for i in (piece.reshape(-1).tolist() if hasattr(piece, "reshape") else piece)]
+        except (TypeError, ValueError):
+            raise TypeError(f"a pre-tokenised text source gives sequences of token ids, got {piece!r:.60}") from None
+        self.ids += new
+        return new
+
+    def finish(self) -> list[int]:
+        if not self.ids:
+            raise ValueError("the text stream ended without anything to speak: send at least one token id")
+        return []
+
+
 def bistream_stage(engine: object, cfg: object) -> object:
     """The engine's bi-streaming LLM stage for ``cfg`` (built once per engine and LLM backend): the graph
     runner on CUDA with a graph LLM backend, else the eager runner."""
@@ -112,20 +133,29 @@ def bistream_inputs(engine: object, request: object, stages: object, tele: objec
 
     from ..backends.bistream_llm import start_reader
 
-    if engine.frontend is None:
-        raise ValueError("bi-streaming needs a frontend (tokenizer) to read text pieces: load a complete model "
-                         "directory or the synthetic one")
     cfg = stages.config
     stage = bistream_stage(engine, cfg)
-    side = engine.frontend.prepare_prompt(request)
-    tele.speaker_cache_hit = side.cache_hit
-    prompt_text, prompt_speech = side.lm_prompt
+    if request.inputs is not None:  # the prompt side given as model inputs; pieces are token-id sequences
+        side, text = None, IdText()
+        prompt_text, prompt_speech = request.inputs.prompt_text, request.inputs.llm_prompt_speech_token
+    elif engine.frontend is None:
+        raise ValueError("bi-streaming text needs a frontend (tokenizer) to read text pieces: load a complete "
+                         "model directory, or pass inputs (the prompt side) and a source of token-id sequences")
+    else:
+        side = engine.frontend.prepare_prompt(request)
+        tele.speaker_cache_hit = side.cache_hit
+        prompt_text, prompt_speech = side.lm_prompt
+        text = engine.frontend.text_stream()
     llm = engine.models.llm
-    state = BistreamState(stage.runner.spec, prompt_text.reshape(-1).tolist(), prompt_speech.reshape(-1).tolist(),
+    from ..backends.bistream_eager import bistream_spec
+
+    state = BistreamState(bistream_spec(engine.models.llm), prompt_text.reshape(-1).tolist(), prompt_speech.reshape(-1).tolist(),
                           max_tokens=request.max_tokens, max_token_text_ratio=llm.cfg.max_token_text_ratio)
-    feed = TextFeed(engine.frontend.text_stream(), state)
+    feed = TextFeed(text, state)
     # the flow never reads the target text: one placeholder segment carries the request through the engine
-    inputs = side.model_inputs([torch.zeros(1, 1, dtype=torch.int32)]).to(engine.models.device, cfg.torch_dtype)
+    placeholder = [torch.zeros(1, 1, dtype=torch.int32)]
+    inputs = (dataclasses.replace(request.inputs, text_segments=placeholder) if side is None
+              else side.model_inputs(placeholder)).to(engine.models.device, cfg.torch_dtype)
     stage.attach(inputs, feed)
 
     def on_error(err: BaseException) -> None:
