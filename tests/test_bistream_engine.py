@@ -209,3 +209,15 @@ def test_bench_bistream_runs_on_the_tiny_model(tmp_path):
     for c in ("1", "2"):
         agg = res["by_concurrency"][c]
         assert agg["requests"] == 2 and agg["first_audio_from_text_p50_ms"] > 0 and agg["last_audio_lag_p50_ms"] > 0
+
+
+def test_chunk_timeline_marks_text_arrivals(svc):
+    from cosyvoice_fast.dashboard import TEXT_ROW, chunk_timeline_figure
+
+    pieces = _pieces(svc, 3)
+    _, tele, chunks = _run(svc, iter(pieces))
+    fig = chunk_timeline_figure(tele)
+    marks = [tr for tr in fig.data if tr.name == "text piece arrived"]
+    assert len(marks) == 1 and len(marks[0].x) == len(pieces) and set(marks[0].y) == {TEXT_ROW}
+    assert [tr for tr in fig.data if tr.name == "5th text token"]
+    assert list(fig.layout.yaxis.categoryarray)[0] == TEXT_ROW and len(fig.layout.yaxis.categoryarray) == len(chunks) + 1
