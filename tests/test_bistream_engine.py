@@ -221,3 +221,17 @@ def test_chunk_timeline_marks_text_arrivals(svc):
     assert len(marks) == 1 and len(marks[0].x) == len(pieces) and set(marks[0].y) == {TEXT_ROW}
     assert [tr for tr in fig.data if tr.name == "5th text token"]
     assert list(fig.layout.yaxis.categoryarray)[0] == TEXT_ROW and len(fig.layout.yaxis.categoryarray) == len(chunks) + 1
+
+
+def test_type_as_you_go_handler_feeds_words_and_marks_them(svc):
+    from cosyvoice_fast.dashboard import TEXT_ROW
+    from cosyvoice_fast.webui_bistream import type_as_you_go, words_at
+
+    assert "".join(words_at(TEXT, 100)) == TEXT
+    with pytest.raises(ValueError, match="words per second"):
+        next(words_at(TEXT, 0))
+    outs = list(type_as_you_go(svc, TEXT, 100, MAX_TOKENS))
+    status, (sr, audio), fig = outs[-1]
+    assert sr == 24000 and len(audio) == MAX_TOKENS * 960
+    assert f"{len(TEXT.split(' '))} words fed" in status
+    assert any(tr.name == "text piece arrived" and set(tr.y) == {TEXT_ROW} for tr in fig.data)
