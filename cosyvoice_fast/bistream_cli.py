@@ -4,9 +4,10 @@
 
 The voice is prepared once, before the first piece is read; stdin is read as bytes whenever the LM schedule
 waits for text (never while it can decode), normalised and tokenised incrementally and fed to the LM on the
-eager backend.  Audio is made from all tokens at the end (flow + HiFT, non-streaming): streaming audio out while
-text streams in needs the engine to accept a text source, which this draft does not do.  It prints when the
-first speech token came, measured from the first text piece and from the 5th text token.
+eager backend.  Audio is made from all tokens at the end (flow + HiFT, non-streaming); for audio that streams
+out while text streams in, use ``python -m cosyvoice_fast synth --bistream`` (the engine, with the helpers
+:func:`stdin_pieces` and :func:`bistream_summary` below).  It prints when the first speech token came, measured
+from the first text piece and from the 5th text token.
 """
 
 from __future__ import annotations
