@@ -146,7 +146,6 @@ def test_bad_sources_get_clear_messages(kw, message):
 
 def test_adapter_tokens_equal_the_eager_driver(svc):
     """The engine's stage (eager runner) gives the eager driver's tokens for the same chunks and seed."""
-    from cosyvoice_fast.backends.base import iter_alone  # noqa: F401 - the protocol's calls, as the engine makes
     from cosyvoice_fast.backends.bistream_eager import EagerBistream
     from cosyvoice_fast.backends.bistream_llm import BistreamLLM
     from cosyvoice_fast.runtime.bistream import TextFeed

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from ..frontend.text_stream import IncrementalText
+if TYPE_CHECKING:  # the tokenizer package is absent on a GPU box that is fed token ids
+    from ..frontend.text_stream import IncrementalText
 from ..models.bistream import BistreamState
 
 
