@@ -24,15 +24,22 @@ def cmd_synth(a: argparse.Namespace) -> int:
     from .telemetry import format_breakdown
 
     run = from_cli_args(a)
+    a.bistream = getattr(a, "bistream", False)  # callers that build the namespace themselves may omit it
+    if a.bistream == (a.text is not None):
+        print("give --text, or --bistream to read the text from stdin as it is written (not both)", file=sys.stderr)
+        return 2
     svc = load_service(**run.service_kwargs(), speaker_cache_dir=a.speaker_cache)
     try:
         mode = a.mode or ("speaker" if a.speaker else "zero_shot" if a.prompt_text else "cross_lingual")
         if a.prompt_wav is None and mode != "speaker":
             a.prompt_wav = str(DEFAULT_PROMPT)  # a voice is required; the bundled example keeps a quick try short
             log.info("no --prompt-wav given: using the example voice %s", DEFAULT_PROMPT)
+        from .bistream_cli import bistream_summary, stdin_pieces
+
+        source = stdin_pieces(sys.stdin.buffer) if a.bistream else None
         req = SynthesisRequest(
-            text=a.text, mode=mode, prompt_wav=a.prompt_wav, prompt_text=a.prompt_text or "",
-            instruct_text=a.instruct or "", speaker=a.speaker, seed=a.seed, stream=a.stream,
+            text=a.text or "", text_source=source, mode=mode, prompt_wav=a.prompt_wav, prompt_text=a.prompt_text or "",
+            instruct_text=a.instruct or "", speaker=a.speaker, seed=a.seed, stream=a.stream or a.bistream,
             stream_params=StreamParams(token_hop_len_first=a.token_hop_len_first,
                                        pre_lookahead_len=a.pre_lookahead_len),
             backend=run.backend,
@@ -42,6 +49,8 @@ def cmd_synth(a: argparse.Namespace) -> int:
         wav, tele = svc.engine.synthesize(req)
         sf.write(a.out, wav, svc.engine.sample_rate)
         print(format_breakdown(tele))
+        if a.bistream:
+            print(bistream_summary(tele))
         print(f"wrote {a.out} ({len(wav) / svc.engine.sample_rate:.2f} s)")
         if a.telemetry_json:
             Path(a.telemetry_json).write_text(json.dumps(tele.to_dict(), indent=1))
@@ -127,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("synth", help="synthesise one utterance and print its TTFB breakdown")
     add_cli_args(p)
-    p.add_argument("--text", required=True)
+    p.add_argument("--text")
+    p.add_argument("--bistream", action="store_true",
+                   help="read the text from stdin as it is written (e.g. piped from an LLM) and speak while it comes")
     p.add_argument("--mode", choices=["zero_shot", "cross_lingual", "instruct2", "speaker"])
     p.add_argument("--prompt-wav")
     p.add_argument("--prompt-text")

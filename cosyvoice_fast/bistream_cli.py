@@ -4,9 +4,10 @@
 
 The voice is prepared once, before the first piece is read; stdin is read as bytes whenever the LM schedule
 waits for text (never while it can decode), normalised and tokenised incrementally and fed to the LM on the
-eager backend.  Audio is made from all tokens at the end (flow + HiFT, non-streaming): streaming audio out while
-text streams in needs the engine to accept a text source, which this draft does not do.  It prints when the
-first speech token came, measured from the first text piece and from the 5th text token.
+eager backend.  Audio is made from all tokens at the end (flow + HiFT, non-streaming); for audio that streams
+out while text streams in, use ``python -m cosyvoice_fast synth --bistream`` (the engine, with the helpers
+:func:`stdin_pieces` and :func:`bistream_summary` below).  It prints when the first speech token came, measured
+from the first text piece and from the 5th text token.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Iterator
 
 import torch
 
@@ -29,6 +30,27 @@ def _read_some(stream: BinaryIO) -> bytes:
     """Whatever is available now (at most one read), b"" at the end: pieces are used as soon as they arrive."""
     read1 = getattr(stream, "read1", None)
     return read1(4096) if read1 is not None else stream.read(4096)
+
+
+def stdin_pieces(stream: BinaryIO) -> Iterator[str]:
+    """The text of ``stream`` as it comes (one read per piece, UTF-8 decoded incrementally), for
+    ``synth --bistream``: the engine's reader thread pulls it while the LM speaks what came before."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    while data := _read_some(stream):
+        yield decoder.decode(data)
+    tail = decoder.decode(b"", final=True)
+    if tail:
+        yield tail
+
+
+def bistream_summary(tele: object) -> str:
+    """One line: text pieces, first audio from the first piece and from the 5th text token, last-audio lag."""
+    def ms(x: float) -> str:
+        return "n/a" if x != x else f"{1000 * x:.0f} ms"
+
+    return (f"bi-streaming: {len(tele.text_arrivals)} text pieces; first audio {ms(tele.first_audio_from_text)} "
+            f"after the first piece, {ms(tele.first_audio_from_token5)} after the 5th text token; last audio "
+            f"{ms(tele.last_audio_lag)} after the last piece")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -212,6 +212,7 @@ def chunk_timeline_figure(t: TeleLike | None, title: str = "Chunk timeline",
         marker=dict(symbol="x", size=14, color="#d62728", line=dict(width=2, color="#d62728")),
         customdata=[-spans[i]["slack_ms"] for i in late],
         hovertemplate="<b>underrun</b>: %{customdata:.0f} ms late (audible gap)<extra>%{y}</extra>"))
+    labels = _text_marks(fig, d) + labels
     n_late = len(late)
     sub = f" · {n_late} underrun{'s' if n_late != 1 else ''}" if n_late else " · no underruns"
     flows = [s["flow"][1] - s["flow"][0] for s in spans if s["flow"] is not None]
@@ -220,13 +221,40 @@ def chunk_timeline_figure(t: TeleLike | None, title: str = "Chunk timeline",
         sub += f" · flow {min(flows):.0f}–{max(flows):.0f} ms/chunk" + (f" ({', '.join(modes)})" if modes else "")
     # the legend wraps onto several rows in a half-width plot (A/B tab): room for it between title and plot;
     # rows keep chunk order whichever stage first drew a chunk
-    fig.update_layout(**_top_legend(_LAYOUT), barmode="overlay", height=230 + 34 * len(spans),
+    fig.update_layout(**_top_legend(_LAYOUT), barmode="overlay", height=230 + 34 * len(labels),
                       title=dict(text=title + sub, y=1.0, yref="container", yanchor="top", pad=dict(t=10)),
                       xaxis_title="ms since the request was received",
                       yaxis=dict(autorange="reversed", categoryorder="array", categoryarray=labels))
     if x_range is not None:
         fig.update_xaxes(range=list(x_range))
     return fig
+
+
+TEXT_ROW = "text in"
+
+
+def text_arrivals_ms(d: Mapping[str, Any]) -> list[float]:
+    """Bi-streaming: when each text piece arrived (ms since the request was received)."""
+    return [a * 1e3 for a in d.get("text_arrivals") or [] if _fin(a)]
+
+
+def _text_marks(fig: go.Figure, d: Mapping[str, Any]) -> list[str]:
+    """Bi-streaming: a row above the chunks marking each text piece's arrival and the 5th text token; returns
+    the row's label (none for an ordinary request)."""
+    arrivals = text_arrivals_ms(d)
+    if not arrivals:
+        return []
+    fig.add_trace(go.Scatter(
+        name="text piece arrived", mode="markers", y=[TEXT_ROW] * len(arrivals), x=arrivals,
+        marker=dict(symbol="triangle-down", size=10, color="#9467bd"), customdata=list(range(1, len(arrivals) + 1)),
+        hovertemplate="<b>text piece %{customdata}</b> arrived at %{x:.0f} ms<extra></extra>"))
+    t5 = _num(d.get("text_token5"))
+    if _fin(t5):
+        fig.add_trace(go.Scatter(
+            name="5th text token", mode="markers", y=[TEXT_ROW], x=[t5 * 1e3],
+            marker=dict(symbol="star", size=13, color="#ff7f0e"),
+            hovertemplate="<b>5th text token</b> reached the LM at %{x:.0f} ms<extra></extra>"))
+    return [TEXT_ROW]
 
 
 def timeline_extent(*runs: TeleLike | None) -> tuple[float, float]:
@@ -240,6 +268,7 @@ def timeline_extent(*runs: TeleLike | None) -> tuple[float, float]:
                     end = max(end, s[part][1])
             if _fin(s["deadline_ms"]):
                 end = max(end, s["deadline_ms"])
+        end = max([end] + (text_arrivals_ms(d) if d else []))
     return 0.0, end * 1.05 + 1.0
 
 

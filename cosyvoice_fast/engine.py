@@ -289,7 +289,12 @@ class Engine:
                        **{k: getattr(request.stream_params, k) for k in StreamParams.__slots__}}
         stages = self.stages(cfg)
         dev = self.models.device
-        inputs = self.prepare(request, tele).to(dev, cfg.torch_dtype)  # prompt mel/embedding feed the flow
+        if request.text_source is not None:  # bi-streaming: the voice is prepared once, text arrives later
+            from .runtime.bistream import bistream_inputs
+
+            stages, inputs = bistream_inputs(self, request, stages, tele)
+        else:
+            inputs = self.prepare(request, tele).to(dev, cfg.torch_dtype)  # prompt mel/embedding feed the flow
         if dev.type == "cuda":  # the copies ran on this thread's stream; the workers read them on their own
             torch.cuda.current_stream(dev).synchronize()
         tele.frontend_done = now()

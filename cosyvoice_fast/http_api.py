@@ -167,6 +167,9 @@ def _usage(live: LiveRequest) -> dict[str, Any]:
 def create_api_router(get_service: Callable[[], Any]) -> APIRouter:
     """Every ``/v1`` route, bound to the service ``get_service()`` returns (no authentication here)."""
     router = APIRouter(route_class=_ApiRoute)
+    from .ws_api import add_ws_routes  # bi-streaming: text pieces in, audio out, one WebSocket
+
+    add_ws_routes(router, get_service)
 
     @router.post("/v1/audio/speech")
     async def speech(request: Request) -> Response:

@@ -8,6 +8,7 @@ this module is plain data and validation, shared by the engine, the CLI, the app
 from __future__ import annotations
 
 import hashlib
+import queue
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from .config import BackendConfig, ConfigError, StreamParams
+from .frontend.text_source import SourceLimits
 from .telemetry import ChunkTiming, RequestTelemetry
 
 MODES = ("zero_shot", "cross_lingual", "instruct2", "speaker")
@@ -115,6 +117,11 @@ class SynthesisRequest:
     max_tokens: int | None = None
     ignore_eos: bool = False
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    #: bi-streaming: the text as it is written (an iterable or async iterable of str pieces, or a queue.Queue
+    #: ended by None) instead of ``text``; read under ``source_limits``.  With ``inputs`` (the prompt side) the
+    #: pieces are sequences of text-token ids instead (no tokenizer needed)
+    text_source: Any = None
+    source_limits: SourceLimits = field(default_factory=SourceLimits)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -129,8 +136,25 @@ class SynthesisRequest:
             raise ConfigError(f"max_tokens={self.max_tokens!r}: use 1 to 4000")
         if self.ignore_eos and self.max_tokens is None:
             raise ConfigError("ignore_eos needs max_tokens (otherwise the LM would never stop)")
+        if self.text_source is not None:
+            _check_source(self.text_source)
+            if self.text.strip():
+                raise ConfigError("give either text or text_source, not both: text_source streams the text in "
+                                  "pieces, text is the whole of it")
+            if not isinstance(self.source_limits, SourceLimits):
+                raise ConfigError(f"source_limits={self.source_limits!r}: use a SourceLimits")
+            return
         if self.inputs is None and not self.text.strip():
             raise ConfigError("Text is empty: type something to synthesise.")
+
+
+def _check_source(source: Any) -> None:
+    """A text source must be an iterable/async iterable of str or a queue (a str itself is the whole text)."""
+    if isinstance(source, (str, bytes)):
+        raise ConfigError("text_source is a whole string: pass it as text, or give an iterator/queue of pieces")
+    if not (hasattr(source, "__iter__") or hasattr(source, "__aiter__") or isinstance(source, queue.Queue)):
+        raise ConfigError(f"text_source must be an iterator, an async iterator or a queue.Queue of str pieces, "
+                          f"got {type(source).__name__}")
 
 
 @dataclass

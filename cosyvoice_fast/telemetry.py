@@ -83,6 +83,8 @@ class RequestTelemetry:
     cancelled: bool = False
     error: str | None = None
     params: dict[str, Any] = field(default_factory=dict)
+    text_arrivals: list[float] = field(default_factory=list)  # bi-streaming: when each text piece arrived
+    text_token5: float = math.nan  # bi-streaming: when the 5th text token reached the LM (it cannot decode before)
 
     # ---- derived ---------------------------------------------------------------------------------------------
     @property
@@ -109,6 +111,25 @@ class RequestTelemetry:
             "vocoder": (c.vocoder_end - c.flow_end) * ms,
             "handoff": (c.delivered - c.vocoder_end) * ms,
         }
+
+    @property
+    def first_audio_from_text(self) -> float:
+        """Bi-streaming: seconds from the first text piece to the first audio chunk delivered (nan: none)."""
+        if not self.text_arrivals or not self.chunks:
+            return math.nan
+        return self.chunks[0].delivered - self.text_arrivals[0]
+
+    @property
+    def first_audio_from_token5(self) -> float:
+        """Bi-streaming: seconds from the 5th text token reaching the LM to the first audio delivered."""
+        return self.chunks[0].delivered - self.text_token5 if self.chunks else math.nan
+
+    @property
+    def last_audio_lag(self) -> float:
+        """Bi-streaming: seconds from the last text piece to the last audio chunk delivered."""
+        if not self.text_arrivals or not self.chunks:
+            return math.nan
+        return self.chunks[-1].delivered - self.text_arrivals[-1]
 
     @property
     def audio_seconds(self) -> float:
@@ -171,8 +192,12 @@ class RequestTelemetry:
         for c in d["chunks"]:
             for k in ("tokens_ready", "flow_start", "flow_end", "vocoder_end", "delivered"):
                 c[k] = c[k] - base
+        d["text_arrivals"] = [t - base for t in self.text_arrivals]
+        d["text_token5"] = self.text_token5 - base
         d["received"] = 0.0
-        d["derived"] = {"ttfb_ms": self.ttfb * 1e3, "ttfb_breakdown_ms": self.ttfb_breakdown(),
+        d["derived"] = {"first_audio_from_text_ms": self.first_audio_from_text * 1e3,
+                        "first_audio_from_token5_ms": self.first_audio_from_token5 * 1e3,
+                        "last_audio_lag_ms": self.last_audio_lag * 1e3, "ttfb_ms": self.ttfb * 1e3, "ttfb_breakdown_ms": self.ttfb_breakdown(),
                         "chunks": self.chunk_report(), "rtf": self.rtf, "tokens_per_s": self.tokens_per_second}
         return _json_safe(d)
 

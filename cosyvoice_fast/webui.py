@@ -21,6 +21,7 @@ from .http_api import api_store
 from .webui_handlers import CONFIG_FIELDS, VOICE_FIELDS, Handlers, random_seed
 from .webui_inputs import field_dropdown, field_number, field_radio, field_slider
 from .webui_player import PLAYER_JS, STOP_JS, ab_click_js, click_js
+from .webui_bistream import bistream_tab
 from .webui_queue import count_input_refusals
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
@@ -211,6 +212,7 @@ def build_demo(service: Any) -> gr.Blocks:
             clear_btn = gr.Button("Clear history", size="sm")
             with gr.Accordion("Raw telemetry of the last run (JSON)", open=False):
                 raw = gr.JSON(label="telemetry")
+        bistream_tab(service, examples[0]["text"] if examples else "", default_cap)  # text arrives word by word
         with gr.Tab("A/B"):
             gr.Markdown("The text, voice, seed and streaming choice of the *Synthesize* tab, through two "
                         "configurations one after the other: hear and see what a backend or a parameter changes. "

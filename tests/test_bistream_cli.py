@@ -43,3 +43,30 @@ def test_stdin_pieces_become_speech_tokens_and_a_wav(tmp_path, capsys):
 def test_empty_stdin_gets_a_clear_message(tmp_path, capsys, data, message):
     rc = main(["--synthetic", "tiny", "--device", "cpu", "--out", str(tmp_path / "b.wav")], stdin=Trickle(data))
     assert rc == 2 and message in capsys.readouterr().err
+
+
+def test_synth_bistream_reads_stdin_through_the_engine(tmp_path, monkeypatch, capsys):
+    """``python -m cosyvoice_fast synth --bistream``: stdin's pieces stream into the engine, audio streams out."""
+    import soundfile as sf
+
+    from cosyvoice_fast.__main__ import main as cli_main
+
+    text = "Hello there, this is streamed text from a pipe, a few words at a time."
+    stdin = Trickle([text[i:i + 5].encode() for i in range(0, len(text), 5)])
+    monkeypatch.setattr("sys.stdin", type("Stdin", (), {"buffer": stdin})())
+    out = tmp_path / "s.wav"
+    rc = cli_main(["synth", "--bistream", "--synthetic", "tiny", "--device", "cpu", "--max-tokens", "40",
+                   "--out", str(out), "--speaker-cache", str(tmp_path / "spk")])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    pieces = -(-len(text) // 5)
+    assert f"bi-streaming: {pieces} text pieces" in printed
+    wav, sr = sf.read(out)
+    assert sr == 24000 and len(wav) == 40 * 960
+
+
+def test_synth_needs_text_or_bistream(capsys):
+    from cosyvoice_fast.__main__ import main as cli_main
+
+    assert cli_main(["synth", "--synthetic", "tiny", "--device", "cpu"]) == 2
+    assert "give --text, or --bistream" in capsys.readouterr().err

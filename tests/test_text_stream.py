@@ -237,7 +237,7 @@ def test_prompt_side_is_prepared_once_and_matches_prepare(tmp_path):
 
 
 def test_text_feed_hands_released_ids_to_the_schedule_and_times_them(tok):
-    """Each push that releases ids is one chunk of the LM's text stream; arrival times are kept per piece, and
+    """Released ids reach the LM's text stream in chunks of 5 (the rest at the end); arrival times are kept per piece, and
     the moment the 5th text token reached the schedule is recorded (first audio is measured from it)."""
     from cosyvoice_fast.models.bistream import BistreamSpec, BistreamState
     from cosyvoice_fast.runtime.bistream import TextFeed
@@ -255,5 +255,5 @@ def test_text_feed_hands_released_ids_to_the_schedule_and_times_them(tok):
     fifth = next(i for i, c in enumerate(cumulative) if c >= 5)
     assert feed.t_text_token_5 == feed.arrivals[fifth].t
     st = feed.state  # no LM steps here: it read chunks until it could decode, the rest wait unread
-    assert st.text_ended and st.chunks_read + st.chunks_unread == sum(1 for n in released if n)
+    assert st.text_ended and st.chunks_read + st.chunks_unread == -(-len(feed.text.ids) // st.spec.text_rows)
     assert st.text_ids == feed.text.ids[:len(st.text_ids)] and not st.waiting

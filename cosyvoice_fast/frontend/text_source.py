@@ -69,9 +69,10 @@ class _Deadlines:
 
 
 def _piece(item: object) -> str:
-    if not isinstance(item, str):
+    """A piece as the source gave it: ``str``, or a list/tuple of token ids (pre-tokenised sources)."""
+    if not isinstance(item, (str, list, tuple)):
         raise TypeError(f"a text source must give str pieces, got {type(item).__name__}")
-    return item
+    return item  # type: ignore[return-value]
 
 
 def read_pieces(source: TextSource, limits: SourceLimits = SourceLimits(),

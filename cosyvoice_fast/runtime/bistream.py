@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from ..frontend.text_stream import IncrementalText
+if TYPE_CHECKING:  # the tokenizer package is absent on a GPU box that is fed token ids
+    from ..frontend.text_stream import IncrementalText
 from ..models.bistream import BistreamState
 
 
@@ -30,8 +31,10 @@ class PieceArrival:
 class TextFeed:
     """Pieces -> :class:`IncrementalText` -> :class:`BistreamState`, with arrival times.
 
-    Each :meth:`push` that releases ids hands them to the schedule as one chunk (chunk boundaries are part of
-    the LM's input, see the schedule's docstring); :meth:`end` releases the rest and ends the text."""
+    Released ids reach the schedule in chunks of exactly ``text_rows`` (5) ids, the rest at :meth:`end`.  Chunk
+    boundaries are part of the LM's input (see the schedule's docstring), so regrouping makes the speech the same
+    however the text was cut into pieces (whole, per token, per word) and whenever they came; it costs no
+    latency, since the schedule cannot decode on fewer than 5 new text rows anyway."""
 
     text: IncrementalText
     state: BistreamState
@@ -41,6 +44,9 @@ class TextFeed:
     t_text_token_5: float | None = None  # when the 5th token of the target text reached the schedule
     t_end: float | None = None
     text_tokens: int = 0
+    error: BaseException | None = None  # what stopped the text source early (the request fails with it)
+    reader: Any = None  # the reader thread's handle (backends.bistream_llm.ReaderHandle)
+    held: list[int] = field(default_factory=list)  # released ids not yet a whole chunk
 
     def push(self, piece: str) -> int:
         """One piece arrived; returns how many ids it released to the LM."""
@@ -57,6 +63,9 @@ class TextFeed:
         now = self.clock()
         ids = self.text.finish()
         self._feed(ids, now)
+        if self.held:
+            self.state.push_text(self.held)
+            self.held = []
         self.state.end_text()
         self.t_end = now
         return len(ids)
@@ -64,7 +73,100 @@ class TextFeed:
     def _feed(self, ids: list[int], now: float) -> None:
         if not ids:
             return
-        self.state.push_text(ids)
+        self.held += ids
+        size = self.state.spec.text_rows
+        while len(self.held) >= size:
+            self.state.push_text(self.held[:size])
+            self.held = self.held[size:]
         before, self.text_tokens = self.text_tokens, self.text_tokens + len(ids)
         if before < 5 <= self.text_tokens:
             self.t_text_token_5 = now
+
+
+@dataclass(eq=False)
+class IdText:
+    """The :class:`IncrementalText` interface for text that arrives already tokenised (benchmarks, a GPU box
+    without the tokenizer): pieces are sequences of text-token ids."""
+
+    ids: list[int] = field(default_factory=list)
+
+    def push(self, piece: Any) -> list[int]:
+        try:
+            new = [int(i) for i in (piece.reshape(-1).tolist() if hasattr(piece, "reshape") else piece)]
+        except (TypeError, ValueError):
+            raise TypeError(f"a pre-tokenised text source gives sequences of token ids, got {piece!r:.60}") from None
+        self.ids += new
+        return new
+
+    def finish(self) -> list[int]:
+        if not self.ids:
+            raise ValueError("the text stream ended without anything to speak: send at least one token id")
+        return []
+
+
+def bistream_stage(engine: object, cfg: object) -> object:
+    """The engine's bi-streaming LLM stage for ``cfg`` (built once per engine and LLM backend): the graph
+    runner on CUDA with a graph LLM backend, else the eager runner."""
+    from ..backends.bistream_eager import EagerBistream
+    from ..backends.bistream_llm import BistreamLLM
+
+    cache = engine.__dict__.setdefault("_bistream_stages", {})
+    llm = engine.models.llm
+    key = (cfg.llm, str(llm.speech_embedding.weight.dtype))
+    if key not in cache:
+        if engine.models.device.type == "cuda" and cfg.llm != "eager":
+            from ..backends.bistream_graph import GraphBistream
+
+            runner = GraphBistream(llm, slots=engine.config.max_streams)
+        else:
+            runner = EagerBistream(llm)
+        cache[key] = BistreamLLM(runner)
+    return cache[key]
+
+
+def bistream_inputs(engine: object, request: object, stages: object, tele: object) -> tuple[object, object]:
+    """Admit a request whose text is a source: the prompt side once, a :class:`TextFeed`, a reader thread that
+    feeds it and wakes the engine, and a :class:`StageSet` whose LLM is the bi-streaming stage (flow and
+    vocoder stay the engine's, so they batch with every other request).  Returns ``(stages, inputs)``."""
+    import dataclasses
+
+    import torch
+
+    from ..backends.bistream_llm import start_reader
+
+    cfg = stages.config
+    stage = bistream_stage(engine, cfg)
+    if request.inputs is not None:  # the prompt side given as model inputs; pieces are token-id sequences
+        side, text = None, IdText()
+        prompt_text, prompt_speech = request.inputs.prompt_text, request.inputs.llm_prompt_speech_token
+    elif engine.frontend is None:
+        raise ValueError("bi-streaming text needs a frontend (tokenizer) to read text pieces: load a complete "
+                         "model directory, or pass inputs (the prompt side) and a source of token-id sequences")
+    else:
+        side = engine.frontend.prepare_prompt(request)
+        tele.speaker_cache_hit = side.cache_hit
+        prompt_text, prompt_speech = side.lm_prompt
+        text = engine.frontend.text_stream()
+    llm = engine.models.llm
+    from ..backends.bistream_eager import bistream_spec
+
+    state = BistreamState(bistream_spec(engine.models.llm), prompt_text.reshape(-1).tolist(), prompt_speech.reshape(-1).tolist(),
+                          max_tokens=request.max_tokens, max_token_text_ratio=llm.cfg.max_token_text_ratio)
+    feed = TextFeed(text, state)
+    # the flow never reads the target text: one placeholder segment carries the request through the engine
+    placeholder = [torch.zeros(1, 1, dtype=torch.int32)]
+    inputs = (dataclasses.replace(request.inputs, text_segments=placeholder) if side is None
+              else side.model_inputs(placeholder)).to(engine.models.device, cfg.torch_dtype)
+    stage.attach(inputs, feed)
+
+    def on_error(err: BaseException) -> None:
+        feed.error = err
+
+    def on_piece(t: float) -> None:  # telemetry: when each piece came, when the 5th text token reached the LM
+        tele.text_arrivals.append(t)
+        if feed.t_text_token_5 is not None:
+            tele.text_token5 = feed.t_text_token_5
+
+    feed.reader = start_reader(stage, feed, request.text_source, request.source_limits, engine.wake, on_error,
+                               on_piece)
+    return dataclasses.replace(stages, llm=stage), inputs

@@ -1,0 +1,117 @@
+"""The bi-streaming WebSocket on the tiny synthetic model, through a real server and the ``websockets`` client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+websockets = pytest.importorskip("websockets")
+uvicorn = pytest.importorskip("uvicorn")
+
+TEXT = "Hello there, this sentence arrives a few words at a time, like an agent's reply."
+START = {"type": "start", "voice": None, "mode": "cross_lingual", "max_tokens": 80, "seed": 1}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from fastapi import FastAPI
+
+    from cosyvoice_fast.http_api import mount_api
+    from cosyvoice_fast.service import load_service
+
+    svc = load_service(None, "tiny", "cpu", "fp32", speaker_cache_dir=tmp_path_factory.mktemp("spk"), progress=False)
+    app = FastAPI()
+    mount_api(app, svc)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+    yield svc, f"ws://127.0.0.1:{port}/v1/audio/speech/stream"
+    srv.should_exit = True
+    thread.join(timeout=10)
+    svc.close()
+
+
+def _start(**kw) -> str:
+    from cosyvoice_fast.api_voices import bundled_voices
+
+    voice = next(iter(bundled_voices()))
+    return json.dumps({**START, "voice": voice, **kw})
+
+
+async def _session(url: str, messages: list[str]) -> tuple[list, list[bytes]]:
+    jsons, audio = [], []
+    async with websockets.connect(url) as ws:
+        await ws.send(messages[0])
+        for m in messages[1:]:
+            await ws.send(m)
+        try:
+            async for frame in ws:
+                (audio if isinstance(frame, bytes) else jsons).append(frame if isinstance(frame, bytes)
+                                                                      else json.loads(frame))
+        except websockets.ConnectionClosedError as e:  # an error closes with 1008/1011
+            jsons.append({"closed": e.rcvd.code if e.rcvd else None})
+    return jsons, audio
+
+
+def test_text_pieces_in_decodable_audio_out(server):
+    svc, url = server
+    words = TEXT.split(" ")
+    msgs = [_start()] + [json.dumps({"type": "text", "text": w + " "}) for w in words] + ['{"type": "end"}']
+    jsons, audio = asyncio.run(_session(url, msgs))
+    assert jsons[0]["type"] == "ready" and jsons[-1]["type"] == "done", jsons
+    pcm = np.frombuffer(b"".join(audio), dtype="<i2")
+    assert len(audio) > 1 and len(pcm) == 80 * 960  # max_tokens speech tokens, 960 samples each
+    assert np.abs(pcm).max() > 0
+    tele = jsons[-1]["telemetry"]
+    assert len(tele["text_arrivals"]) == len(words) and tele["derived"]["first_audio_from_text_ms"] > 0
+
+
+@pytest.mark.parametrize("first, message", [
+    ("hello", "the first message must be JSON"),
+    (json.dumps({"type": "start", "voice": "nobody"}), "voice 'nobody' is not known"),
+    (json.dumps({"type": "start", "input": "x"}), "'input' is not used here"),
+])
+def test_bad_start_gets_a_json_error(server, first, message):
+    _, url = server
+    jsons, audio = asyncio.run(_session(url, [first]))
+    assert not audio and jsons[-1] == {"closed": 1008}
+    assert jsons[-2]["type"] == "error" and message in jsons[-2]["error"]["message"]
+
+
+def test_bad_message_gets_a_json_error(server):
+    _, url = server
+    jsons, _ = asyncio.run(_session(url, [_start(), json.dumps({"type": "speak"})]))
+    assert jsons[-1] == {"closed": 1008} and jsons[-2]["type"] == "error" and jsons[-2]["error"]["param"] == "type"
+
+
+def test_disconnect_mid_text_cancels_the_request(server):
+    svc, url = server
+
+    async def go():
+        async with websockets.connect(url) as ws:
+            await ws.send(_start())
+            assert json.loads(await ws.recv())["type"] == "ready"
+            await ws.send(json.dumps({"type": "text", "text": "Hello there, this is"}))
+            for _ in range(200):
+                if svc.engine.stats()["active"] == 1:
+                    break
+                await asyncio.sleep(0.05)
+            assert svc.engine.stats()["active"] == 1
+
+    asyncio.run(go())  # leaves the socket without sending "end"
+    for _ in range(200):
+        if svc.engine.stats()["active"] == 0:
+            break
+        time.sleep(0.05)
+    assert svc.engine.stats()["active"] == 0
