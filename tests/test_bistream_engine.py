@@ -5,7 +5,6 @@ into the schedule's 5-row chunks, so the speech must not depend on how the text 
 
 from __future__ import annotations
 
-
 import queue
 import re
 import threading
