@@ -32,7 +32,7 @@ ENGINE_HELP: dict[str, str] = {
     "flow_buckets": "mel-frame lengths whose flow graphs are captured at start-up, comma-separated",
     "flow_rows": "flow batch sizes captured per length bucket, comma-separated",
     "vocoder_rows": "vocoder batch sizes captured, comma-separated",
-    "cuda_streams": "2: the LLM and flow + vocoder on their own CUDA streams (overlapped); 1: one after the other",
+    "cuda_streams": "2: the LLM and flow + vocoder in their own threads and CUDA streams (overlapped); 1: one after the other",
     "capture_at_start": "capture graphs on first use instead of at start-up (faster start, slower first requests)",
     "llm_memory_fraction": "share of free GPU memory the LLM KV cache may take when --llm-slots is auto",
     "stage_variants": "built backends kept per stage (LLM, flow, vocoder); the least recently used beyond it is "

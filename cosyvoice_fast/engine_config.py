@@ -45,8 +45,9 @@ class EngineConfig:
       the next bucket; longer calls run eagerly).
     - ``flow_rows``: batch rows (requests per solve, before the CFG pair doubles them) captured per bucket.
     - ``vocoder_rows``: HiFT chunk batch sizes captured.
-    - ``cuda_streams``: 2 runs the LLM on one CUDA stream and flow + vocoder on another (overlapped); 1 runs
-      them one after the other.  Ignored on CPU.
+    - ``cuda_streams``: 2 runs the LLM side (prefill, decode) and the chunk side (flow + vocoder) in two worker
+      threads, each on its own CUDA stream on a GPU (the LLM's at high priority), so flow solves do not stall
+      decoding; on CPU the two threads still overlap.  1 runs both sides one after the other in one thread.
     - ``capture_at_start``: capture every graph the config names when the stage set is built (a progress bar),
       so nothing is captured while serving.
     - ``llm_memory_fraction``: share of the free GPU memory (read when the LLM stage is built) that the KV cache
