@@ -11,6 +11,8 @@ Two sides share the running requests:
 
 With ``EngineConfig.cuda_streams == 2`` each side has its own worker thread, and on a GPU its own CUDA stream
 (the LLM's at high priority): a 100 ms batch of flow solves no longer holds every stream's decoding behind it.
+First audio keeps precedence: while a batch holding a first chunk is solved, the LMs already past their own
+first chunk pause (see ``Scheduler._yields``), so that solve has the GPU to itself as in the serial order.
 Both threads wait on one condition when they have nothing to do (never a busy loop), and each wakes the other
 when it made work for it.  With ``cuda_streams == 1`` one thread runs an LLM turn then a chunk turn.
 
@@ -59,6 +61,8 @@ class Scheduler:
         self.active: list[RequestState] = []
         #: ids of requests whose chunk the chunk side is computing (a request that ended meanwhile is still held)
         self.busy: set[int] = set()
+        #: the chunk side is computing a batch with a first chunk in it (overlapped mode only, see ``_yields``)
+        self.first_busy = False
         self.closed = False
         self.counts = dict.fromkeys(COUNTERS, 0)
         self.chunks = ChunkRunner(self, sample_rate, token_mel_ratio)
@@ -138,6 +142,16 @@ class Scheduler:
         if self.overlap and self.device.type == "cuda":
             torch.cuda.set_stream(torch.cuda.Stream(self.device, priority=priority))
 
+    def _yields(self, st: RequestState) -> bool:
+        """Whether ``st``'s LM skips this step to leave the GPU to a first chunk being solved (caller holds
+        ``cv`` or reads a snapshot).  While the chunk side computes someone's first audio, only LMs that have not
+        reached their own first chunk keep decoding: the others are ahead of their listeners anyway, and their
+        decode kernels would share the GPU with (and slow down) the solve that someone is waiting for."""
+        if not self.first_busy:
+            return False
+        seg = st.segment
+        return st.chunks_emitted > 0 or bool(seg is not None and seg.pending) or id(st) in self.busy
+
     def _llm_has_work(self) -> bool:
         """Caller holds ``cv``."""
         if self._release or (self.incoming and len(self.active) < self.config.max_streams):
@@ -150,7 +164,7 @@ class Scheduler:
                 free = st.stages.llm.free_slots()
                 if free is None or free > 0:
                     return True
-            elif not seg.llm_done and seg.llm is not None and seg.llm.ready:
+            elif not seg.llm_done and seg.llm is not None and seg.llm.ready and not self._yields(st):
                 return True
             if not self.overlap and seg.pending:
                 return True
@@ -208,7 +222,13 @@ class Scheduler:
         later chunk's solve), then the others by earliest playback deadline."""
         first, later = self.chunks.ready()
         if first:
-            self.chunks.run(first)
+            self.first_busy = self.overlap
+            try:
+                self.chunks.run(first)
+            finally:
+                with self.cv:
+                    self.first_busy = False
+                    self.cv.notify_all()
         if later:
             self.chunks.run(later)
 
@@ -294,7 +314,7 @@ class Scheduler:
         replay); a state that waits for input (not ``ready``) is skipped, neither stepped nor failed."""
         rows = [st for st in self.active if st.segment is not None and st.segment.llm_started
                 and not st.segment.llm_done and not st.cancelled.is_set() and st.segment.llm is not None
-                and st.segment.llm.ready]
+                and st.segment.llm.ready and not self._yields(st)]
         for group in group_by(rows, lambda s: s.stages.llm):
             try:
                 results = group[0].stages.llm.decode([st.segment.llm for st in group])
