@@ -24,7 +24,8 @@ import math
 import secrets
 from typing import Any, AsyncIterator, Callable
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request, WebSocketException
+from fastapi.requests import HTTPConnection
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 
@@ -298,7 +299,7 @@ def auth_dependency(app: Any, auth: Any) -> Callable:
         ok = accounts.get(user)
         return ok is not None and secrets.compare_digest(ok.encode(), password.encode())
 
-    async def check(request: Request) -> None:
+    async def check(request: HTTPConnection) -> None:  # a Request, or the WebSocket of the bi-streaming route
         header = request.headers.get("authorization", "")
         scheme, _, cred = header.partition(" ")
         if scheme.lower() == "bearer" and valid(*_split(cred.strip())):
@@ -314,6 +315,8 @@ def auth_dependency(app: Any, auth: Any) -> Callable:
             for name in (f"access-token-{cookie_id}", f"access-token-unsecure-{cookie_id}"):
                 if request.cookies.get(name) in tokens:
                     return
+        if request.scope.get("type") == "websocket":  # refused at the handshake; a close reason holds 123 bytes
+            raise WebSocketException(code=1008, reason="not authenticated: send Authorization: Bearer user:password")
         raise ApiError(401, "not authenticated: this server runs with --auth; send 'Authorization: Bearer "
                             "user:password' (the openai client's api_key='user:password') or log in to the page",
                        code="invalid_api_key")

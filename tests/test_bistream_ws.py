@@ -115,3 +115,26 @@ def test_disconnect_mid_text_cancels_the_request(server):
             break
         time.sleep(0.05)
     assert svc.engine.stats()["active"] == 0
+
+
+def test_auth_guards_the_websocket_like_the_http_routes(server):
+    """Behind ``--auth`` the handshake needs the same credentials as /v1 (refused with close code 1008)."""
+    pytest.importorskip("httpx")
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from starlette.websockets import WebSocketDisconnect
+
+    from cosyvoice_fast.http_api import mount_api
+
+    svc, _ = server
+    app = FastAPI()
+    mount_api(app, svc, auth=("ann", "secret"))
+    client = TestClient(app)
+    with pytest.raises(WebSocketDisconnect) as refused:
+        with client.websocket_connect("/v1/audio/speech/stream") as ws:
+            ws.receive_text()
+    assert refused.value.code == 1008 and "not authenticated" in refused.value.reason
+    with client.websocket_connect("/v1/audio/speech/stream", headers={"authorization": "Bearer ann:secret"}) as ws:
+        ws.send_text(json.dumps({"type": "start", "voice": "nobody"}))
+        reply = json.loads(ws.receive_text())
+    assert reply["type"] == "error" and "voice 'nobody' is not known" in reply["error"]["message"]
