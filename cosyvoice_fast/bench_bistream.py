@@ -15,14 +15,13 @@ import argparse
 import json
 import logging
 import math
-import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 
-from .bench import synthetic_inputs
+from .bench import run_wave, synthetic_inputs
 from .config import BackendConfig
 from .request import SynthesisRequest
 from .telemetry import RequestTelemetry
@@ -36,28 +35,6 @@ def paced(ids: list[int], piece: int, interval_s: float) -> Iterator[list[int]]:
         if i:
             time.sleep(interval_s)
         yield ids[i:i + piece]
-
-
-def run_wave(engine: Any, requests: list[SynthesisRequest]) -> list[RequestTelemetry]:
-    """Run ``requests`` at once (one consumer thread each); their telemetry, in order."""
-    out: list[Any] = [None] * len(requests)
-    errors: list[BaseException] = []
-
-    def consume(i: int) -> None:
-        try:
-            for ch in engine.stream(requests[i]):
-                out[i] = ch.telemetry or out[i]
-        except BaseException as e:  # noqa: BLE001 - raised below
-            errors.append(e)
-
-    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(requests))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return out
 
 
 def summarise(teles: list[RequestTelemetry]) -> dict[str, float]:
