@@ -16,6 +16,7 @@ import logging
 import math
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from .config import BackendConfig, ConfigError, StreamParams
+from .gpu_busy import GpuBusy
 from .request import ModelInputs, SynthesisRequest
 from .telemetry import RequestTelemetry, aggregate, percentile
 
@@ -125,13 +127,14 @@ def bench_config(engine: Any, backend: BackendConfig, concurrency: int, n_reques
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
     teles: list[RequestTelemetry] = []
-    t0 = time.perf_counter()
-    done = 0
-    while done < n_requests:
-        wave = min(concurrency, n_requests - done)
-        teles += run_wave(engine, [make(done + i) for i in range(wave)])
-        done += wave
-    wall = time.perf_counter() - t0
+    with GpuBusy(dev) if getattr(args, "gpu_busy", False) else nullcontext() as busy:
+        t0 = time.perf_counter()
+        done = 0
+        while done < n_requests:
+            wave = min(concurrency, n_requests - done)
+            teles += run_wave(engine, [make(done + i) for i in range(wave)])
+            done += wave
+        wall = time.perf_counter() - t0
     agg = aggregate(teles)
     step_ms = [(b - a) * 1e3 for t in teles for a, b in zip(t.token_times[1:], t.token_times[2:])]
     agg["llm_ms_per_token"] = {"p50": percentile(step_ms, 50), "p95": percentile(step_ms, 95)}
@@ -139,6 +142,9 @@ def bench_config(engine: Any, backend: BackendConfig, concurrency: int, n_reques
     agg["wall_s"] = wall
     agg["gpu_mem_peak_gib"] = (torch.cuda.max_memory_allocated(dev) / 2**30) if dev.type == "cuda" else None
     agg["underruns"] = sum(r["underrun"] for t in teles for r in t.chunk_report())
+    if busy is not None:
+        agg["gpu_busy_pct"] = busy.percent
+        agg["gpu_busy_samples"] = len(busy.samples)
     return agg
 
 
@@ -156,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen-tokens", type=int, default=150)
     ap.add_argument("--token-hop-len-first", type=int, default=25)
     ap.add_argument("--pre-lookahead-len", type=int, default=3)
+    ap.add_argument("--gpu-busy", action="store_true",
+                    help="sample the GPU's busy %% (nvidia-smi utilization.gpu, every 100 ms) while the timed "
+                         "requests run; reported as gpu_busy_pct")
     ap.add_argument("--same-voice", action="store_true",
                     help="every request uses the same prompt voice (different text): the incremental flow then "
                          "starts from the voice's cached prompt state; default: a new voice per request")
@@ -206,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in results["runs"]:
         if "skipped" not in r:
             print(_row(r["backend"], r["concurrency"], r))
+    for r in results["runs"]:
+        if r.get("gpu_busy_pct") is not None:
+            print(f"{r['backend']} c{r['concurrency']}: GPU busy {r['gpu_busy_pct']:.1f} % of the timed run "
+                  f"({r['gpu_busy_samples']} nvidia-smi samples)")
     return 0
 
 
