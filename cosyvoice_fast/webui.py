@@ -159,7 +159,7 @@ def build_demo(service: Any) -> gr.Blocks:
                     with gr.Row():
                         # no initial value: the API then shows no default file (it showed Gradio's sample URL);
                         # the page still opens with the first example's voice (demo.load below)
-                        upload = gr.Audio(None, sources=["upload"],
+                        upload = gr.Audio(None, sources=["upload"], elem_id="prompt-upload",
                                           type="filepath", label="Prompt voice: upload (3–30 s)")
                         mic = gr.Audio(sources=["microphone"], type="filepath", label="…or record")
                     prompt_text = gr.Textbox(examples[0]["prompt_text"] if examples else "",
