@@ -187,3 +187,34 @@ def test_row_epilogue_is_the_conv_epilogue():
     split = row_epilogue(causal_conv(x, m, w, b, frames), m, (g, beta, 1e-5), frames, act=ACT_MISH, vec=vec,
                          residual=r)
     assert (split - fused).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("prologue,act,residual,rowmask,btc", [(PRO_LN, 0, False, False, False),
+                                                               (PRO_LN, ACT_GELU, False, False, False),
+                                                               (0, ACT_NONE, True, False, False),
+                                                               (0, ACT_NONE, False, True, True)])
+def test_linear_cublas_path_matches_torch_in_bf16(monkeypatch, prologue, act, residual, rowmask, btc):
+    """From CUBLAS_M rows on, 16-bit GEMMs go to cuBLAS with a Triton epilogue (here forced at 42 rows): the same
+    function as the fused kernel, within one bf16 rounding of the product (bf16 inputs, fp32 reference)."""
+    from cosyvoice_fast.kernels import estimator_cublas
+
+    monkeypatch.setattr(estimator_cublas, "CUBLAS_M", 8)
+    b, t, k, n = 2, 21, 64, 40
+    m = b * t
+    bf = torch.bfloat16
+    x, w, bias = rnd(m, k).to(bf), (rnd(n, k) / 8).to(bf), rnd(n).to(bf)
+    g, beta = rnd(k).to(bf), rnd(k).to(bf)
+    r = rnd(m, n).to(bf) if residual else None
+    mask = (torch.arange(m, device=DEV) % t < 15).to(bf) if rowmask else None
+    out = linear(x, w, None if prologue == PRO_LN and act == 0 else bias, prologue=prologue, ln=(g, beta, 1e-5),
+                 act=act, residual=r, rowmask=mask, out_btc=(b, t) if btc else None)
+    a = F.layer_norm(x.float(), (k,), g.float(), beta.float(), 1e-5) if prologue == PRO_LN else x.float()
+    ref = F.linear(a, w.float(), None if prologue == PRO_LN and act == 0 else bias.float())
+    ref = ACTS[act](ref) + (r.float() if residual else 0)
+    if rowmask:
+        ref = ref * mask.float()[:, None]
+    if btc:
+        ref = ref.view(b, t, n).transpose(1, 2)
+    assert out.shape == ref.shape and out.dtype == bf
+    assert (out.float() - ref).abs().max().item() <= 0.02 * ref.abs().max().item()
+    assert estimator_cublas.use_cublas(m, w, prologue) and not estimator_cublas.use_cublas(m, w.float(), prologue)

@@ -154,6 +154,26 @@ def test_gpu_full_size_fp32_kernel_options(full, no_tf32, options):
 
 
 @_gpu
+def test_gpu_full_size_many_rows_take_cublas_and_stay_within_bf16_error(full, no_tf32, monkeypatch):
+    """A batched solve (16 requests: 32 rows of 206 frames) runs its GEMMs on cuBLAS with Triton epilogues; its
+    error against fp32 is no worse than the all-Triton path's or eager bf16's (same bound as one CFG pair)."""
+    from cosyvoice_fast.kernels import estimator_cublas
+
+    est32, est16 = full
+    args = estimator_inputs(est32.cfg, 32, 206, torch.float32, seed=5)
+    a16 = tuple(z.to(torch.bfloat16) for z in args)
+    assert estimator_cublas.use_cublas(32 * 206, est16.final_proj.weight, 0)
+    with torch.inference_mode():
+        ref = est32(*args, True)
+        e_eager = (est16(*a16, True).float() - ref).abs()
+        e_cublas = (FusedEstimator(est16)(*a16, True).float() - ref).abs()
+        monkeypatch.setattr(estimator_cublas, "CUBLAS_M", 1 << 40)
+        e_triton = (FusedEstimator(est16)(*a16, True).float() - ref).abs()
+    assert e_cublas.max().item() <= 1.5 * max(e_eager.max().item(), e_triton.max().item())
+    assert e_cublas.mean().item() <= 1.5 * max(e_eager.mean().item(), e_triton.mean().item())
+
+
+@_gpu
 def test_gpu_full_size_padding_is_exact(full):
     est32, est16 = full
     valid = [206, 131, 0, 77]

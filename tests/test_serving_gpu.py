@@ -85,3 +85,32 @@ def test_gpu_more_requests_than_slots_wait_and_nothing_is_captured_while_serving
         assert stats["decode_rows"] > stats["decode_steps"]  # decode steps were shared
     finally:
         eng.close()
+
+
+@pytest.mark.gpu
+def test_gpu_captured_vocoder_shares_an_eager_pass_for_many_rows_and_equals_solo(fixture_dir, load_case):
+    """From ``min_batch`` rows the captured HiFT vocodes chunks of one shape in one eager filter pass (no new graph);
+    under it each row replays its length's graph.  Either way every row equals its solo call: the excitation
+    exactly (row by row from its own generator), the waveform within float rounding (another conv batch size)."""
+    from cosyvoice_fast.backends.cudagraph_vocoder import CudaGraphVocoder
+    from cosyvoice_fast.modelfiles import load_models
+
+    case = load_case("case_flow_stream")
+    models = load_models(fixture_dir, device="cuda")
+    voc = CudaGraphVocoder(models.hift, min_batch=3)
+    frames = int(case["prompt_feat"].shape[1])
+    mels = torch.randn(4, 80, frames, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) - 5
+    srcs = torch.zeros(4, 1, 0, device="cuda")
+
+    def gens():
+        return [torch.Generator("cuda").manual_seed(10 + i) for i in range(4)]
+
+    solo = [voc.vocode(mels[i:i + 1], srcs[i:i + 1], g) for i, g in enumerate(gens())]
+    captures = graphs.captures()
+    for rows in (2, 4):  # 2 < min_batch: graph replays; 4: one eager pass
+        wav, src = voc.vocode_batch(mels[:rows], srcs[:rows], gens()[:rows])
+        assert wav.shape == (rows, solo[0][0].shape[-1])
+        for i in range(rows):
+            assert torch.equal(src[i:i + 1], solo[i][1])
+            assert (wav[i:i + 1] - solo[i][0]).abs().max().item() <= 1e-4
+    assert graphs.captures() == captures

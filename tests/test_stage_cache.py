@@ -177,3 +177,34 @@ def test_a_failed_build_keeps_the_bound(counting, monkeypatch):
         cache.get(BackendConfig(llm="cudagraph", vocoder="cudagraph"))
     assert [k for k in cache.stage_names() if k.startswith("llm/")] == ["llm/cudagraph/fp32"]
     assert len(cache) == 0  # the set holding the evicted eager LLM went with it
+
+
+def test_a_stage_that_fails_to_build_is_not_rebuilt_and_frees_what_it_held(counting, monkeypatch):
+    """A build that fails half-way (a Triton kernel out of shared memory while capturing) used to be retried by
+    every request, each retry leaking the failed build's allocations through the traceback's frames."""
+    held: list[weakref.ref] = []
+
+    class Half:
+        """What a builder allocates before it fails (its KV cache)."""
+
+    def llm(models, name, module, dtype, engine):
+        counting.append(("llm", name))
+        if name != "fused":
+            return Built("llm", name, module)
+        cache = Half()
+        held.append(weakref.ref(cache))
+        raise RuntimeError("out of resource: shared memory, Required: 352512")
+
+    monkeypatch.setattr(backends, "_build_llm", llm)
+    cache = StageCache(fake_models())
+    with pytest.raises(RuntimeError, match="shared memory"):
+        cache.get(BackendConfig(llm="fused"))
+    gc.collect()
+    assert held[0]() is None  # nothing of the failed build stays alive
+    with pytest.raises(backends.BackendUnavailable,
+                       match=r"llm stage \(fused backend, fp32\) failed to build earlier in this process "
+                             r"\(RuntimeError: out of resource: shared memory.*choose another backend"):
+        cache.get(BackendConfig(llm="fused", vocoder="cudagraph"))
+    assert counting == [("llm", "fused")]  # built once, not again
+    assert cache.get(BackendConfig(llm="eager")).llm.name == "eager"  # other backends still build
+    assert ("llm", "eager") in counting

@@ -9,6 +9,7 @@ with its own KV cache and graphs.  :class:`StageCache` keeps a bounded number pe
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import threading
 import weakref
@@ -19,7 +20,7 @@ import torch
 
 from ..config import BackendConfig
 from ..engine_config import EngineConfig, resolve_llm_slots
-from .base import StageSet
+from .base import BackendUnavailable, StageSet
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,8 @@ class StageCache:
         self._sets: OrderedDict[BackendConfig, StageSet] = OrderedDict()
         self._casts: weakref.WeakValueDictionary[tuple[str, torch.dtype], torch.nn.Module] = \
             weakref.WeakValueDictionary()
-        self._lock = threading.Lock()  # guards the two dicts; held only briefly
+        self._failed: dict[StageKey, str] = {}  # stages whose build raised (not retried: see _stage)
+        self._lock = threading.Lock()  # guards the dicts; held only briefly
         self._build_lock = threading.Lock()  # one build at a time
 
     def _hit(self, config: BackendConfig) -> StageSet | None:
@@ -157,8 +159,27 @@ class StageCache:
             if stage is not None:
                 self._stages.move_to_end(key)
                 return stage
+            failed = self._failed.get(key)
+        if failed is not None:
+            raise BackendUnavailable(f"the {key[0]} stage ({key[1]} backend, {key[2]}) failed to build earlier in "
+                                     f"this process ({failed}); choose another backend, or restart to retry")
         log.info("building the %s stage: %s backend, %s", *key)
-        stage = build()  # outside the view lock: captures may take seconds
+        try:
+            stage = build()  # outside the view lock: captures may take seconds
+        except BackendUnavailable:
+            raise  # a refusal before anything was built: cheap to ask again, and the message says why
+        except Exception as e:
+            # A build that fails half-way (a kernel out of shared memory during capture, out of memory) is not
+            # retried by every later request: each retry took seconds and leaked what the failed build had
+            # allocated (its frames live on in the traceback).  Drop those frames and give the memory back.
+            with self._lock:
+                self._failed[key] = f"{type(e).__name__}: {e}"[:300]
+            log.error("building the %s stage (%s backend, %s) failed: %s", *key, self._failed[key])
+            e = e.with_traceback(None)
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            raise e
         with self._lock:
             self._stages[key] = stage
         return stage

@@ -27,6 +27,10 @@ import triton.language as tl
 from torch import Tensor
 
 
+#: Query/key tile rows and warps of :func:`attention` when a row has more than 32 frames.
+ATTN_TUNING = {"bm": 64, "bn": 64, "warps": 4}
+
+
 @triton.jit
 def _attn_kernel(qkv_ptr, mask_ptr, o_ptr, T, chunk, qk_scale,
                  H: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
@@ -92,11 +96,11 @@ def attention(qkv: Tensor, mask: Tensor, batch: int, heads: int, head_dim: int, 
         raise ValueError(f"attention: head_dim must be a power of two >= 16, got {head_dim}")
     t = rows // batch
     out = torch.empty(rows, heads * head_dim, device=qkv.device, dtype=qkv.dtype) if out is None else out
-    bm = 64 if t > 32 else 16
-    bn = 64 if t > 32 else 16
-    grid = (triton.cdiv(t, bm), batch * heads)
+    tiles = ATTN_TUNING if t > 32 else {"bm": 16, "bn": 16, "warps": 4}
+    grid = (triton.cdiv(t, tiles["bm"]), batch * heads)
     _attn_kernel[grid](qkv, mask, out, t, int(chunk), (1.0 / math.sqrt(head_dim)) * 1.4426950408889634,
-                       H=heads, D=head_dim, IEEE=qkv.dtype == torch.float32, BM=bm, BN=bn, num_warps=4)
+                       H=heads, D=head_dim, IEEE=qkv.dtype == torch.float32, BM=tiles["bm"], BN=tiles["bn"],
+                       num_warps=tiles["warps"])
     return out
 
 

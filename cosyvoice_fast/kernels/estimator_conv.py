@@ -29,6 +29,10 @@ from .estimator_linear import _act, _mm, _pow2, interpreting, pick_tiles
 #: Tile sizes and launch settings for 16-bit operands (see ``estimator_linear.TUNING``); ``ln_*`` apply to
 #: the LayerNorm-epilogue variant, whose programs hold whole rows.  fp32 uses :data:`FP32_TILES`.
 TUNING = {"bm": 32, "bn": 64, "bk": 128, "warps": 8, "ln_bm": 16, "ln_warps": 8, "stages": 3}
+#: Tiles from ``estimator_linear.LARGE_M`` rows on: taller row tiles and wider output tiles, so each weight
+#: tile is read once per 32-64 rows instead of 16-32 (picked by ``benchmarks/estimator_rows_sweep.py``; the
+#: timings are in BENCHMARKS.md).
+TUNING_LARGE = {"bm": 64, "bn": 128, "bk": 64, "warps": 4, "ln_bm": 32, "ln_warps": 8, "stages": 3}
 FP32_TILES = {"bm": 32, "bn": 64, "bk": 64, "warps": 4, "ln_bm": 16, "ln_warps": 8, "stages": 2}
 INTERPRETER_TILES = {"bm": 128, "bn": 64, "bk": 64, "warps": 4, "ln_bm": 64, "ln_warps": 4, "stages": 1}
 
@@ -132,7 +136,7 @@ def causal_conv(x1: Tensor, mask: Tensor, weight: Tensor, bias: Tensor, frames: 
         raise ValueError("causal_conv: res_weight, res_bias and res_out go together")
     y = torch.empty(m, n, device=x1.device, dtype=x1.dtype)
     fp32 = weight.dtype == torch.float32
-    tiles = pick_tiles(fp32, TUNING, FP32_TILES, INTERPRETER_TILES)
+    tiles = pick_tiles(fp32, TUNING, FP32_TILES, INTERPRETER_TILES, m, TUNING_LARGE)
     bm = _pow2(m, 16, tiles["ln_bm"] if ln is not None else tiles["bm"])
     bn = _pow2(n) if ln is not None else _pow2(n, 16, tiles["bn"])
     # row-wide tiles (and a second weight) must still fit in shared memory

@@ -7,7 +7,9 @@ channels-last activations (one row per frame, ``B·T`` rows), so that a transfor
 the residual fused in, or as one kernel) and a ResNet block two (see
 ``estimator_conv``).  The time embedding of every ResNet block is one GEMM for all of them.  The whole
 forward is a fixed sequence of launches with no host synchronisation, so the graph runner of the
-``cudagraph`` flow captures it unchanged.
+``cudagraph`` flow captures it unchanged.  At many rows (a batched solve of several requests) the GEMMs move to
+cuBLAS with Triton epilogues (:mod:`~cosyvoice_fast.kernels.estimator_cublas`): there arithmetic, not launches,
+sets the time, and cuBLAS's Hopper kernels run it several times faster than these fused tiles.
 
 Weights are read from the wrapped modules: linear weights directly (views), convolution weights and the
 concatenated q/k/v and time-embedding weights as packed copies made on first use and re-made whenever the
@@ -225,7 +227,8 @@ class FusedEstimator(nn.Module):
 
 def kernels_per_forward(n_blocks: int, num_mid_blocks: int, ffn_one_kernel: bool = False,
                         attention_out_fused: bool = False, resnet_split_ln: bool = False) -> int:
-    """Launches of one fused forward of the one-level U-Net: 3 time-embedding GEMMs, the input pack, 2 (or 4)
+    """Launches of one fused forward of the one-level U-Net below ``estimator_cublas.CUBLAS_M`` rows (above it
+    a LayerNorm or epilogue pass joins most GEMMs): 3 time-embedding GEMMs, the input pack, 2 (or 4)
     per ResNet block, 3 to 5 per transformer block, the down/up/final convs and the output projection."""
     resnets = 2 + num_mid_blocks
     per_block = 5 - int(ffn_one_kernel) - int(attention_out_fused)

@@ -36,9 +36,21 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def pick_tiles(fp32: bool, tuning: dict, fp32_tiles: dict, interp_tiles: dict) -> dict:
-    """The tile settings for one launch: interpreter, fp32 or 16-bit."""
-    return interp_tiles if interpreting() else fp32_tiles if fp32 else tuning
+#: Rows from which 16-bit launches that offer a ``large`` tile setting use it (a batched solve: 16 requests x
+#: the CFG pair x 250 frames is 8000 rows).  Thin 32-row tiles are best while the launch dominates; with
+#: thousands of rows they re-read every weight tile per 32 rows, so taller tiles win
+#: (``benchmarks/estimator_rows_sweep.py``, BENCHMARKS.md).
+LARGE_M = 2048
+
+
+def pick_tiles(fp32: bool, tuning: dict, fp32_tiles: dict, interp_tiles: dict, m: int = 0,
+               large: dict | None = None) -> dict:
+    """The tile settings for one launch: interpreter, fp32, or 16-bit (``large`` from :data:`LARGE_M` rows on)."""
+    if interpreting():
+        return interp_tiles
+    if fp32:
+        return fp32_tiles
+    return large if large is not None and m >= LARGE_M else tuning
 
 # activation codes shared by the estimator kernels
 ACT_NONE, ACT_GELU, ACT_SILU, ACT_MISH = 0, 1, 2, 3
@@ -175,6 +187,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: i
         if freqs is None or freqs.numel() != k // 2 or freqs.dtype != torch.float32 or k % 2:
             raise ValueError(f"linear: the sinusoidal prologue needs {k // 2} fp32 freqs and an even K ({k})")
         lnw = freqs
+    from .estimator_cublas import linear_cublas, use_cublas  # imports this module: bound at first call
+
+    if use_cublas(m, weight, prologue):
+        return linear_cublas(x, weight, bias, prologue=prologue, ln=ln, act=act, residual=residual, rowmask=rowmask,
+                             out=out, rows_per_b=rows_per_b, out_strides=(syb, syt, syn))
     tiles = pick_tiles(weight.dtype == torch.float32, TUNING, FP32_TILES, INTERPRETER_TILES)
     bm = _pow2(m, 16, tiles["bm"])
     bn = _pow2(n, 16, tiles["bn"])

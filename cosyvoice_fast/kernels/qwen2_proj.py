@@ -270,8 +270,13 @@ def launch_options(t: torch.Tensor, stages: int) -> dict:
     return opts
 
 
-def _k_block(k: int, dtype: torch.dtype) -> int:
+def _k_block(k: int, dtype: torch.dtype, block_m: int = 16) -> int:
+    """K elements per tile: ``TILES.k_bytes`` of a weight row, halved for 64-row blocks, whose fp32 residual
+    tiles (in the norm-statistics pass and the GEMM, each pipelined over 3 stages) would otherwise need more
+    than the H100's 227 KB of shared memory per program (352 KB measured for the q/k/v kernel)."""
     elems = TILES.k_bytes // torch.empty((), dtype=dtype).element_size()
+    if block_m > 32:
+        elems //= 2
     return max(16, min(elems, triton.next_power_of_2(k)))
 
 
@@ -296,7 +301,7 @@ def qkv_rope(x: torch.Tensor, parts: torch.Tensor | None, norm_w: torch.Tensor, 
     _qkv_rope_kernel[grid](x, part_arg, norm_w, w, b, inv_freq, pos, q_out, k_cache, v_cache, rows, k_dim, eps,
                            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                            HQ=n_heads, HKV=n_kv, D=head_dim, NPART=npart, BLOCK_N=block_n, BLOCK_M=bm,
-                           BLOCK_K=_k_block(k_dim, w.dtype), PREC=dot_precision(w.dtype), **launch_options(x, 3))
+                           BLOCK_K=_k_block(k_dim, w.dtype, bm), PREC=dot_precision(w.dtype), **launch_options(x, 3))
 
 
 def gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, h_out: torch.Tensor, eps: float) -> None:
@@ -306,7 +311,7 @@ def gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, h_out: torch
     bm, bn = row_block(rows), TILES.gate_up
     grid = (triton.cdiv(n, bn), triton.cdiv(rows, bm))
     _gate_up_kernel[grid](x, norm_w, w, h_out, rows, k_dim, n, eps, BLOCK_M=bm, BLOCK_N=bn,
-                          BLOCK_K=_k_block(k_dim, w.dtype), PREC=dot_precision(w.dtype), **launch_options(x, 3))
+                          BLOCK_K=_k_block(k_dim, w.dtype, bm), PREC=dot_precision(w.dtype), **launch_options(x, 3))
 
 
 def proj_residual(a: torch.Tensor, w: torch.Tensor, resid: torch.Tensor, parts_in: torch.Tensor | None = None,
@@ -321,7 +326,7 @@ def proj_residual(a: torch.Tensor, w: torch.Tensor, resid: torch.Tensor, parts_i
     grid = (triton.cdiv(n, block_n), triton.cdiv(rows, bm), split)
     _proj_residual_kernel[grid](a, w, resid, part_arg, resid if parts_out is None else parts_out, rows, k_dim, n,
                                 NPART_IN=npart, SPLIT_K=split, TO_PARTS=parts_out is not None, BLOCK_M=bm,
-                                BLOCK_N=block_n, BLOCK_K=_k_block(k_dim, w.dtype), PREC=dot_precision(w.dtype),
+                                BLOCK_N=block_n, BLOCK_K=_k_block(k_dim, w.dtype, bm), PREC=dot_precision(w.dtype),
                                 **launch_options(a, 3))
 
 

@@ -1,0 +1,79 @@
+"""The estimator's GEMMs at many rows: cuBLAS for the product, one Triton pass for what surrounds it.
+
+A batched solve stacks thousands of frames (16 requests x the CFG pair x 250 frames is 8000 rows).  There the
+fused Triton GEMMs of :mod:`~cosyvoice_fast.kernels.estimator_linear` are far from the tensor cores' rate while
+cuBLAS's Hopper kernels reach several times more on the same (8000 x 256) @ (256 x 1536) shapes, so from
+:data:`CUBLAS_M` rows on (16-bit weights) :func:`linear_cublas` computes ``act(prologue(X) @ W^T + bias)
+(+ residual) (* rowmask)`` as: the LayerNorm prologue (``F.layer_norm``, fp32 statistics), the product
+(``torch.mm``, fp32 accumulation, 16-bit result), and one elementwise Triton pass for bias, activation,
+residual, row mask and the strided (B, N, T) store.  At few rows the single fused kernel stays faster (it is
+launch-bound there), which is why the switch is by row count.
+
+Numerics: the product is rounded to 16 bits once before the epilogue adds bias and residual in fp32, where the
+fused kernel rounds once after; the difference is one 16-bit rounding of the product (bf16 noise).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .estimator_linear import PRO_LN, PRO_NONE, _act, _pow2, interpreting
+
+#: Rows from which :func:`~cosyvoice_fast.kernels.estimator_linear.linear` hands 16-bit GEMMs to cuBLAS.
+CUBLAS_M = 2048
+
+
+def use_cublas(m: int, weight: Tensor, prologue: int) -> bool:
+    """Whether a ``linear`` call of ``m`` rows takes the cuBLAS path: 16-bit weights, a plain or LayerNorm
+    prologue, and at least :data:`CUBLAS_M` rows."""
+    return (m >= CUBLAS_M and weight.dtype in (torch.bfloat16, torch.float16)
+            and prologue in (PRO_NONE, PRO_LN))
+
+
+@triton.jit
+def _epilogue_kernel(y_ptr, b_ptr, r_ptr, rowmask_ptr, out_ptr, M, N, stride_rm, rows_per_b, stride_ob,
+                     stride_ot, stride_on, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
+                     ROWMASK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    m_ok = rm < M
+    n_ok = rn < N
+    ok = m_ok[:, None] & n_ok[None, :]
+    y = tl.load(y_ptr + rm[:, None] * N + rn[None, :], mask=ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y = _act(y, ACT)
+    if HAS_RES:
+        y += tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=ok, other=0.0).to(tl.float32)
+    if ROWMASK:
+        y *= tl.load(rowmask_ptr + rm, mask=m_ok, other=0.0).to(tl.float32)[:, None]
+    bi = rm // rows_per_b
+    ti = rm - bi * rows_per_b
+    dst = out_ptr + bi[:, None] * stride_ob + ti[:, None] * stride_ot + rn[None, :] * stride_on
+    tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def linear_cublas(x: Tensor, weight: Tensor, bias: Tensor | None, *, prologue: int,
+                  ln: tuple[Tensor, Tensor, float] | None, act: int, residual: Tensor | None,
+                  rowmask: Tensor | None, out: Tensor, rows_per_b: int, out_strides: tuple[int, int, int]
+                  ) -> Tensor:
+    """``linear``'s contract on the cuBLAS path; ``out`` and its ``(batch, frame, channel)`` strides come from
+    :func:`~cosyvoice_fast.kernels.estimator_linear.linear`, which validated the arguments."""
+    m, k = x.shape
+    n = weight.shape[0]
+    a = x if prologue == PRO_NONE else F.layer_norm(x, (k,), ln[0], ln[1], ln[2])
+    plain = bias is None and act == 0 and residual is None and rowmask is None
+    if plain and out.dim() == 2 and out.is_contiguous():
+        return torch.mm(a, weight.t(), out=out)
+    y = torch.mm(a, weight.t())
+    bm, bn = (64, 64) if interpreting() else (32, _pow2(n, 16, 128))
+    _epilogue_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        y, bias if bias is not None else y, residual if residual is not None else y,
+        rowmask if rowmask is not None else y, out, m, n, residual.stride(0) if residual is not None else 0,
+        rows_per_b, *out_strides, HAS_BIAS=bias is not None, ACT=act, HAS_RES=residual is not None,
+        ROWMASK=rowmask is not None, BM=bm, BN=bn, num_warps=4)
+    return out
