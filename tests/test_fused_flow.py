@@ -154,7 +154,7 @@ def test_gpu_full_size_fp32_kernel_options(full, no_tf32, options):
 
 
 @_gpu
-def test_gpu_full_size_many_rows_take_cublas_and_stay_within_bf16_error(full, no_tf32, monkeypatch):
+def test_gpu_full_size_many_rows_take_cublas_within_the_bf16_bounds(full, no_tf32, monkeypatch):
     """A batched solve (16 requests: 32 rows of 206 frames) runs its GEMMs on cuBLAS with Triton epilogues; its
     error against fp32 is no worse than the all-Triton path's or eager bf16's (same bound as one CFG pair)."""
     from cosyvoice_fast.kernels import estimator_cublas
@@ -163,9 +163,13 @@ def test_gpu_full_size_many_rows_take_cublas_and_stay_within_bf16_error(full, no
     args = estimator_inputs(est32.cfg, 32, 206, torch.float32, seed=5)
     a16 = tuple(z.to(torch.bfloat16) for z in args)
     assert estimator_cublas.use_cublas(32 * 206, est16.final_proj.weight, 0)
+    def pairs(est, xs):  # eager references one CFG pair at a time: rows are independent, and eager fp32 at 32
+        # rows with TF32 off reserved 73 GB on the H100 (convolution workspaces), starving later tests
+        return torch.cat([est(*(z[r:r + 2] for z in xs), True) for r in range(0, 32, 2)])
+
     with torch.inference_mode():
-        ref = est32(*args, True)
-        e_eager = (est16(*a16, True).float() - ref).abs()
+        ref = pairs(est32, args)
+        e_eager = (pairs(est16, a16).float() - ref).abs()
         e_cublas = (FusedEstimator(est16)(*a16, True).float() - ref).abs()
         monkeypatch.setattr(estimator_cublas, "CUBLAS_M", 1 << 40)
         e_triton = (FusedEstimator(est16)(*a16, True).float() - ref).abs()
