@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .estimator_linear import PRO_LN, PRO_NONE, _act, _pow2, interpreting
+from .estimator_linear import PRO_LN, PRO_NONE, _epilogue_store, _pow2, interpreting
 
 #: Rows from which :func:`~cosyvoice_fast.kernels.estimator_linear.linear` hands 16-bit GEMMs to cuBLAS.
 CUBLAS_M = 2048
@@ -42,19 +42,9 @@ def _epilogue_kernel(y_ptr, b_ptr, r_ptr, rowmask_ptr, out_ptr, M, N, stride_rm,
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     m_ok = rm < M
     n_ok = rn < N
-    ok = m_ok[:, None] & n_ok[None, :]
-    y = tl.load(y_ptr + rm[:, None] * N + rn[None, :], mask=ok, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    y = _act(y, ACT)
-    if HAS_RES:
-        y += tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=ok, other=0.0).to(tl.float32)
-    if ROWMASK:
-        y *= tl.load(rowmask_ptr + rm, mask=m_ok, other=0.0).to(tl.float32)[:, None]
-    bi = rm // rows_per_b
-    ti = rm - bi * rows_per_b
-    dst = out_ptr + bi[:, None] * stride_ob + ti[:, None] * stride_ot + rn[None, :] * stride_on
-    tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=ok)
+    y = tl.load(y_ptr + rm[:, None] * N + rn[None, :], mask=m_ok[:, None] & n_ok[None, :], other=0.0)
+    _epilogue_store(y.to(tl.float32), rm, rn, m_ok, n_ok, b_ptr, r_ptr, rowmask_ptr, out_ptr, stride_rm, rows_per_b,
+                    stride_ob, stride_ot, stride_on, HAS_BIAS, ACT, HAS_RES, ROWMASK)
 
 
 def linear_cublas(x: Tensor, weight: Tensor, bias: Tensor | None, *, prologue: int,

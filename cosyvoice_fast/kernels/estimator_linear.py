@@ -130,6 +130,16 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, lnw_ptr, lnb_ptr, rowmask_
                 a = _act(a.to(tl.float32), 3).to(wdt)
         w = tl.load(w_ptr + rn[None, :] * K + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         acc += _mm(a, w, IEEE)
+    _epilogue_store(acc, rm, rn, m_ok, n_ok, b_ptr, r_ptr, rowmask_ptr, y_ptr, stride_rm, rows_per_b, stride_yb,
+                    stride_yt, stride_yn, HAS_BIAS, ACT, HAS_RES, ROWMASK)
+
+
+@triton.jit
+def _epilogue_store(acc, rm, rn, m_ok, n_ok, b_ptr, r_ptr, rowmask_ptr, y_ptr, stride_rm, rows_per_b, stride_yb,
+                    stride_yt, stride_yn, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
+                    ROWMASK: tl.constexpr):
+    """``act(acc + bias) (+ residual) (* rowmask)`` of an fp32 (rows ``rm``, columns ``rn``) tile, stored at row
+    ``b·rows_per_b + t``, column ``n`` through the given strides (row-major, or the (B, N, T) layout)."""
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     acc = _act(acc, ACT)
