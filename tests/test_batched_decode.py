@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from cosyvoice_fast.backends import cudagraph_llm
-from cosyvoice_fast.backends.cudagraph_llm import (CudaGraphLLM, nucleus_keep, nucleus_keep_rows, nucleus_pick,
-                                                   nucleus_pick_rows)
+from cosyvoice_fast.backends.cudagraph_llm import CudaGraphLLM
+from cosyvoice_fast.backends.nucleus import nucleus_keep, nucleus_keep_rows, nucleus_pick, nucleus_pick_rows
 from cosyvoice_fast.backends.eager import EagerLLM
 from cosyvoice_fast.backends.base import generate_alone
 from cosyvoice_fast.config import QwenConfig
@@ -280,6 +280,42 @@ def test_cpu_backend_release_mid_way_and_teacher_forcing(cpu_stage, tiny_models,
     assert stage.slots_in_use == 0
 
 
+def test_cpu_batched_prefill_fills_free_slots_in_one_replay_beside_a_running_row(cpu_stage, tiny_models, case):
+    """Requests of different input lengths starting together are prefilled by one replay into whichever slots are
+    free (here not the first rows), while an earlier request keeps decoding from its own cache row; every
+    request draws its solo tokens.  With fewer rows per replay the same call takes ceil(n / rows) replays."""
+    inputs, text = _inputs(case), case["text"]
+    lengths = (text.shape[1], max(1, text.shape[1] // 2), max(1, text.shape[1] - 3))
+    texts = [text[:, :k] for k in lengths]
+    with torch.inference_mode():
+        n_in = max(tiny_models.llm.build_lm_input(t, case["prompt_text"], case["prompt_speech_token"]).shape[1]
+                   for t in texts)
+    eager = EagerLLM(tiny_models.llm, tiny_models.config)
+    ref_a = _alone(eager, inputs, text, 11, 25, True)
+    refs = [_alone(eager, inputs, t, 20 + i, 18, True) for i, t in enumerate(texts)]
+    for rows_per_replay, replays in ((len(texts), 1), (2, 2)):
+        stage = cpu_stage(slots=5, max_len=4 * n_in, kv_buckets=(4 * n_in,), prefill_buckets=(n_in,),
+                          prefill_tokens=rows_per_replay * n_in)
+        a = stage.new_state(inputs, text, _gen(11), 25, True)
+        b = stage.new_state(inputs, text, _gen(12), 25, True)
+        stage.prefill([a])
+        stage.prefill([b])
+        stage.decode([a, b])
+        stage.release(b)  # slot 1 frees; the newcomers take slots 1, 2, 3
+        news = [stage.new_state(inputs, t, _gen(20 + i), 18, True) for i, t in enumerate(texts)]
+        calls0 = stage.prefiller.calls
+        first = stage.prefill(news)
+        assert sorted(st.slot for st in news) == [1, 2, 3]
+        assert stage.prefiller.calls - calls0 == replays and stage.prefiller.rows_done == 2 + len(texts)
+        assert first == [r[0] for r in refs]
+        running = [a] + news
+        while any(not st.done for st in running):
+            stage.decode([st for st in running if not st.done])
+        assert a.history == ref_a
+        assert [st.history for st in news] == refs
+        assert stage.slots_in_use == 0
+
+
 def test_cpu_backend_row_errors_stay_in_their_row(cpu_stage, tiny_models, case):
     """A row whose prompt does not fit its slot fails alone; the other rows of the call get their tokens."""
     stage = cpu_stage(slots=2, max_len=64, kv_buckets=(64,), prefill_buckets=(64,))
@@ -329,7 +365,9 @@ def test_gpu_batched_interleaved_equal_eager_and_share_steps(batched, llm_cuda, 
     seeds = (21, 22, 23, 24)
     ref = [_run(eager, inputs, text, s, 20, True) for s in seeds]
     steps0, rows0, fb0 = batched.batched_steps, batched.batched_rows, batched.fallback_draws
+    prefills0 = batched.prefiller.calls
     assert _drive(batched, [(inputs, text, _gen(s, "cuda"), 20, True) for s in seeds]) == ref
+    assert batched.prefiller.calls - prefills0 == 1  # the four prompts in one batched prefill replay
     assert batched.batched_steps - steps0 == 19  # not 4 x 19
     assert batched.batched_rows - rows0 == 4 * 19
     # staggered joins, mixed lengths, natural eos, a CPU-generator row among CUDA ones

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from cosyvoice_fast.backends.base import BackendUnavailable, generate_alone, iter_alone
-from cosyvoice_fast.backends.cudagraph_llm import (CudaGraphLLM, bucket_for, choose_kv_buckets, nucleus_keep,
-                                                   nucleus_pick, token_budget)
+from cosyvoice_fast.backends.cudagraph_llm import CudaGraphLLM
+from cosyvoice_fast.backends.llm_buckets import bucket_for, choose_kv_buckets, prefill_row_counts, token_budget
+from cosyvoice_fast.backends.nucleus import nucleus_keep, nucleus_pick
 from cosyvoice_fast.backends.eager import EagerLLM
 from cosyvoice_fast.backends.kv_pool import PoolExhausted, SlotPool
 from cosyvoice_fast.config import full_config, tiny_config
@@ -95,6 +96,15 @@ def test_kv_buckets_and_lookup():
     assert [bucket_for(b, p) for p in (0, 63, 64, 127, 128, 511)] == [64, 64, 128, 128, 512, 512]
     with pytest.raises(KVCacheFullError):
         bucket_for(b, 512)
+
+
+def test_prefill_row_counts_stay_within_the_token_cap_and_the_slots():
+    assert prefill_row_counts(64, 128, 4096) == (1, 2, 4, 8, 16, 32)
+    assert prefill_row_counts(64, 512, 4096) == (1, 2, 4, 8)
+    assert prefill_row_counts(6, 64, 4096) == (1, 2, 4, 6)  # a last partial power of two: all slots at once
+    assert prefill_row_counts(16, 1024, 512) == (1,)  # longer than the cap: still one row
+    with pytest.raises(ValueError, match="slots, length and max_tokens"):
+        prefill_row_counts(0, 64, 4096)
 
 
 def test_token_budget_fits_or_explains():

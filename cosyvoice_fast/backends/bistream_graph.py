@@ -31,7 +31,7 @@ from ..models.bistream import BistreamState, StepPlan
 from ..models.llm import Qwen2LM
 from ..models.qwen2 import KVCacheFullError
 from . import graphs
-from .cudagraph_llm import bucket_for, choose_kv_buckets
+from .llm_buckets import bucket_for, choose_kv_buckets
 
 
 class GraphBistream:

@@ -5,34 +5,30 @@ CPU time to launch than GPU time to run.  Here every request borrows a *slot* (a
 ``max_len`` positions plus a few static buffers) and each step is one graph replay.
 
 One decode graph is captured for each *KV bucket* (e.g. 256, 512, 1024, 2048 positions; per slot when
-``batched=False``, once over all slots when batched, see below): it attends over the first ``bucket`` cache positions, masked by position, so early tokens do not pay for a 2048-long
-attention.  A decode graph computes: token embedding -> decoder -> fp32 log-probs (+ the step's eos mask) ->
-softmax -> stable sort -> nucleus cut -> the draw.  Prefill is captured per slot for a few padded input lengths
-(64..512 by default; zero rows after the real ones, causally invisible to them); a longer input runs the eager
-SDPA prefill.  The model is called through its public methods and does not know it is being captured.
+``batched=False``, once over all slots when batched, see below): it attends over the first ``bucket`` cache
+positions, masked by position, so early tokens do not pay for a 2048-long attention.  A decode graph computes:
+token embedding -> decoder -> fp32 log-probs (+ the step's eos mask) -> softmax -> stable sort -> nucleus cut
+-> the draw.  New requests are prefilled together, a few graph replays per burst (:mod:`.llm_prefill`).  The
+model is called through its public methods and does not know it is being captured.
 
-Sampling is the eager RAS sampler's, draw for draw (same seed -> same tokens in fp32):
-
-- ``torch.multinomial(p[:n], 1)`` is ``argmax(p[:n] / q)`` with ``q = empty_like(p[:n]).exponential_(gen)``.
-  On CUDA, element ``i`` of an exponential draw comes from Philox counter ``i`` and the generator's offset
-  advances by the same amount for any length up to 256, so drawing ``q`` for all ``top_k`` candidates and
-  masking those past the nucleus gives the same token *and* leaves the generator in the same state.  The draw
-  into a static buffer happens eagerly just before the replay (graphs must not own per-request generators).
-- The nucleus size uses sequential fp32 running sums, like :func:`..models.sampling._nucleus_size`: a CUDA
-  ``cumsum`` along a non-innermost dimension is one thread walking the column in order.
-- The repetition check needs the token on the host, which streaming needs anyway: one ``.item()`` per token is
-  the only sync.  When the window check fires (the fallback full-distribution draw), :func:`random_sample`
-  runs eagerly, as in eager mode, with its own syncs.  A CPU generator falls back to the eager sampler entirely.
+Sampling is the eager RAS sampler's, draw for draw (same seed -> same tokens in fp32): the nucleus draw is
+graph-side tensor math (:mod:`.nucleus`), its exponential variates drawn eagerly from each request's own
+generator into a static buffer just before the replay (graphs must not own per-request generators).  The
+repetition check needs the token on the host, which streaming needs anyway: one read of the drawn tokens per
+step is the only sync.  When the window check fires (the fallback full-distribution draw), :func:`random_sample`
+runs eagerly, as in eager mode, with its own syncs.  A CPU generator falls back to the eager sampler entirely.
 
 Batched decoding (``batched=True``, the default).  A decode step is GPU-bound by ~600 small kernels, so stepping
 16 requests one after another costs 16x one step.  Instead all slots share one KV allocation of shape
-(slots, Hkv, max_len, D) per layer (each slot's cache is a view of its row, so prefill still runs per slot at
-batch 1), and one decode graph per (KV bucket, row count) steps rows ``0 .. n-1`` each at its own position
-(``pos`` (n, 1)); row counts are 1, 2, 4, ... up to S, and a step uses the smallest that covers its rows.  The engine decides
-which states take part in a step (:meth:`CudaGraphLLM.decode`); the backend only executes it.  Per step: a few tiny eager kernels (one exponential draw per row from its own
+(slots + 1, Hkv, max_len, D) per layer (each slot's cache is a view of its row; the last row is the spare that
+batched prefill's unused rows write to), and one decode graph per (KV bucket, row count) steps rows
+``0 .. n-1`` each at its own position (``pos`` (n, 1)); row counts are 1, 2, 4, ... up to S, and a step uses the
+smallest that covers its rows.  The engine decides which states take part in a step (:meth:`CudaGraphLLM.decode`);
+the backend only executes it.  Per step: a few tiny eager kernels (one exponential draw per row from its own
 generator, an input copy), one replay, one ``.tolist()`` of the (S,) tokens.
 
-- Rows below ``n`` that are not in a step (free slots, requests the engine left out of it) still run in the graph, at position ``max_len - 1`` with their last inputs.  That is harmless: a row only writes its own cache
+- Rows below ``n`` that are not in a step (free slots, requests the engine left out of it) still run in the
+  graph, at position ``max_len - 1`` with their last inputs.  That is harmless: a row only writes its own cache
   row, and writing at any position >= the row's next write position is overwritten before any query of that
   row can attend to it (each step writes its position before attending, prefill rewrites 0..n-1), while
   ``max_len - 1`` keeps the whole bucket visible so the garbage stays finite (no fully masked softmax).
@@ -47,9 +43,8 @@ generator, an input copy), one replay, one ``.tolist()`` of the (S,) tokens.
   matmul kernels may round differently for different n, so tokens equal the eager backend's up to
   near-ties at rounding level (the GPU tests check equality on the tiny fp32 model).
 
-Both claims about torch internals are asserted by the GPU tests (tokens equal eager's, nucleus cut equal the
-host loop on boundary cases).  Log-probs differ from eager's only by the attention length (bucket instead of
-the filled prefix, the rest masked), a rounding-level difference.
+Log-probs differ from eager's only by the attention length (bucket instead of the filled prefix, the rest
+masked), a rounding-level difference.
 """
 
 from __future__ import annotations
@@ -64,11 +59,14 @@ from typing import Any, Sequence
 import torch
 
 from ..config import ModelConfig
-from ..models.qwen2 import KVCache, KVCacheFullError
+from ..models.qwen2 import KVCache
 from ..models.sampling import random_sample
 from .base import BackendUnavailable, LLMState, StepResult, accept_token, new_llm_state
 from .graphs import capture
 from .kv_pool import SlotPool
+from .llm_buckets import bucket_for, choose_kv_buckets, token_budget
+from .llm_prefill import PREFILL_TOKENS, BatchedPrefill, PrefillItem, SlotRows
+from .nucleus import nucleus_pick, nucleus_pick_rows
 
 log = logging.getLogger(__name__)
 
@@ -88,106 +86,6 @@ def why_unavailable(llm: torch.nn.Module) -> str | None:
     return None
 
 
-def choose_kv_buckets(max_len: int, buckets: Sequence[int] | None = None) -> tuple[int, ...]:
-    """Sorted attention lengths to capture, always ending at ``max_len``.
-
-    Default: powers of two from 256 below ``max_len``, then ``max_len`` (2048 -> 256, 512, 1024, 2048).
-    """
-    if max_len < 1:
-        raise ValueError(f"max_len must be >= 1, got {max_len}")
-    if buckets is None:
-        buckets = [1 << p for p in range(8, max_len.bit_length()) if (1 << p) < max_len]
-    bad = [b for b in buckets if not 0 < b <= max_len]
-    if bad:
-        raise ValueError(f"kv buckets {bad} must lie in 1..max_len={max_len}")
-    return tuple(sorted(set(buckets) | {max_len}))
-
-
-def bucket_for(buckets: Sequence[int], pos: int) -> int:
-    """The smallest bucket that holds position ``pos`` (it must attend over ``pos + 1`` positions)."""
-    for b in buckets:
-        if b > pos:
-            return b
-    raise KVCacheFullError(f"position {pos} is past the slot's {buckets[-1]} KV positions")
-
-
-def token_budget(n_prompt: int, max_len: int, capacity: int, ignore_eos: bool) -> int:
-    """How many tokens a request of ``n_prompt`` LM-input positions may draw in a slot of ``capacity``.
-
-    Drawing ``m`` tokens writes ``n_prompt + m - 1`` positions (the last token is never fed back).  A fixed
-    count (``ignore_eos``) that does not fit is an error; the usual 20x-text safety cap is shortened instead,
-    since real speech ends with eos long before it.
-    """
-    if n_prompt > capacity:
-        raise KVCacheFullError(f"the LM input has {n_prompt} positions but a slot holds {capacity}: shorten the "
-                               "prompt/text or build the cudagraph backend with a larger max_len")
-    room = capacity - n_prompt + 1
-    if max_len <= room:
-        return max_len
-    if ignore_eos:
-        raise KVCacheFullError(f"{max_len} forced tokens after a {n_prompt}-position input need "
-                               f"{n_prompt + max_len - 1} KV positions, but a slot holds {capacity}")
-    log.warning("cudagraph LLM: safety cap of %d tokens shortened to %d to fit the slot's %d KV positions",
-                max_len, room, capacity)
-    return room
-
-
-def nucleus_keep(head_p: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
-    """Which of the sorted top-k probabilities (k,) the nucleus keeps: candidate ``j`` is kept while the fp32
-    running sum of the ``j`` before it is ``< limit``; the first is always kept.
-
-    The running sums must be the sequential fp32 sums the eager sampler computes on the host.  CUDA's ``cumsum``
-    along an outer dimension is exactly that (one thread per column, in order), hence the dummy second column;
-    along the only dimension it would be a parallel scan with different rounding.  (On CPU, cumsum accumulates
-    in fp64, so this is exact only on CUDA.)
-    """
-    run = torch.stack((head_p, head_p), dim=1).cumsum(dim=0)[:, 0]
-    first = torch.ones(1, dtype=torch.bool, device=head_p.device)
-    return torch.cat((first, run[:-1] < limit))
-
-
-def nucleus_pick(logp: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, limit: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Apply the step's mask, then draw from the nucleus given exponential variates ``q`` (top_k,).
-
-    Returns ``(masked log-probs (V,), token (1,) int64)``, both on the GPU, no host sync.  ``bias`` holds 0 or
-    -inf per id (eos / stop ids masked), which equals the eager in-place ``-inf`` assignment.
-    """
-    logp = logp + bias
-    sorted_p, sorted_i = logp.softmax(dim=0).sort(descending=True, stable=True)
-    k = q.shape[0]
-    head_p, head_i = sorted_p[:k], sorted_i[:k]
-    score = torch.where(nucleus_keep(head_p, limit), head_p / q, _NEG_INF)
-    return logp, head_i.gather(0, score.argmax(dim=0, keepdim=True))
-
-
-def nucleus_keep_rows(head_p: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
-    """:func:`nucleus_keep` for every row of (B, k) sorted top-k probabilities at once -> (B, k) bool.
-
-    The running sums are taken down the columns of a (k, B + 1) contiguous copy: on CUDA that is the same
-    one-thread-per-column sequential fp32 walk as :func:`nucleus_keep` (the extra column keeps B == 1 from
-    collapsing into an innermost-dimension scan).
-    """
-    b = head_p.shape[0]
-    cols = torch.cat((head_p, head_p[:1]), dim=0).t().contiguous()  # (k, B + 1)
-    run = cols.cumsum(dim=0)[:, :b].t()  # (B, k)
-    first = torch.ones(b, 1, dtype=torch.bool, device=head_p.device)
-    return torch.cat((first, run[:, :-1] < limit), dim=1)
-
-
-def nucleus_pick_rows(logp: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, limit: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`nucleus_pick` for every row: ``logp``/``bias`` (B, V), ``q`` (B, top_k) -> ((B, V) masked
-    log-probs, (B,) int64 tokens).  Row ``b``'s result is :func:`nucleus_pick` of row ``b``'s inputs: softmax,
-    the stable sort, the cut and the argmax all work along the row."""
-    logp = logp + bias
-    sorted_p, sorted_i = logp.softmax(dim=-1).sort(dim=-1, descending=True, stable=True)
-    k = q.shape[-1]
-    head_p, head_i = sorted_p[:, :k], sorted_i[:, :k]
-    score = torch.where(nucleus_keep_rows(head_p, limit), head_p / q, _NEG_INF)
-    return logp, head_i.gather(1, score.argmax(dim=1, keepdim=True))[:, 0]
-
-
 # ------------------------------------------------------------------------------------------ the backend
 
 
@@ -196,7 +94,8 @@ class _Slot:
     """One request's static state: its cache, the graphs' inputs and outputs, and the graphs themselves.
 
     ``cache``, ``bias``, ``q``, ``logp`` and ``token`` are views of row ``index`` of the backend's batched
-    buffers, so per-slot graphs (prefill; decode when not batched) and the batched decode graphs share them.
+    buffers, so per-slot decode graphs (when not batched), the batched decode graphs and the batched prefill
+    graphs (which gather and scatter by slot index) share them.
     """
 
     index: int
@@ -208,8 +107,7 @@ class _Slot:
     logp: torch.Tensor  # (V,) fp32 out: masked log-probs
     token: torch.Tensor  # (1,) int64 out: the nucleus draw
     mask_mode: str = ""
-    graphs: dict[int, Any] = field(default_factory=dict)  # decode step per kv bucket
-    prefill_graphs: dict[int, Any] = field(default_factory=dict)  # prefill per padded input length
+    graphs: dict[int, Any] = field(default_factory=dict)  # decode step per kv bucket (batched=False)
 
 
 class CudaGraphLLM:
@@ -219,6 +117,8 @@ class CudaGraphLLM:
     ``kv_buckets`` are the attention lengths captured per slot for decoding (see :func:`choose_kv_buckets`).
     ``prefill_buckets`` are the padded input lengths whose prefill is captured too (eager prefill costs one
     kernel launch per op, tens of ms of CPU time at 0.5B); longer inputs prefill eagerly; ``()`` turns it off.
+    Each length gets graphs for 1, 2, 4, ... rows while ``rows x length <= prefill_tokens`` (and rows <=
+    ``slots``), which bounds the scratch activations of the largest prefill.
     Everything is allocated and captured here, so the first request pays nothing.
 
     ``batched=True`` (default) steps all states of a :meth:`decode` call in one graph replay (see the module
@@ -229,7 +129,7 @@ class CudaGraphLLM:
 
     def __init__(self, llm: torch.nn.Module, config: ModelConfig, *, slots: int = 16, max_len: int = 2048,
                  kv_buckets: Sequence[int] | None = None, prefill_buckets: Sequence[int] = (64, 128, 256, 512),
-                 progress: bool = True, batched: bool = True):
+                 progress: bool = True, batched: bool = True, prefill_tokens: int = PREFILL_TOKENS):
         reason = why_unavailable(llm)
         if reason is not None:
             raise BackendUnavailable(reason)
@@ -240,7 +140,6 @@ class CudaGraphLLM:
         self.sampler = llm.default_sampler()
         self.max_len = max_len
         self.buckets = choose_kv_buckets(max_len, kv_buckets)
-        self.prefill_buckets = tuple(sorted(b for b in set(prefill_buckets) if 0 < b <= max_len))
         self.fallback_draws = 0  # how often the RAS repetition check replaced a nucleus draw
         self.batched = batched
         self.row_counts = tuple(sorted({min(slots, 2 ** i) for i in range(max(1, slots).bit_length() + 1)}))
@@ -254,19 +153,17 @@ class CudaGraphLLM:
         on_cuda = self.device.type == "cuda"
         t0, mem0 = time.perf_counter(), torch.cuda.memory_allocated(self.device) if on_cuda else 0
         with torch.inference_mode():
-            dev, n_in, f32 = self.device, max(self.prefill_buckets, default=1), torch.float32
+            dev, f32 = self.device, torch.float32
             self._limit = torch.full((), self.sampler.top_p, dtype=f32, device=dev)
-            # prefill inputs, shared by all slots (prefills are serialised by the lock)
-            self._emb = torch.zeros(1, n_in, llm.cfg.llm_input_size, dtype=llm.speech_embedding.weight.dtype,
-                                    device=dev)
-            self._ppos = torch.arange(n_in, device=dev)
-            self._last = torch.zeros(1, dtype=torch.long, device=dev)
-            # batched state: one row per slot; slots hold views of their row
-            self._cache = llm.new_cache(max_len, batch=slots)
-            self._bias = torch.zeros(slots, vocab, dtype=f32, device=dev)
-            self._q = torch.ones(slots, self._k, dtype=f32, device=dev)
-            self._logp = torch.zeros(slots, vocab, dtype=f32, device=dev)
-            self._token = torch.zeros(slots, dtype=torch.long, device=dev)
+            # batched state: one row per slot (slots hold views of their row) plus the spare row
+            self._cache = llm.new_cache(max_len, batch=slots + 1)
+            self._bias = torch.zeros(slots + 1, vocab, dtype=f32, device=dev)
+            self._q = torch.ones(slots + 1, self._k, dtype=f32, device=dev)
+            self._logp = torch.zeros(slots + 1, vocab, dtype=f32, device=dev)
+            self._token = torch.zeros(slots + 1, dtype=torch.long, device=dev)
+            self.prefiller = BatchedPrefill(
+                llm, SlotRows(self._cache, self._bias, self._q, self._logp, self._token, self._limit),
+                buckets=[b for b in prefill_buckets if 0 < b <= max_len], slots=slots, max_tokens=prefill_tokens)
             # batched step inputs: row 0 = fed tokens, row 1 = positions; idle rows sit at max_len - 1
             self._step_in = torch.zeros(2, slots, dtype=torch.long, device=dev)
             self._step_in[1].fill_(max_len - 1)
@@ -276,9 +173,9 @@ class CudaGraphLLM:
             self._batch_graphs: dict[tuple[int, int], Any] = {}
             self.pool = SlotPool([self._new_slot(i, vocab) for i in range(slots)], name="LLM slot")
             n = self._capture_all(progress)
-        log.info("cudagraph LLM: %d graphs (%s x kv buckets %s + %d slots x prefill buckets %s) captured in %.1f s; "
+        log.info("cudagraph LLM: %d graphs (%s x kv buckets %s + prefill rows per length %s) captured in %.1f s; "
                  "%.0f MiB for caches and graphs", n, "batched" if batched else f"{slots} slots", list(self.buckets),
-                 slots, list(self.prefill_buckets), time.perf_counter() - t0,
+                 self.prefiller.row_counts, time.perf_counter() - t0,
                  ((torch.cuda.memory_allocated(self.device) if on_cuda else 0) - mem0) / 2**20)
 
     def _new_slot(self, i: int, vocab: int) -> _Slot:
@@ -299,15 +196,6 @@ class CudaGraphLLM:
         """What a decode graph replays: one token through the decoder, attending over ``bucket`` positions."""
         hidden = self.llm.decoder(self.llm.speech_embedding(s.tok), s.pos, s.cache, kv_len=bucket)
         self._pick_into(s, hidden[:, -1])
-
-    def _prefill_math(self, s: _Slot, n: int) -> None:
-        """What a prefill graph replays: ``n`` input rows (real ones, then zero padding) at positions 0..n-1.
-
-        Padding is harmless: causal masking keeps it out of the real rows, and the cache positions it writes
-        are rewritten by decode steps before any query can attend to them.
-        """
-        hidden = self.llm.decoder(self._emb[:, :n], self._ppos[:n], s.cache, kv_len=n)
-        self._pick_into(s, hidden[0].index_select(0, self._last))
 
     def _batch_step_math(self, bucket: int, n: int) -> None:
         """What a batched decode graph replays: the first ``n`` slot rows each fed one token at its own position,
@@ -330,8 +218,7 @@ class CudaGraphLLM:
                     for b in self.buckets for n in self.row_counts]
         else:
             jobs = [(s.graphs, b, partial(self._step_math, s, b)) for s in slots for b in self.buckets]
-        jobs += [(s.prefill_graphs, n, partial(self._prefill_math, s, n)) for s in slots for n in self.prefill_buckets]
-        return jobs
+        return jobs + self.prefiller.jobs()
 
     def _capture_all(self, progress: bool) -> int:
         from tqdm.auto import tqdm
@@ -347,8 +234,7 @@ class CudaGraphLLM:
                         self._batch_step_math(b, n)
                 else:
                     self._step_math(s0, b)
-            for n in self.prefill_buckets:
-                self._prefill_math(s0, n)
+            self.prefiller.warm()
         torch.cuda.synchronize(self.device)
         scratch = torch.cuda.graph_pool_handle()
         for where, key, math in tqdm(jobs, desc="capturing LLM graphs", unit="graph", disable=not progress,
@@ -375,21 +261,6 @@ class CudaGraphLLM:
         elif mode == "eos":
             s.bias[cfg.eos_token] = _NEG_INF
         s.mask_mode = mode
-
-    def _prefill(self, s: _Slot, lm_input: torch.Tensor, gen: torch.Generator) -> None:
-        if gen.device.type == "cuda":
-            s.q.exponential_(1.0, generator=gen)
-        n = lm_input.shape[1]
-        padded = next((b for b in self.prefill_buckets if b >= n), None)
-        if padded is None:  # longer than any captured length: the eager prefill, exactly as the eager backend
-            logp, token = nucleus_pick(self.llm.prefill(lm_input, s.cache)[0], s.bias, s.q, self._limit)
-            s.logp.copy_(logp)
-            s.token.copy_(token)
-            return
-        self._emb[:, :n].copy_(lm_input)
-        self._emb[:, n:padded].zero_()
-        self._last.fill_(n - 1)
-        s.prefill_graphs[padded].replay()
 
     def _decode(self, s: _Slot, token: int, pos: int, gen: torch.Generator) -> None:
         s.cache.check_room(pos, 1)
@@ -473,23 +344,41 @@ class CudaGraphLLM:
         return tok
 
     def prefill(self, states: Sequence[LLMState]) -> list[StepResult]:
-        """Take a slot per state, prefill it (a captured graph per padded input length, eager beyond) and draw
-        its first token.  Raises :class:`~.kv_pool.PoolExhausted` if more states than free slots are passed (the
-        engine never does)."""
-        out: list[StepResult] = []
-        for st in states:
-            try:
-                st.slot, s = self.pool.acquire()
-                with torch.inference_mode(), self._lock:
+        """Take a slot per state, prefill them (batched graph replays per padded input length, eager beyond) and
+        draw each first token.  A row's own failure (input too long, ...) is that row's result; a failed replay
+        is the result of every row in it.  Raises :class:`~.kv_pool.PoolExhausted` if more states than free
+        slots are passed (the engine never does)."""
+        out: list[StepResult] = [None] * len(states)
+        items: list[PrefillItem] = []
+        with torch.inference_mode(), self._lock:
+            for i, st in enumerate(states):
+                try:
+                    st.slot, s = self.pool.acquire()
                     self._set_mask(s, 0, st.min_len, st.ignore_eos)
                     lm_input = self.llm.build_lm_input(st.text, st.prompt_text, st.prompt_speech)
                     st.pos = lm_input.shape[1]  # the next cache position to write
                     st.max_len = token_budget(st.pos, st.max_len, self.max_len, st.ignore_eos)
-                    self._prefill(s, lm_input, st.generator)
-                    out.append(self._accept(st, self._take(s, st.history, st.generator)))
-            except Exception as e:  # noqa: BLE001 - a row's failure is that row's own
-                self.release(st)
-                out.append(e)
+                    if st.generator.device.type == "cuda":
+                        s.q.exponential_(1.0, generator=st.generator)
+                    items.append(PrefillItem(i, st, s, lm_input))
+                except Exception as e:  # noqa: BLE001 - a row's failure is that row's own
+                    self.release(st)
+                    out[i] = e
+            for padded, group in self.prefiller.groups(items):
+                try:
+                    drawn = self.prefiller.run(padded, group)
+                except Exception as e:  # noqa: BLE001 - the replay failed: each of its rows gets the error
+                    for it in group:
+                        self.release(it.state)
+                        out[it.index] = e
+                    continue
+                for it, token in zip(group, drawn):
+                    st = it.state
+                    try:
+                        out[it.index] = self._accept(st, self._take(it.slot, st.history, st.generator, token))
+                    except Exception as e:  # noqa: BLE001
+                        self.release(st)
+                        out[it.index] = e
         return out
 
     def decode(self, states: Sequence[LLMState]) -> list[StepResult]:
@@ -534,7 +423,9 @@ class CudaGraphLLM:
             with torch.inference_mode(), self._lock:
                 self._set_mask(s, 0, 0, False)
                 token_budget(lm_input.shape[1], len(tokens) + 1, self.max_len, True)
-                self._prefill(s, lm_input, gen)
+                s.q.exponential_(1.0, generator=gen)
+                (group,) = self.prefiller.groups([PrefillItem(0, None, s, lm_input)])
+                self.prefiller.run(*group)
                 rows = [s.logp.clone()]
                 row = LLMState(text=lm_input, prompt_text=None, prompt_speech=None, generator=gen, min_len=0,
                                max_len=len(tokens) + 1, ignore_eos=False, slot=index)

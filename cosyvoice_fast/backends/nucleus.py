@@ -1,0 +1,74 @@
+"""The nucleus draw as graph-capturable tensor math: the eager RAS sampler's draw, without host syncs.
+
+``torch.multinomial(p[:n], 1)`` is ``argmax(p[:n] / q)`` with ``q = empty_like(p[:n]).exponential_(gen)``.  On
+CUDA, element ``i`` of an exponential draw comes from Philox counter ``i`` and the generator's offset advances by
+the same amount for any length up to 256, so drawing ``q`` for all ``top_k`` candidates (eagerly, into a static
+buffer, just before a replay) and masking those past the nucleus gives the same token *and* leaves the generator
+in the same state.  The nucleus size uses sequential fp32 running sums like
+:func:`..models.sampling._nucleus_size`: a CUDA ``cumsum`` along a non-innermost dimension is one thread walking
+the column in order.  The GPU tests assert both claims (tokens equal eager's; cuts equal the host loop).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_NEG_INF = -float("inf")
+
+
+def nucleus_keep(head_p: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """Which of the sorted top-k probabilities (k,) the nucleus keeps: candidate ``j`` is kept while the fp32
+    running sum of the ``j`` before it is ``< limit``; the first is always kept.
+
+    The running sums must be the sequential fp32 sums the eager sampler computes on the host.  CUDA's ``cumsum``
+    along an outer dimension is exactly that (one thread per column, in order), hence the dummy second column;
+    along the only dimension it would be a parallel scan with different rounding.  (On CPU, cumsum accumulates
+    in fp64, so this is exact only on CUDA.)
+    """
+    run = torch.stack((head_p, head_p), dim=1).cumsum(dim=0)[:, 0]
+    first = torch.ones(1, dtype=torch.bool, device=head_p.device)
+    return torch.cat((first, run[:-1] < limit))
+
+
+def nucleus_pick(logp: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, limit: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply the step's mask, then draw from the nucleus given exponential variates ``q`` (top_k,).
+
+    Returns ``(masked log-probs (V,), token (1,) int64)``, both on the GPU, no host sync.  ``bias`` holds 0 or
+    -inf per id (eos / stop ids masked), which equals the eager in-place ``-inf`` assignment.
+    """
+    logp = logp + bias
+    sorted_p, sorted_i = logp.softmax(dim=0).sort(descending=True, stable=True)
+    k = q.shape[0]
+    head_p, head_i = sorted_p[:k], sorted_i[:k]
+    score = torch.where(nucleus_keep(head_p, limit), head_p / q, _NEG_INF)
+    return logp, head_i.gather(0, score.argmax(dim=0, keepdim=True))
+
+
+def nucleus_keep_rows(head_p: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """:func:`nucleus_keep` for every row of (B, k) sorted top-k probabilities at once -> (B, k) bool.
+
+    The running sums are taken down the columns of a (k, B + 1) contiguous copy: on CUDA that is the same
+    one-thread-per-column sequential fp32 walk as :func:`nucleus_keep` (the extra column keeps B == 1 from
+    collapsing into an innermost-dimension scan).
+    """
+    b = head_p.shape[0]
+    cols = torch.cat((head_p, head_p[:1]), dim=0).t().contiguous()  # (k, B + 1)
+    run = cols.cumsum(dim=0)[:, :b].t()  # (B, k)
+    first = torch.ones(b, 1, dtype=torch.bool, device=head_p.device)
+    return torch.cat((first, run[:, :-1] < limit), dim=1)
+
+
+def nucleus_pick_rows(logp: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, limit: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`nucleus_pick` for every row: ``logp``/``bias`` (B, V), ``q`` (B, top_k) -> ((B, V) masked
+    log-probs, (B,) int64 tokens).  Row ``b``'s result is :func:`nucleus_pick` of row ``b``'s inputs: softmax,
+    the stable sort, the cut and the argmax all work along the row."""
+    logp = logp + bias
+    sorted_p, sorted_i = logp.softmax(dim=-1).sort(dim=-1, descending=True, stable=True)
+    k = q.shape[-1]
+    head_p, head_i = sorted_p[:, :k], sorted_i[:, :k]
+    score = torch.where(nucleus_keep_rows(head_p, limit), head_p / q, _NEG_INF)
+    return logp, head_i.gather(1, score.argmax(dim=1, keepdim=True))[:, 0]
+
+
