@@ -218,3 +218,44 @@ def test_linear_cublas_path_matches_torch_in_bf16(monkeypatch, prologue, act, re
     assert out.shape == ref.shape and out.dtype == bf
     assert (out.float() - ref).abs().max().item() <= 0.02 * ref.abs().max().item()
     assert estimator_cublas.use_cublas(m, w, prologue) and not estimator_cublas.use_cublas(m, w.float(), prologue)
+
+
+@pytest.mark.parametrize("n,dtype,bias,rowmask", [(32, torch.bfloat16, True, False), (48, torch.bfloat16, False, False),
+                                                  (48, torch.bfloat16, True, True), (48, torch.float16, True, True)])
+def test_cublas_epilogue_writes_the_layer_norm_of_its_stored_rows(monkeypatch, n, dtype, bias, rowmask):
+    """``norm_out`` on the cuBLAS path (forced at 42 rows): the epilogue's second output is ``F.layer_norm`` of
+    the rows it returns, within one ulp of the 16-bit type (relative ``finfo.eps``, plus 1e-5 absolute): both
+    round nearly the same fp32 value (and the interpreter truncates to bf16 where ``F.layer_norm`` rounds).
+    The returned rows are bit-identical to a call without ``norm_out``; N = 48 is not a power of two, so the
+    whole-row tile's masked columns are exercised."""
+    from cosyvoice_fast.kernels import estimator_cublas
+
+    monkeypatch.setattr(estimator_cublas, "CUBLAS_M", 8)
+    m, k = 42, 64
+    x, w, b = rnd(m, k).to(dtype), (rnd(n, k) / 8).to(dtype), rnd(n).to(dtype) if bias else None
+    r = rnd(m, n).to(dtype)
+    mask = (torch.arange(m, device=DEV) % 21 < 15).to(dtype) if rowmask else None
+    g, beta = rnd(n).to(dtype), rnd(n).to(dtype)
+    assert estimator_cublas.use_cublas(m, w, 0)
+    normed = nan(m, n).to(dtype)
+    out = linear(x, w, b, residual=r, rowmask=mask, norm_out=(normed, (g, beta, 1e-5)))
+    assert torch.equal(out, linear(x, w, b, residual=r, rowmask=mask))
+    ref = F.layer_norm(out, (n,), g, beta, 1e-5).float()
+    ulp = torch.finfo(dtype).eps * torch.maximum(ref.abs(), normed.float().abs())
+    assert ((normed.float() - ref).abs() <= ulp + 1e-5).all()
+
+
+def test_norm_out_is_filled_on_the_fused_path_and_checked():
+    """Below CUBLAS_M (the fused Triton kernel) ``norm_out`` is still filled, by a separate LayerNorm pass, so
+    a caller that passes it where cuBLAS does not apply gets the right rows; it is refused for the (B, N, T)
+    layout and for a wrong shape."""
+    m, k, n = 21, 32, 48
+    x, w, r = rnd(m, k), rnd(n, k) / 8, rnd(m, n)
+    g, beta = rnd(n), rnd(n)
+    normed = nan(m, n)
+    out = linear(x, w, residual=r, norm_out=(normed, (g, beta, 1e-5)))
+    assert (normed - F.layer_norm(out, (n,), g, beta, 1e-5)).abs().max().item() <= TOL
+    with pytest.raises(ValueError, match="out_btc"):
+        linear(x, w, out_btc=(3, 7), norm_out=(nan(m, n), (g, beta, 1e-5)))
+    with pytest.raises(ValueError, match="norm_out must be"):
+        linear(x, w, norm_out=(nan(m, n + 1), (g, beta, 1e-5)))

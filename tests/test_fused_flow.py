@@ -1,9 +1,10 @@
 """The fused estimator (``kernels/estimator_fused.py``) and the ``fused`` flow backend.
 
 CPU (Triton interpreter, tiny sizes): chunk-causal and full attention, batched rows with right padding and
-an all-padding row, the graph runner's length/row buckets.  GPU (marked ``gpu``; full CosyVoice2 sizes with
-seeded random weights, no fixture files): fp32 within 1e-4 of eager, bf16 no worse than eager bf16 (both
-against eager fp32), padding exact, and the ``fused`` flow stage equal to eager over a streamed schedule.
+an all-padding row, the graph runner's length/row buckets, the cuBLAS path's LayerNorms folded into its
+epilogues.  GPU (marked ``gpu``; full CosyVoice2 sizes with seeded random weights, no fixture files): fp32
+within 1e-4 of eager, bf16 no worse than eager bf16 (both against eager fp32), padding exact, and the
+``fused`` flow stage equal to eager over a streamed schedule.
 """
 
 from __future__ import annotations
@@ -92,6 +93,79 @@ def test_graph_runner_captures_the_fused_estimator(small, fake_graphs):
         out = runner(*args, True)
         assert out.shape == ref.shape and (out - ref).abs().max().item() <= TOL
     assert runner.captures == 2 and runner.eager_calls == 0
+
+
+@pytest.fixture(scope="module")
+def two_blocks():
+    """Two transformer blocks per group (so a block's last GEMM can hand the next block its ``norm1``) and a
+    channel count that is not a power of two; fp32 and fp16 copies (fp16, not bf16: the Triton interpreter's
+    bf16 dots return garbage, its fp16 dots are right)."""
+    import copy
+
+    torch.manual_seed(0)
+    cfg = DecoderConfig(channels=(48,), attention_head_dim=16, n_blocks=2, num_mid_blocks=1, num_heads=2,
+                        static_chunk_size=20)
+    est = CausalConditionalDecoder(cfg).eval()
+    return est, copy.deepcopy(est).to(torch.float16)
+
+
+def _transformer_groups(est: CausalConditionalDecoder) -> list:
+    return [est.down_blocks[0][1], *(tb for _, tb in est.mid_blocks), est.up_blocks[0][1]]
+
+
+# F.layer_norm passes per forward on the cuBLAS path, (with the fold, without), from the block count and the
+# number of transformer groups
+_LN_PASSES = [pytest.param({}, lambda blocks, groups: (groups, 2 * blocks), id="default"),
+              pytest.param({"attention_out_fused": True}, lambda blocks, groups: (groups + blocks, 2 * blocks),
+                           id="attention_out_fused"),
+              pytest.param({"ffn_one_kernel": True}, lambda blocks, groups: (blocks, blocks), id="ffn_one_kernel")]
+
+
+@pytest.mark.parametrize("options,passes", _LN_PASSES)
+def test_many_rows_fold_the_next_layer_norm_into_the_cublas_epilogue(two_blocks, monkeypatch, options, passes):
+    """With the cuBLAS path forced (CUBLAS_M = 8 rows), each residual-producing GEMM's epilogue writes the next
+    LayerNorm, so ``F.layer_norm`` runs once per transformer group (its first ``norm1``) instead of twice per
+    block: once per block where the out-projection sits in the attention kernel (its ``norm3`` stays a pass),
+    and once per block with the one-kernel FFN (it norms inside; only ``norm1`` was ever a pass).  The result
+    is within the fp16 bounds: against eager fp32, no worse than 1.5x eager fp16 or the all-Triton path, and
+    the fusion itself moves it by no more than eager fp16's own error; padding stays exactly 0."""
+    from cosyvoice_fast.kernels import estimator_cublas, estimator_fused
+
+    est32, est16 = two_blocks
+    groups = [g for g in _transformer_groups(est16) if len(g)]
+    expect = passes(sum(len(g) for g in groups), len(groups))
+    args = estimator_inputs(est32.cfg, 2, 24, torch.float32, "cpu", valid=[24, 13], seed=11)
+    a16 = tuple(z.to(torch.float16) for z in args)
+    calls = []
+    layer_norm = torch.nn.functional.layer_norm
+
+    def counted(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        return layer_norm(*a, **kw)
+
+    def run(cublas_m: int, fold: bool = True) -> tuple[torch.Tensor, int]:
+        with monkeypatch.context() as mp:
+            mp.setattr(estimator_cublas, "CUBLAS_M", cublas_m)
+            mp.setattr(torch.nn.functional, "layer_norm", counted)
+            if not fold:  # the transformer blocks as before the fusion: linear still takes cuBLAS
+                mp.setattr(estimator_fused, "use_cublas", lambda *_: False)
+            calls.clear()
+            with torch.no_grad():
+                out = FusedEstimator(est16, **options)(*a16, True).float()
+            return out, len(calls)
+
+    with torch.no_grad():
+        ref = est32(*args, True)
+        e_eager = (est16(*a16, True).float() - ref).abs()
+    triton_out, n_triton = run(1 << 40)
+    folded, n_folded = run(8)
+    unfolded, n_unfolded = run(8, fold=False)
+    assert (n_folded - n_triton, n_unfolded - n_triton) == expect
+    e_triton, e_folded = (triton_out - ref).abs(), (folded - ref).abs()
+    assert e_folded.max().item() <= 1.5 * max(e_eager.max().item(), e_triton.max().item())
+    assert e_folded.mean().item() <= 1.5 * max(e_eager.mean().item(), e_triton.mean().item())
+    assert (folded - unfolded).abs().max().item() <= e_eager.max().item()
+    assert not folded[1, :, 13:].any()
 
 
 def test_kernel_count_formula():

@@ -9,6 +9,12 @@ cuBLAS's Hopper kernels reach several times more on the same (8000 x 256) @ (256
 residual, row mask and the strided (B, N, T) store.  At few rows the single fused kernel stays faster (it is
 launch-bound there), which is why the switch is by row count.
 
+The LayerNorm prologue is a separate pass here (cuBLAS takes no prologue), but in a transformer block every
+residual-producing GEMM (attention out-projection, second feed-forward GEMM) is followed by a LayerNorm + GEMM.
+So the epilogue can also write the next LayerNorm of the row it stores (``norm_out``): its tile then spans the
+whole row (N = channels), and the next GEMM reads the normed rows with no prologue, which saves the LayerNorm
+launch and a read of the residual stream.
+
 Numerics: the product is rounded to 16 bits once before the epilogue adds bias and residual in fp32, where the
 fused kernel rounds once after; the difference is one 16-bit rounding of the product (bf16 noise).
 """
@@ -21,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .estimator_linear import PRO_LN, PRO_NONE, _epilogue_store, _pow2, interpreting
+from .estimator_common import PRO_LN, PRO_NONE, _epilogue_store, _pow2, interpreting
 
 #: Rows from which :func:`~cosyvoice_fast.kernels.estimator_linear.linear` hands 16-bit GEMMs to cuBLAS.
 CUBLAS_M = 2048
@@ -47,19 +53,71 @@ def _epilogue_kernel(y_ptr, b_ptr, r_ptr, rowmask_ptr, out_ptr, M, N, stride_rm,
                     stride_ob, stride_ot, stride_on, HAS_BIAS, ACT, HAS_RES, ROWMASK)
 
 
+@triton.jit
+def _epilogue_norm_kernel(y_ptr, b_ptr, r_ptr, rowmask_ptr, out_ptr, g_ptr, beta_ptr, norm_ptr, M, N, stride_rm,
+                          stride_om, stride_on, stride_nm, eps, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+                          HAS_RES: tl.constexpr, ROWMASK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """:func:`_epilogue_kernel` for a row-major output whose rows fit one tile (``BN >= N``), which also stores
+    ``LayerNorm(row as stored)`` to ``norm_ptr``: fp32 statistics, mean and biased variance (two passes over the
+    registers), eps inside the square root, as ``F.layer_norm``."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.arange(0, BN)
+    m_ok = rm < M
+    n_ok = rn < N
+    ok = m_ok[:, None] & n_ok[None, :]
+    y = tl.load(y_ptr + rm[:, None] * N + rn[None, :], mask=ok, other=0.0)
+    h = _epilogue_store(y.to(tl.float32), rm, rn, m_ok, n_ok, b_ptr, r_ptr, rowmask_ptr, out_ptr, stride_rm, M,
+                        0, stride_om, stride_on, HAS_BIAS, ACT, HAS_RES, ROWMASK)
+    h = tl.where(ok, h, 0.0)
+    mean = tl.sum(h, axis=1) / N
+    hc = tl.where(ok, h - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(hc * hc, axis=1) / N + eps)
+    g = tl.load(g_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    normed = hc * rstd[:, None] * g[None, :] + beta[None, :]
+    tl.store(norm_ptr + rm[:, None] * stride_nm + rn[None, :], normed.to(norm_ptr.dtype.element_ty), mask=ok)
+
+
+def _launch_epilogue_norm(y: Tensor, bias: Tensor | None, act: int, residual: Tensor | None,
+                          rowmask: Tensor | None, out: Tensor,
+                          norm_out: tuple[Tensor, tuple[Tensor, Tensor, float]]) -> None:
+    """The epilogue pass that also writes ``norm_out[0] = LayerNorm(out)`` with ``norm_out[1]``'s parameters.
+
+    The LayerNorm normalises each row *as stored* (rounded to ``out``'s dtype), not the fp32 sum it was
+    rounded from: the stored row is the residual stream that the following blocks add to, and the tensor an
+    unfused ``F.layer_norm`` would read, so the normed rows stay the LayerNorm of that very tensor (the same
+    function as without the fusion, up to the rounding of the normed value) instead of the norm of a value
+    that exists nowhere else.  For fp32 outputs the rounding is the identity."""
+    m, n = y.shape
+    dst, (g, beta, eps) = norm_out
+    bn = _pow2(n, 16)
+    bm = 64 if interpreting() else max(1, min(32, 4096 // bn))  # about 4K fp32 values per program
+    _epilogue_norm_kernel[(triton.cdiv(m, bm),)](
+        y, bias if bias is not None else y, residual if residual is not None else y,
+        rowmask if rowmask is not None else y, out, g, beta, dst, m, n,
+        residual.stride(0) if residual is not None else 0, out.stride(0), out.stride(1), dst.stride(0),
+        float(eps),
+        HAS_BIAS=bias is not None, ACT=act, HAS_RES=residual is not None, ROWMASK=rowmask is not None,
+        BM=bm, BN=bn, num_warps=4 if bn <= 256 else 8)
+
+
 def linear_cublas(x: Tensor, weight: Tensor, bias: Tensor | None, *, prologue: int,
                   ln: tuple[Tensor, Tensor, float] | None, act: int, residual: Tensor | None,
-                  rowmask: Tensor | None, out: Tensor, rows_per_b: int, out_strides: tuple[int, int, int]
-                  ) -> Tensor:
+                  rowmask: Tensor | None, out: Tensor, rows_per_b: int, out_strides: tuple[int, int, int],
+                  norm_out: tuple[Tensor, tuple[Tensor, Tensor, float]] | None = None) -> Tensor:
     """``linear``'s contract on the cuBLAS path; ``out`` and its ``(batch, frame, channel)`` strides come from
-    :func:`~cosyvoice_fast.kernels.estimator_linear.linear`, which validated the arguments."""
+    :func:`~cosyvoice_fast.kernels.estimator_linear.linear`, which validated the arguments (``norm_out`` only
+    with a row-major ``out``)."""
     m, k = x.shape
     n = weight.shape[0]
     a = x if prologue == PRO_NONE else F.layer_norm(x, (k,), ln[0], ln[1], ln[2])
-    plain = bias is None and act == 0 and residual is None and rowmask is None
+    plain = bias is None and act == 0 and residual is None and rowmask is None and norm_out is None
     if plain and out.dim() == 2 and out.is_contiguous():
         return torch.mm(a, weight.t(), out=out)
     y = torch.mm(a, weight.t())
+    if norm_out is not None:
+        _launch_epilogue_norm(y, bias, act, residual, rowmask, out, norm_out)
+        return out
     bm, bn = (64, 64) if interpreting() else (32, _pow2(n, 16, 128))
     _epilogue_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
         y, bias if bias is not None else y, residual if residual is not None else y,

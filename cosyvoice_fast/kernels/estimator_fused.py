@@ -9,7 +9,10 @@ the residual fused in, or as one kernel) and a ResNet block two (see
 forward is a fixed sequence of launches with no host synchronisation, so the graph runner of the
 ``cudagraph`` flow captures it unchanged.  At many rows (a batched solve of several requests) the GEMMs move to
 cuBLAS with Triton epilogues (:mod:`~cosyvoice_fast.kernels.estimator_cublas`): there arithmetic, not launches,
-sets the time, and cuBLAS's Hopper kernels run it several times faster than these fused tiles.
+sets the time, and cuBLAS's Hopper kernels run it several times faster than these fused tiles.  cuBLAS takes no
+LayerNorm prologue, so there each residual-producing GEMM's epilogue also writes the LayerNorm that the next
+GEMM needs (the block's ``norm3``, the next block's ``norm1``), and only a group's first ``norm1`` is a pass
+of its own.
 
 Weights are read from the wrapped modules: linear weights directly (views), convolution weights and the
 concatenated q/k/v and time-embedding weights as packed copies made on first use and re-made whenever the
@@ -31,7 +34,8 @@ from torch import Tensor, nn
 from ..models.flow_decoder import _GELU_APPROXIMATION, CausalConditionalDecoder, SelfAttention
 from .estimator_attention import attention, attention_out
 from .estimator_conv import causal_conv, pack_conv_weight, row_epilogue
-from .estimator_linear import ACT_GELU, ACT_MISH, ACT_SILU, PRO_LN, PRO_MISH, PRO_SINUS, ffn, linear
+from .estimator_cublas import use_cublas
+from .estimator_linear import ACT_GELU, ACT_MISH, ACT_SILU, PRO_LN, PRO_MISH, PRO_NONE, PRO_SINUS, ffn, linear
 
 
 @triton.jit
@@ -171,19 +175,50 @@ class FusedEstimator(nn.Module):
         return causal_conv(h1, mask, w["w2"], r.block2.block[0].bias, frames, ln=_ln(r.block2.block[2]),
                            act=ACT_MISH, out_mask=True, residual=res)
 
-    def _transformer(self, blk: nn.Module, h: Tensor, mask: Tensor, batch: int, chunk: int, p: dict) -> Tensor:
-        a = blk.attn1
-        qkv = linear(h, p["qkv"][id(a)], prologue=PRO_LN, ln=_ln(blk.norm1))
+    def _transformer(self, blk: nn.Module, h: Tensor, mask: Tensor, batch: int, chunk: int, p: dict,
+                     normed: Tensor | None = None, next_ln: tuple[Tensor, Tensor, float] | None = None
+                     ) -> tuple[Tensor, Tensor | None]:
+        """One transformer block over the rows ``h``; returns the new rows and, when this block's last GEMM
+        ran on cuBLAS with ``next_ln`` given, ``LayerNorm_next(new rows)`` written by its epilogue (else None).
+
+        ``normed`` is ``norm1(h)`` when the previous block's epilogue already wrote it.  On the cuBLAS path
+        (:func:`~cosyvoice_fast.kernels.estimator_cublas.use_cublas`, many rows) a LayerNorm is a launch of
+        its own, so each residual-producing GEMM (out-projection, second feed-forward GEMM) also writes the
+        following LayerNorm of its output and the next GEMM runs without a prologue; below that the fused
+        GEMMs apply the LayerNorm in their prologue for free, so nothing changes there."""
+        a, ff = blk.attn1, blk.ff.net
+        fuse_ln = use_cublas(h.shape[0], ff[2].weight, PRO_NONE)
+        if normed is None:
+            qkv = linear(h, p["qkv"][id(a)], prologue=PRO_LN, ln=_ln(blk.norm1))
+        else:
+            qkv = linear(normed, p["qkv"][id(a)])
         if self.attention_out_fused:
             h = attention_out(qkv, mask, batch, a.heads, a.head_dim, chunk, a.to_out[0].weight, a.to_out[0].bias, h)
+            n3 = None
         else:
             o = attention(qkv, mask, batch, a.heads, a.head_dim, chunk)
-            h = linear(o, a.to_out[0].weight, a.to_out[0].bias, residual=h)
-        ff = blk.ff.net
+            n3 = torch.empty_like(h) if fuse_ln and not self.ffn_one_kernel else None
+            h = linear(o, a.to_out[0].weight, a.to_out[0].bias, residual=h,
+                       norm_out=None if n3 is None else (n3, _ln(blk.norm3)))
         if self.ffn_one_kernel:
-            return ffn(h, _ln(blk.norm3), ff[0].proj.weight, ff[0].proj.bias, ff[2].weight, ff[2].bias)
-        hid = linear(h, ff[0].proj.weight, ff[0].proj.bias, prologue=PRO_LN, ln=_ln(blk.norm3), act=ACT_GELU)
-        return linear(hid, ff[2].weight, ff[2].bias, residual=h)
+            return ffn(h, _ln(blk.norm3), ff[0].proj.weight, ff[0].proj.bias, ff[2].weight, ff[2].bias), None
+        if n3 is not None:
+            hid = linear(n3, ff[0].proj.weight, ff[0].proj.bias, act=ACT_GELU)
+        else:
+            hid = linear(h, ff[0].proj.weight, ff[0].proj.bias, prologue=PRO_LN, ln=_ln(blk.norm3), act=ACT_GELU)
+        n1 = torch.empty_like(h) if fuse_ln and next_ln is not None else None
+        h = linear(hid, ff[2].weight, ff[2].bias, residual=h, norm_out=None if n1 is None else (n1, next_ln))
+        return h, n1
+
+    def _transformers(self, tblocks: nn.ModuleList, h: Tensor, mask: Tensor, batch: int, chunk: int,
+                      p: dict) -> Tensor:
+        """One group of consecutive transformer blocks; each block's last GEMM may write the next block's
+        ``norm1`` of its output (see :meth:`_transformer`), which is why the group is walked here as a unit."""
+        normed = None
+        for j, blk in enumerate(tblocks):
+            next_ln = _ln(tblocks[j + 1].norm1) if j + 1 < len(tblocks) else None
+            h, normed = self._transformer(blk, h, mask, batch, chunk, p, normed=normed, next_ln=next_ln)
+        return h
 
     def forward(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
                 streaming: bool = False) -> Tensor:
@@ -205,20 +240,17 @@ class FusedEstimator(nn.Module):
         resnet, tblocks, down = est.down_blocks[0]
         i = 0
         h = self._resnet(i, resnet, h, None, m, frames, tall, p)
-        for blk in tblocks:
-            h = self._transformer(blk, h, m, b, chunk, p)
+        h = self._transformers(tblocks, h, m, b, chunk, p)
         skip = h
         h = causal_conv(h, m, p["down"], down.bias, frames)
         for resnet, tblocks in est.mid_blocks:
             i += 1
             h = self._resnet(i, resnet, h, None, m, frames, tall, p)
-            for blk in tblocks:
-                h = self._transformer(blk, h, m, b, chunk, p)
+            h = self._transformers(tblocks, h, m, b, chunk, p)
         resnet, tblocks, up = est.up_blocks[0]
         i += 1
         h = self._resnet(i, resnet, h, skip, m, frames, tall, p)
-        for blk in tblocks:
-            h = self._transformer(blk, h, m, b, chunk, p)
+        h = self._transformers(tblocks, h, m, b, chunk, p)
         h = causal_conv(h, m, p["up"], up.bias, frames)
         fb = est.final_block.block
         h = causal_conv(h, m, p["final"], fb[0].bias, frames, ln=_ln(fb[2]), act=ACT_MISH, out_mask=True)
@@ -228,8 +260,9 @@ class FusedEstimator(nn.Module):
 def kernels_per_forward(n_blocks: int, num_mid_blocks: int, ffn_one_kernel: bool = False,
                         attention_out_fused: bool = False, resnet_split_ln: bool = False) -> int:
     """Launches of one fused forward of the one-level U-Net below ``estimator_cublas.CUBLAS_M`` rows (above it
-    a LayerNorm or epilogue pass joins most GEMMs): 3 time-embedding GEMMs, the input pack, 2 (or 4)
-    per ResNet block, 3 to 5 per transformer block, the down/up/final convs and the output projection."""
+    an epilogue pass joins most GEMMs, and a LayerNorm pass each group's first transformer block): 3
+    time-embedding GEMMs, the input pack, 2 (or 4) per ResNet block, 3 to 5 per transformer block, the
+    down/up/final convs and the output projection."""
     resnets = 2 + num_mid_blocks
     per_block = 5 - int(ffn_one_kernel) - int(attention_out_fused)
     return 3 + 1 + (4 if resnet_split_ln else 2) * resnets + per_block * n_blocks * resnets + 4

@@ -3,7 +3,10 @@
 * :func:`linear` — ``Y = epilogue(prologue(X) @ W^T)``: an optional LayerNorm prologue (row statistics in a
   first pass over K, so K is not limited by a tile), or a Mish prologue, or the sinusoidal time features
   computed from the flow time itself; bias, GELU/SiLU, a residual add, a row mask and a strided store (the
-  estimator's last projection writes the (B, 80, T) layout directly) in the epilogue.
+  estimator's last projection writes the (B, 80, T) layout directly) in the epilogue; from
+  :data:`~cosyvoice_fast.kernels.estimator_cublas.CUBLAS_M` rows (16-bit weights) the product goes to cuBLAS
+  (:mod:`~cosyvoice_fast.kernels.estimator_cublas`), whose epilogue can also write the next LayerNorm of its
+  output (``norm_out``).
 * :func:`ffn` — the whole feed-forward half of a transformer block in one kernel:
   ``X + b2 + GELU(LN(X) @ W1^T + b1) @ W2^T``; the 4x-wide hidden activation lives only in registers, chunk
   by chunk.
@@ -15,12 +18,16 @@ kernels per forward), so every elementwise/norm pass folded into a GEMM removes 
 
 from __future__ import annotations
 
-import os
-
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
+
+# re-exported: the codes and helpers are imported from here by the other estimator modules and the tests
+from .estimator_common import (ACT_GELU, ACT_MISH, ACT_NONE, ACT_SILU, PRO_LN, PRO_MISH, PRO_NONE,  # noqa: F401
+                               PRO_SINUS, _act, _epilogue_store, _pow2, interpreting)
+from .estimator_cublas import linear_cublas, use_cublas
 
 #: Tile sizes and launch settings for 16-bit operands (the fastest of the few named variants that
 #: ``benchmarks/fused_flow_check.py`` times on an H100, see BENCHMARKS.md; the script changes these before
@@ -29,11 +36,6 @@ TUNING = {"bm": 32, "bn": 64, "bk": 128, "warps": 8, "stages": 3, "ffn_bm": 16, 
 FP32_TILES = {"bm": 32, "bn": 64, "bk": 64, "warps": 4, "stages": 3}
 #: Under the CPU interpreter every program is a Python loop iteration: fewer, taller tiles run much faster.
 INTERPRETER_TILES = {"bm": 128, "bn": 64, "bk": 64, "warps": 4, "stages": 1}
-
-
-def interpreting() -> bool:
-    """True when Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 #: Rows from which 16-bit launches that offer a ``large`` tile setting use it (a batched solve: 16 requests x
@@ -51,26 +53,6 @@ def pick_tiles(fp32: bool, tuning: dict, fp32_tiles: dict, interp_tiles: dict, m
     if fp32:
         return fp32_tiles
     return large if large is not None and m >= LARGE_M else tuning
-
-# activation codes shared by the estimator kernels
-ACT_NONE, ACT_GELU, ACT_SILU, ACT_MISH = 0, 1, 2, 3
-# prologue codes of :func:`linear`
-PRO_NONE, PRO_LN, PRO_MISH, PRO_SINUS = 0, 1, 2, 3
-
-
-@triton.jit
-def _act(x, ACT: tl.constexpr):
-    """Elementwise activation in fp32 (GELU is the erf form CosyVoice2 uses)."""
-    if ACT == 1:
-        x = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
-    elif ACT == 2:
-        x = x / (1.0 + tl.exp(-x))
-    elif ACT == 3:
-        # mish = x * tanh(softplus(x)) = x * n / (n + 2), n = e^x (e^x + 2); softplus is linear past 20
-        e = tl.exp(tl.minimum(x, 20.0))
-        n = e * (e + 2.0)
-        x = tl.where(x > 20.0, x, x * n / (n + 2.0))
-    return x
 
 
 @triton.jit
@@ -134,35 +116,11 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, lnw_ptr, lnb_ptr, rowmask_
                     stride_yt, stride_yn, HAS_BIAS, ACT, HAS_RES, ROWMASK)
 
 
-@triton.jit
-def _epilogue_store(acc, rm, rn, m_ok, n_ok, b_ptr, r_ptr, rowmask_ptr, y_ptr, stride_rm, rows_per_b, stride_yb,
-                    stride_yt, stride_yn, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
-                    ROWMASK: tl.constexpr):
-    """``act(acc + bias) (+ residual) (* rowmask)`` of an fp32 (rows ``rm``, columns ``rn``) tile, stored at row
-    ``b·rows_per_b + t``, column ``n`` through the given strides (row-major, or the (B, N, T) layout)."""
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    acc = _act(acc, ACT)
-    ok = m_ok[:, None] & n_ok[None, :]
-    if HAS_RES:
-        acc += tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=ok, other=0.0).to(tl.float32)
-    if ROWMASK:
-        acc *= tl.load(rowmask_ptr + rm, mask=m_ok, other=0.0).to(tl.float32)[:, None]
-    bi = rm // rows_per_b
-    ti = rm - bi * rows_per_b
-    dst = y_ptr + bi[:, None] * stride_yb + ti[:, None] * stride_yt + rn[None, :] * stride_yn
-    tl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=ok)
-
-
-def _pow2(n: int, lo: int = 16, hi: int | None = None) -> int:
-    p = max(lo, triton.next_power_of_2(n))
-    return p if hi is None else min(p, hi)
-
-
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: int = PRO_NONE,
            ln: tuple[Tensor, Tensor, float] | None = None, act: int = ACT_NONE, residual: Tensor | None = None,
            rowmask: Tensor | None = None, out: Tensor | None = None, out_btc: tuple[int, int] | None = None,
-           freqs: Tensor | None = None, sinus_scale: float = 1000.0) -> Tensor:
+           freqs: Tensor | None = None, sinus_scale: float = 1000.0,
+           norm_out: tuple[Tensor, tuple[Tensor, Tensor, float]] | None = None) -> Tensor:
     """``act(prologue(x) @ weight.T + bias) (+ residual) (* rowmask)`` for x (M, K) row-major, weight (N, K).
 
     ``prologue``: :data:`PRO_LN` (``ln`` = (gamma, beta, eps)), :data:`PRO_MISH`, or :data:`PRO_SINUS`, where
@@ -170,6 +128,13 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: i
     fp32 frequencies, passed in so they are bit-identical to the eager embedding's).  ``out_btc = (B, T)``
     stores row ``b·T + t``, column ``n`` at ``out[b, n, t]`` of a (B, N, T) tensor (the estimator's output
     layout); otherwise ``out`` is (M, N).
+
+    ``norm_out = (dst, (gamma, beta, eps))`` also fills ``dst`` (M, N), row-major, with
+    ``F.layer_norm(out, (N,), gamma, beta, eps)``: the LayerNorm that the next GEMM would otherwise apply as
+    its prologue, so that GEMM can read ``dst`` with no prologue.  On the cuBLAS path (:func:`use_cublas`) it
+    is part of the epilogue pass and costs no launch; on the fused Triton path, whose tiles do not span a row,
+    it is a separate pass, so callers pass it only where :func:`use_cublas` holds (elsewhere the next GEMM's
+    LayerNorm prologue is free) -- it is filled on either path so that a wrong guess costs time, not results.
     """
     n, k = weight.shape
     m = x.shape[0]
@@ -197,11 +162,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: i
         if freqs is None or freqs.numel() != k // 2 or freqs.dtype != torch.float32 or k % 2:
             raise ValueError(f"linear: the sinusoidal prologue needs {k // 2} fp32 freqs and an even K ({k})")
         lnw = freqs
-    from .estimator_cublas import linear_cublas, use_cublas  # imports this module: bound at first call
-
+    if norm_out is not None:
+        _check_norm_out(norm_out, m, n, out_btc)
     if use_cublas(m, weight, prologue):
         return linear_cublas(x, weight, bias, prologue=prologue, ln=ln, act=act, residual=residual, rowmask=rowmask,
-                             out=out, rows_per_b=rows_per_b, out_strides=(syb, syt, syn))
+                             out=out, rows_per_b=rows_per_b, out_strides=(syb, syt, syn), norm_out=norm_out)
     tiles = pick_tiles(weight.dtype == torch.float32, TUNING, FP32_TILES, INTERPRETER_TILES)
     bm = _pow2(m, 16, tiles["bm"])
     bn = _pow2(n, 16, tiles["bn"])
@@ -215,7 +180,24 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: i
         PRO=prologue, HAS_BIAS=bias is not None, ACT=act, HAS_RES=residual is not None,
         ROWMASK=rowmask is not None, IEEE=weight.dtype == torch.float32, BM=bm, BN=bn, BK=bk,
         num_warps=tiles["warps"], num_stages=tiles["stages"])
+    if norm_out is not None:
+        dst, (g, beta, norm_eps) = norm_out
+        dst.copy_(F.layer_norm(out, (n,), g, beta, norm_eps))
     return out
+
+
+def _check_norm_out(norm_out: tuple[Tensor, tuple[Tensor, Tensor, float]], m: int, n: int,
+                    out_btc: tuple[int, int] | None) -> None:
+    """``linear``'s ``norm_out`` must be a row-major (M, N) tensor with N-long gamma and beta: the normed rows
+    feed the next GEMM as its ``x``, and a whole-row epilogue tile stores them with one row stride."""
+    dst, (g, beta, _) = norm_out
+    if out_btc is not None:
+        raise ValueError("linear: norm_out is for row-major (M, N) outputs, not the (B, N, T) out_btc layout")
+    if dst.shape != (m, n) or dst.stride(1) != 1:
+        raise ValueError(f"linear: norm_out must be ({m}, {n}) row-major, got {tuple(dst.shape)}")
+    if g.shape != (n,) or beta.shape != (n,):
+        raise ValueError(f"linear: norm_out's gamma and beta must be ({n},), got {tuple(g.shape)}, "
+                         f"{tuple(beta.shape)}")
 
 
 @triton.jit

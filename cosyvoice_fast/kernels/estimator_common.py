@@ -1,0 +1,68 @@
+"""What the estimator's GEMM modules share: activation and prologue codes, the fused epilogue, small helpers.
+
+:mod:`~cosyvoice_fast.kernels.estimator_linear` (fused Triton GEMMs) and
+:mod:`~cosyvoice_fast.kernels.estimator_cublas` (cuBLAS product plus a Triton epilogue) both apply the same
+epilogue, and ``linear`` dispatches to the cuBLAS path; keeping the shared pieces here lets each of the two
+import the other's needs at module level without an import cycle.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+# activation codes shared by the estimator kernels
+ACT_NONE, ACT_GELU, ACT_SILU, ACT_MISH = 0, 1, 2, 3
+# prologue codes of :func:`~cosyvoice_fast.kernels.estimator_linear.linear`
+PRO_NONE, PRO_LN, PRO_MISH, PRO_SINUS = 0, 1, 2, 3
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _pow2(n: int, lo: int = 16, hi: int | None = None) -> int:
+    """The next power of two from ``n``, at least ``lo`` and (when given) at most ``hi``: a tile extent."""
+    p = max(lo, triton.next_power_of_2(n))
+    return p if hi is None else min(p, hi)
+
+
+@triton.jit
+def _act(x, ACT: tl.constexpr):
+    """Elementwise activation in fp32 (GELU is the erf form CosyVoice2 uses)."""
+    if ACT == 1:
+        x = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif ACT == 2:
+        x = x / (1.0 + tl.exp(-x))
+    elif ACT == 3:
+        # mish = x * tanh(softplus(x)) = x * n / (n + 2), n = e^x (e^x + 2); softplus is linear past 20
+        e = tl.exp(tl.minimum(x, 20.0))
+        n = e * (e + 2.0)
+        x = tl.where(x > 20.0, x, x * n / (n + 2.0))
+    return x
+
+
+@triton.jit
+def _epilogue_store(acc, rm, rn, m_ok, n_ok, b_ptr, r_ptr, rowmask_ptr, y_ptr, stride_rm, rows_per_b, stride_yb,
+                    stride_yt, stride_yn, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
+                    ROWMASK: tl.constexpr):
+    """``act(acc + bias) (+ residual) (* rowmask)`` of an fp32 (rows ``rm``, columns ``rn``) tile, stored at row
+    ``b·rows_per_b + t``, column ``n`` through the given strides (row-major, or the (B, N, T) layout).  Returns
+    the tile as stored (rounded to ``y``'s dtype, in fp32), for a caller that derives more from it."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    acc = _act(acc, ACT)
+    ok = m_ok[:, None] & n_ok[None, :]
+    if HAS_RES:
+        acc += tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=ok, other=0.0).to(tl.float32)
+    if ROWMASK:
+        acc *= tl.load(rowmask_ptr + rm, mask=m_ok, other=0.0).to(tl.float32)[:, None]
+    bi = rm // rows_per_b
+    ti = rm - bi * rows_per_b
+    dst = y_ptr + bi[:, None] * stride_yb + ti[:, None] * stride_yt + rn[None, :] * stride_yn
+    stored = acc.to(y_ptr.dtype.element_ty)
+    tl.store(dst, stored, mask=ok)
+    return stored.to(tl.float32)
