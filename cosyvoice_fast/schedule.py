@@ -17,6 +17,9 @@ from typing import Callable
 
 from .config import StreamParams
 
+#: mel frames each non-final vocoder call re-vocodes from the previous chunk (left context for HiFT)
+MEL_CACHE_FRAMES = 8
+
 
 @dataclass(frozen=True, slots=True)
 class ChunkCall:
@@ -86,6 +89,18 @@ def call_frames(call: ChunkCall, prompt_tokens: int, token_mel_ratio: int = 2) -
     """Estimator time length for one flow call: prompt + encoded tokens (look-ahead tokens are not encoded)."""
     encoded = call.n_tokens - (0 if call.finalize else call.lookahead)
     return token_mel_ratio * (prompt_tokens + encoded)
+
+
+def vocoder_frames(params: StreamParams, chunk_size: int = 25, token_mel_ratio: int = 2,
+                   cache_frames: int = MEL_CACHE_FRAMES, max_chunks: int = 16) -> tuple[int, ...]:
+    """Mel lengths of the non-final vocoder calls ``params`` produces, for any prompt length: a first chunk is
+    ``ratio x first hop`` (the hop depends on the prompt length modulo ``chunk_size``), a later one
+    ``cache_frames + ratio x hop``.  HiFT graphs are keyed by exact length (its convolutions look both ways, so
+    padding would change the last samples), so these are the lengths worth capturing ahead of serving; final
+    chunks take whatever is left and are not listed."""
+    first = {token_mel_ratio * first_hop(p, params, chunk_size) for p in range(chunk_size)}
+    later = {cache_frames + token_mel_ratio * hop_for(i, 0, params, chunk_size) for i in range(1, max_chunks)}
+    return tuple(sorted(f for f in first | later if f > 0))
 
 
 def bucket_frames(frames: int, granularity: int = 50) -> int:

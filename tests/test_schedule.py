@@ -80,3 +80,17 @@ def test_cursor_waits_for_tokens_then_cuts():
 def test_invalid_params_name_the_field(kw, field):
     with pytest.raises(ConfigError, match=field):
         StreamParams(**kw)
+
+
+def test_vocoder_frames_are_the_mel_lengths_every_non_final_chunk_takes():
+    """Upstream's default schedule: a first chunk of 2 x (25..49) frames depending on the prompt length, then
+    8 cached + 2 x 50 and 8 + 2 x 100; a fixed first hop gives one first length."""
+    from cosyvoice_fast.schedule import vocoder_frames
+
+    assert vocoder_frames(StreamParams()) == tuple(range(50, 100, 2)) + (108, 208)
+    assert vocoder_frames(StreamParams(token_hop_len_first=10)) == (20, 108, 208)
+    # every non-final call of real plans has one of these lengths
+    want = set(vocoder_frames(StreamParams()))
+    for prompt in (0, 7, 24, 75, 131):
+        calls = [c for c in plan(prompt, 400, StreamParams()) if not c.finalize]
+        assert {2 * c.hop + (8 if c.index else 0) for c in calls} <= want

@@ -106,6 +106,42 @@ def test_gpu_captured_vocoder_shares_an_eager_pass_for_many_rows_and_equals_solo
         torch.backends.cudnn.allow_tf32 = tf32
 
 
+@pytest.mark.gpu
+def test_gpu_vocoder_batch_graphs_captured_at_start_serve_padded_rows_and_equal_solo(fixture_dir, load_case):
+    """Batched filter graphs are captured in the constructor for the given (length, rows); a batch of 3 chunks
+    replays the 4-row graph (one zero padding row) without capturing anything, and every row equals its solo
+    call (the excitation exactly, the waveform within float rounding); a length with no batched graph takes the
+    eager pass instead."""
+    from cosyvoice_fast.backends.cudagraph_vocoder import CudaGraphVocoder
+    from cosyvoice_fast.modelfiles import load_models
+
+    case = load_case("case_flow_stream")
+    frames = int(case["prompt_feat"].shape[1])
+    models = load_models(fixture_dir, device="cuda")
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False  # TF32 convolutions pick other algorithms per batch size
+    try:
+        before = graphs.captures()
+        voc = CudaGraphVocoder(models.hift, min_batch=2, rows=(1, 2, 4), lengths=(frames,), progress=False)
+        assert sorted(voc.batch_graphs) == [(frames, 2), (frames, 4)] and graphs.captures() - before == 2
+        mels = torch.randn(3, 80, frames, device="cuda", generator=torch.Generator("cuda").manual_seed(1)) - 5
+        srcs = torch.zeros(3, 1, 0, device="cuda")
+        solo = [voc.vocode(mels[i:i + 1], srcs[i:i + 1], torch.Generator("cuda").manual_seed(20 + i))
+                for i in range(3)]
+        captures = graphs.captures()
+        wav, src = voc.vocode_batch(mels, srcs, [torch.Generator("cuda").manual_seed(20 + i) for i in range(3)])
+        assert voc.batch_replays == 1 and voc.eager_batches == 0 and graphs.captures() == captures
+        for i in range(3):
+            assert torch.equal(src[i:i + 1], solo[i][1])
+            assert (wav[i:i + 1] - solo[i][0]).abs().max().item() <= 1e-3
+        other = frames + 1  # no batched graph of this length: the eager pass, still no capture
+        voc.vocode_batch(torch.randn(2, 80, other, device="cuda") - 5, torch.zeros(2, 1, 0, device="cuda"),
+                         [torch.Generator("cuda").manual_seed(i) for i in range(2)])
+        assert voc.eager_batches == 1 and graphs.captures() == captures
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+
+
 def _vocoder_rows_equal_solo(voc, case) -> None:  # noqa: ANN001
     frames = int(case["prompt_feat"].shape[1])
     mels = torch.randn(4, 80, frames, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) - 5

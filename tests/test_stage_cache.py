@@ -35,7 +35,7 @@ def counting(monkeypatch):
         log.append(("flow", name))
         return Built("flow", name, module)
 
-    def voc(models, name):
+    def voc(models, name, engine):
         log.append(("vocoder", name))
         return Built("vocoder", name)
 
@@ -169,7 +169,7 @@ def test_a_failed_build_keeps_the_bound(counting, monkeypatch):
     cache = StageCache(fake_models(), EngineConfig(stage_variants=1))
     cache.get(BackendConfig())
 
-    def broken(models, name):
+    def broken(models, name, engine):
         raise RuntimeError("no GPU")
 
     monkeypatch.setattr(backends, "_build_vocoder", broken)

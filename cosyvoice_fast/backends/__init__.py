@@ -85,14 +85,19 @@ def _build_flow(models: Any, name: str, flow: torch.nn.Module, engine: EngineCon
     return TensorRTFlow(flow, models.config)
 
 
-def _build_vocoder(models: Any, name: str) -> Any:
+def _build_vocoder(models: Any, name: str, engine: EngineConfig) -> Any:
     from . import eager
 
     if name == "eager":
         return eager.EagerVocoder(models.hift)
+    from ..config import StreamParams
+    from ..schedule import vocoder_frames
     from .cudagraph_vocoder import CudaGraphVocoder
 
-    return CudaGraphVocoder(models.hift)
+    # batched filter graphs for the default schedule's chunk lengths (every prompt length), captured now
+    lengths = vocoder_frames(StreamParams(), models.config.chunk_size, models.config.token_mel_ratio)
+    rows = engine.vocoder_rows if engine.capture_at_start else ()
+    return CudaGraphVocoder(models.hift, max_batch=max(engine.vocoder_rows), rows=rows, lengths=lengths)
 
 
 class StageCache:
@@ -144,7 +149,8 @@ class StageCache:
                                                                   self._cast("llm", dtype), dtype, self.engine_config))
                 flow = self._stage(keys["flow"], lambda: _build_flow(self.models, keys["flow"][1],
                                                                      self._cast("flow", dtype), self.engine_config))
-                voc = self._stage(keys["vocoder"], lambda: _build_vocoder(self.models, config.vocoder))
+                voc = self._stage(keys["vocoder"],
+                                  lambda: _build_vocoder(self.models, config.vocoder, self.engine_config))
                 built = StageSet(config=config, llm=llm, flow=flow, vocoder=voc)
                 with self._lock:
                     self._sets[config] = built

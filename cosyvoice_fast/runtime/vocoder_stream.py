@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..crossfade import fade_in_out, hamming_fade_window
-
-MEL_CACHE_FRAMES = 8
+from ..schedule import MEL_CACHE_FRAMES
 
 log = logging.getLogger(__name__)
 
