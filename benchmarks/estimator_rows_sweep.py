@@ -9,22 +9,20 @@ Full-size estimator (CosyVoice2 DecoderConfig), seeded random weights, bf16, chu
 3. the fused forward at 8 / 16 / 32 rows for a handful of named settings of the large-row path (conv
    ``TUNING_LARGE``, ``ATTN_TUNING``, cuBLAS GEMMs on or off), and the bf16 output of each against the
    default's (tiles change only the order of fp32 accumulation, cuBLAS adds one bf16 rounding of the product).
-Every step runs under an alarm; the JSON is rewritten after each step.
+Every step runs under a time limit; the JSON is rewritten after each step (:mod:`benchmarks.steps`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import signal
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.steps import StepRunner, require_cuda  # noqa: E402
 from cosyvoice_fast.config import CFMConfig, DecoderConfig  # noqa: E402
 from cosyvoice_fast.kernels import estimator_attention, estimator_conv, estimator_cublas  # noqa: E402
 from cosyvoice_fast.kernels.estimator_fused import FusedEstimator  # noqa: E402
@@ -46,14 +44,6 @@ VARIANTS = {
 }
 
 
-class StepTimeout(Exception):
-    pass
-
-
-def _alarm(signum, frame):  # noqa: ANN001
-    raise StepTimeout()
-
-
 def by_name(kt: list[tuple[str, float]], top: int = 14) -> dict:
     agg: dict[str, list] = {}
     for name, us in kt:
@@ -72,30 +62,12 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--frames", type=int, default=250)
     args = ap.parse_args()
-    signal.signal(signal.SIGALRM, _alarm)
-    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "frames": args.frames}
+    require_cuda("estimator_rows_sweep.py")
     import triton
-    res["triton"] = triton.__version__
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
 
-    def save() -> None:
-        out.write_text(json.dumps(res, indent=1))
-
-    def step(name: str, fn) -> None:  # noqa: ANN001
-        t0 = time.time()
-        signal.alarm(args.step_timeout)
-        try:
-            res[name] = fn()
-        except StepTimeout:
-            res[name] = {"error": f"timed out after {args.step_timeout} s"}
-        except Exception as e:  # noqa: BLE001 - record and go on
-            res[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
-        finally:
-            signal.alarm(0)
-        res.setdefault("step_seconds", {})[name] = round(time.time() - t0, 1)
-        print(f"[{name}] {time.time() - t0:.1f} s: {json.dumps(res[name])[:600]}", flush=True)
-        save()
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "frames": args.frames,
+                 "triton": triton.__version__}
+    runner = StepRunner(args.out, res, step_timeout=args.step_timeout, echo_chars=600)
 
     torch.manual_seed(0)
     est = CausalCFM(CFMConfig(), DecoderConfig()).cuda().eval().to(torch.bfloat16).estimator
@@ -142,8 +114,6 @@ def main() -> int:
                         err = (y - refs[rows]).abs().max().item()
                         ms = graph_replay_ms(lambda: fused(*a, True), iters=args.iters)  # noqa: B023
                         r[f"{vname}_rows{rows}"] = {"ms": round(ms, 3), "max_diff_vs_default": err}
-                except StepTimeout:
-                    raise
                 except Exception as e:  # noqa: BLE001 - one variant failing must not hide the others
                     r[vname] = f"{type(e).__name__}: {e}"[:300]
                 print(vname, {k: v for k, v in r.items() if k.startswith(vname)}, flush=True)
@@ -153,11 +123,11 @@ def main() -> int:
         estimator_cublas.CUBLAS_M = cublas_m
         return r
 
-    step("timing_ms", timing)
-    step("kernels_cudagraph_rows32", lambda: kernels("cudagraph", est))
-    step("kernels_fused_rows32", lambda: kernels("fused", fused))
-    args.step_timeout = 200
-    step("variants_large", variants)
+    runner.run("timing_ms", timing)
+    runner.run("kernels_cudagraph_rows32", lambda: kernels("cudagraph", est))
+    runner.run("kernels_fused_rows32", lambda: kernels("fused", fused))
+    # each variant compiles its own kernel set: more time than a timing step
+    runner.run("variants_large", variants, timeout=max(args.step_timeout, 200))
     return 0
 
 

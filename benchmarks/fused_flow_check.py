@@ -9,22 +9,21 @@ Full-size estimator (CosyVoice2 DecoderConfig) with seeded random weights (timin
 3. kernels per forward (torch.profiler), cudagraph (eager estimator) vs fused.
 4. one forward as a CUDA graph replay (median of CUDA events) at 56 and 206 frames, bf16, for every fused
    configuration (FFN in one or two kernels, out-projection inside the attention kernel or not) and tile variant.
-Every step runs under an alarm; the JSON is rewritten after each step, and a table is printed last.
+Every step runs under a time limit; the JSON is rewritten after each step (:mod:`benchmarks.steps`), and a
+table is printed last.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import signal
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.steps import StepRunner, require_cuda  # noqa: E402
 from cosyvoice_fast.config import CFMConfig, DecoderConfig  # noqa: E402
 from cosyvoice_fast.kernels.estimator_fused import FusedEstimator, kernels_per_forward  # noqa: E402
 from cosyvoice_fast.kernels import estimator_conv, estimator_linear  # noqa: E402
@@ -43,14 +42,6 @@ VARIANTS = {
 from cosyvoice_fast.models.cfm import CausalCFM  # noqa: E402
 
 
-class StepTimeout(Exception):
-    pass
-
-
-def _alarm(signum, frame):  # noqa: ANN001
-    raise StepTimeout()
-
-
 def err_stats(a: torch.Tensor, ref: torch.Tensor) -> dict:
     d = (a.float() - ref.float()).abs().flatten()
     k = max(1, int(round(0.999 * d.numel())))
@@ -65,20 +56,16 @@ def main() -> int:
                     help="seconds per step (step 1 compiles every fp32 and bf16 kernel: 60 s was too short)")
     ap.add_argument("--iters", type=int, default=30)
     args = ap.parse_args()
+    require_cuda("fused_flow_check.py")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    signal.signal(signal.SIGALRM, _alarm)
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     try:
         import triton
         res["triton"] = triton.__version__
     except ImportError:
         pass
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-
-    def save() -> None:
-        out.write_text(json.dumps(res, indent=1))
+    runner = StepRunner(args.out, res, step_timeout=args.step_timeout)
 
     torch.manual_seed(0)
     cfm32 = CausalCFM(CFMConfig(), DecoderConfig()).cuda().eval()
@@ -96,21 +83,6 @@ def main() -> int:
     fused_modes = (("fused", fused16), ("fused_one_kernel_ffn", fused16_one), ("fused_attn_out", fused16_ao),
                    ("fused_attn_out_one_kernel_ffn", fused16_ao_one), ("fused_attn_out_split_ln", fused16_ao_ln))
     cfg = est32.cfg
-
-    def step(name: str, fn) -> None:  # noqa: ANN001
-        t0 = time.time()
-        signal.alarm(args.step_timeout)
-        try:
-            res[name] = fn()
-        except StepTimeout:
-            res[name] = {"error": f"timed out after {args.step_timeout} s"}
-        except Exception as e:  # noqa: BLE001 - record and go on to the next step
-            res[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
-        finally:
-            signal.alarm(0)
-        res.setdefault("step_seconds", {})[name] = round(time.time() - t0, 1)
-        print(f"[{name}] {time.time() - t0:.1f} s: {json.dumps(res[name])[:400]}", flush=True)
-        save()
 
     def estimator_errors() -> dict:
         r = {}
@@ -221,8 +193,6 @@ def main() -> int:
                         a = estimator_inputs(cfg, rows, frames, torch.bfloat16)
                         ms = graph_replay_ms(lambda: fused16(*a, streaming), iters=args.iters)  # noqa: B023
                         r[f"{vname}_rows{rows}_{frames}"] = round(ms, 4)
-                except StepTimeout:
-                    raise
                 except Exception as e:  # noqa: BLE001 - one variant failing must not hide the others
                     r[vname] = f"{type(e).__name__}: {e}"[:200]
                 finally:
@@ -232,13 +202,13 @@ def main() -> int:
                     estimator_conv.TUNING.update(conv0)
         return r
 
-    step("estimator_errors", estimator_errors)
-    step("padding", padding)
-    step("solve_mel_errors", solve)
-    step("kernels", kernels)
-    step("timing_ms_bf16", timing)
-    step("kernel_timeline_bf16", timeline)
-    step("variants_ms_bf16", variants)
+    runner.run("estimator_errors", estimator_errors)
+    runner.run("padding", padding)
+    runner.run("solve_mel_errors", solve)
+    runner.run("kernels", kernels)
+    runner.run("timing_ms_bf16", timing)
+    runner.run("kernel_timeline_bf16", timeline)
+    runner.run("variants_ms_bf16", variants)
 
     print("\n== fused flow estimator, %s, bf16 unless noted ==" % res["device"])
     k = res.get("kernels", {})

@@ -9,10 +9,11 @@
    token at 1 and 16 requests (token parity with eager is tests/test_fused_llm.py's job);
 4. three tile variants of the fused kernels at the same shapes (each compiles a handful of kernels, no sweep).
 
-    PYTHONUNBUFFERED=1 python benchmarks/fused_llm_check.py --out $OUT [--skip-backends]
+    PYTHONUNBUFFERED=1 python benchmarks/fused_llm_check.py --out $OUT [--skip-backends] [--step-timeout S]
 
-Results go to ``$OUT/fused_llm_check.json`` after every section (a timeout keeps what was done); a short table
-is printed last.
+Each section is a step under its own time limit, and results go to ``$OUT/fused_llm_check.json`` after every
+measurement (:mod:`benchmarks.steps`: a section that times out or fails keeps what was done and the next one
+runs); a short table is printed last.
 """
 
 from __future__ import annotations
@@ -20,15 +21,17 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
+import functools
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.steps import StepRunner, require_cuda  # noqa: E402
 from cosyvoice_fast import profile_llm  # noqa: E402
 from cosyvoice_fast.config import full_config  # noqa: E402
 from cosyvoice_fast.kernels import qwen2_proj  # noqa: E402
@@ -78,7 +81,7 @@ def correctness(lm32: Qwen2LM, lm16: Qwen2LM, rows: int) -> dict:
     return out
 
 
-def backends(lm: Qwen2LM, names: list[str], results: dict, save) -> None:  # noqa: ANN001
+def backends(lm: Qwen2LM, names: list[str], results: dict, save: Callable[[], None]) -> None:
     """ms per token of the whole backends (``fused`` runs under the current ``qwen2_proj.TILES``)."""
     from cosyvoice_fast.backends.cudagraph_llm import CudaGraphLLM
     from cosyvoice_fast.backends.fused_llm import FusedLLM
@@ -105,63 +108,77 @@ def backends(lm: Qwen2LM, names: list[str], results: dict, save) -> None:  # noq
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", required=True, help="directory; results go to OUT/fused_llm_check.json")
     ap.add_argument("--skip-backends", action="store_true")
+    ap.add_argument("--step-timeout", type=int, default=300, help="seconds per section")
     a = ap.parse_args()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                     "context": CONTEXT, "bucket": BUCKET, "correctness": [], "steps": [], "tiles": [],
-                     "backends": []}
-
-    def save() -> None:
-        (out / "fused_llm_check.json").write_text(json.dumps(results, indent=1))
-
+    require_cuda("fused_llm_check.py")
     import triton
 
-    results["triton"] = triton.__version__
-    t0 = time.perf_counter()
+    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                     "context": CONTEXT, "bucket": BUCKET, "correctness": [], "steps": [], "tiles": [],
+                     "backends": [], "triton": triton.__version__}
+    runner = StepRunner(Path(a.out) / "fused_llm_check.json", results, step_timeout=a.step_timeout)
+    save = runner.save
     lm32 = random_lm(torch.float32)
     lm16 = copy.deepcopy(lm32).to(torch.bfloat16)
     plain = qwen2_proj.TILES
     pdl = dataclasses.replace(plain, pdl=True)
-    for tiles in (plain, pdl):
-        qwen2_proj.TILES = tiles
-        for rows in (1, 16):
-            results["correctness"].append({"tiles": repr(tiles), **correctness(lm32, lm16, rows)})
-            print("correctness", results["correctness"][-1], flush=True)
-            save()
-    qwen2_proj.TILES = plain
-    print(f"[{time.perf_counter() - t0:.0f} s] correctness done", flush=True)
-    del lm32
+
+    def run_correctness(lm32: Qwen2LM) -> None:
+        try:
+            for tiles in (plain, pdl):
+                qwen2_proj.TILES = tiles
+                for rows in (1, 16):
+                    results["correctness"].append({"tiles": repr(tiles), **correctness(lm32, lm16, rows)})
+                    print("correctness", results["correctness"][-1], flush=True)
+                    save()
+        finally:
+            qwen2_proj.TILES = plain
+
+    def run_step_profiles() -> None:
+        try:
+            for backend, tiles in (("cudagraph", plain), ("fused", plain), ("fused", pdl)):
+                qwen2_proj.TILES = tiles
+                for rows in (1, 16):
+                    p = profile_llm.step_profile(lm16, backend, rows, CONTEXT, MAX_LEN, BUCKET)
+                    results["steps"].append({**p.as_dict(), "pdl": tiles.pdl})
+                    print(p, flush=True)
+                    save()
+        finally:
+            qwen2_proj.TILES = plain
+
+    def run_backends() -> None:
+        try:
+            qwen2_proj.TILES = pdl
+            backends(lm16, ["fused"], results, save)
+        finally:
+            qwen2_proj.TILES = plain
+
+    def run_tile_variants() -> None:
+        variants = {"pdl_k512": dataclasses.replace(pdl, k_bytes=512),
+                    "pdl_down8": dataclasses.replace(pdl, down_split=8),
+                    "pdl_gate_up16": dataclasses.replace(pdl, gate_up=16)}
+        try:
+            for vname, tiles in variants.items():
+                qwen2_proj.TILES = tiles
+                for rows in (1, 16):
+                    fn = profile_llm.decode_math(lm16, "fused", rows, CONTEXT, MAX_LEN, BUCKET)
+                    results["tiles"].append({"variant": vname, "tiles": repr(tiles), "rows": rows,
+                                             "graph_ms": round(profile_llm.graph_ms(fn), 4)})
+                    print(results["tiles"][-1], flush=True)
+                    save()
+        finally:
+            qwen2_proj.TILES = plain
+
+    runner.run("correctness", functools.partial(run_correctness, lm32), store=False)
+    del lm32  # the fp32 model is only the correctness reference
     torch.cuda.empty_cache()
-    for backend, tiles in (("cudagraph", plain), ("fused", plain), ("fused", pdl)):
-        qwen2_proj.TILES = tiles
-        for rows in (1, 16):
-            p = profile_llm.step_profile(lm16, backend, rows, CONTEXT, MAX_LEN, BUCKET)
-            results["steps"].append({**p.as_dict(), "pdl": tiles.pdl})
-            print(p, flush=True)
-            save()
-    print(f"[{time.perf_counter() - t0:.0f} s] step profiles done", flush=True)
-    pdl_ok = all(c["fp32_ok"] for c in results["correctness"])
+    runner.run("step_profiles", run_step_profiles, store=False)
+    pdl_ok = runner.ok("correctness") and all(c["fp32_ok"] for c in results["correctness"])
     if not a.skip_backends and pdl_ok:
-        qwen2_proj.TILES = pdl
-        backends(lm16, ["fused"], results, save)
-        print(f"[{time.perf_counter() - t0:.0f} s] backends done", flush=True)
-    variants = {"pdl_k512": dataclasses.replace(pdl, k_bytes=512),
-                "pdl_down8": dataclasses.replace(pdl, down_split=8),
-                "pdl_gate_up16": dataclasses.replace(pdl, gate_up=16)}
-    for vname, tiles in variants.items():
-        qwen2_proj.TILES = tiles
-        for rows in (1, 16):
-            fn = profile_llm.decode_math(lm16, "fused", rows, CONTEXT, MAX_LEN, BUCKET)
-            results["tiles"].append({"variant": vname, "tiles": repr(tiles), "rows": rows,
-                                     "graph_ms": round(profile_llm.graph_ms(fn), 4)})
-            print(results["tiles"][-1], flush=True)
-            save()
-    qwen2_proj.TILES = plain
-    print(f"[{time.perf_counter() - t0:.0f} s] tile variants done", flush=True)
-    save()
+        runner.run("backends", run_backends, store=False)
+    runner.run("tile_variants", run_tile_variants, store=False)
     print("\nrows | backend   | pdl | kernels/step | kernel ms | graph ms/step | GB/s  | % of 3.35 TB/s")
     for s in results["steps"]:
         print(f"{s['rows']:4d} | {s['backend']:9s} | {s['pdl']:d}   | {s['kernels']:12d} | {s['kernel_ms']:9.3f} | "

@@ -5,26 +5,29 @@
 Full-size HiFT of the synthetic model (random weights: same kernels and shapes), fp32, a first chunk's mel
 (2 x 28 tokens = 56 frames) and a later one's (8 + 2 x 50 = 108 frames); rows 1, 2, 4, 8, 16.  CUDA-event
 medians of the whole call as the engine makes it (excitation row by row, filter pass shared or replayed).
+Each shape is a step under a time limit, and the JSON is rewritten after each (:mod:`benchmarks.steps`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import statistics
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.steps import StepRunner, require_cuda  # noqa: E402
 from cosyvoice_fast.backends.cudagraph_vocoder import CudaGraphVocoder  # noqa: E402
 from cosyvoice_fast.modelfiles import load_models  # noqa: E402
 from cosyvoice_fast.synthetic import synthetic_model_dir  # noqa: E402
 
 
-def timed(fn, iters: int = 10) -> float:  # noqa: ANN001
+def timed(fn: Callable[[], object], iters: int = 10) -> float:
     fn()
     torch.cuda.synchronize()
     ts = []
@@ -40,21 +43,26 @@ def timed(fn, iters: int = 10) -> float:  # noqa: ANN001
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=str(Path(os.environ.get("OUT") or ".") / "hift_batch.json"),
+                    help="results JSON (default: $OUT/hift_batch.json, else ./hift_batch.json)")
+    ap.add_argument("--step-timeout", type=int, default=120, help="seconds per (frames, rows) shape")
     args = ap.parse_args()
+    require_cuda("hift_batch_check.py")
     models = load_models(synthetic_model_dir("full"), device="cuda")
     voc = CudaGraphVocoder(models.hift, min_batch=1)
-    res: dict = {"device": torch.cuda.get_device_name()}
+    runner = StepRunner(args.out, {"device": torch.cuda.get_device_name()}, step_timeout=args.step_timeout)
+
+    def shape(frames: int, rows: int) -> dict:
+        mels = torch.randn(rows, 80, frames, device="cuda") - 5
+        srcs = torch.zeros(rows, 1, 0, device="cuda")
+        gens = [torch.Generator(device="cuda").manual_seed(i) for i in range(rows)]
+        replay = timed(lambda: [voc.vocode(mels[i:i + 1], srcs[i:i + 1], gens[i]) for i in range(rows)])
+        batch = timed(lambda: voc.vocode_batch(mels, srcs, gens))
+        return {"graph_per_row_ms": round(replay, 2), "eager_batch_ms": round(batch, 2)}
+
     for frames in (56, 108):
         for rows in (1, 2, 4, 8, 16):
-            mels = torch.randn(rows, 80, frames, device="cuda") - 5
-            srcs = torch.zeros(rows, 1, 0, device="cuda")
-            gens = [torch.Generator(device="cuda").manual_seed(i) for i in range(rows)]
-            replay = timed(lambda: [voc.vocode(mels[i:i + 1], srcs[i:i + 1], gens[i]) for i in range(rows)])  # noqa: B023
-            batch = timed(lambda: voc.vocode_batch(mels, srcs, gens))  # noqa: B023
-            res[f"{frames}f_rows{rows}"] = {"graph_per_row_ms": round(replay, 2), "eager_batch_ms": round(batch, 2)}
-            print(frames, rows, res[f"{frames}f_rows{rows}"], flush=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
+            runner.run(f"{frames}f_rows{rows}", lambda: shape(frames, rows))  # noqa: B023 - called at once
     return 0
 
 

@@ -1,0 +1,131 @@
+"""The benchmark scripts' shared step runner (``benchmarks/steps.py``) and the CPU-checkable parts of
+``benchmarks/hift_profile.py``: a GPU call that goes wrong must still leave every earlier result on disk."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.steps import StepRunner  # noqa: E402
+
+
+def _read(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def test_failing_step_is_recorded_and_the_next_step_runs(tmp_path):
+    runner = StepRunner(tmp_path / "r.json", {"device": "cpu"})
+
+    def boom() -> dict:
+        raise ValueError("bad shape")
+
+    assert runner.run("first", boom) is None
+    assert runner.run("second", lambda: {"ms": 1.5}) == {"ms": 1.5}
+    saved = _read(tmp_path / "r.json")
+    assert saved["device"] == "cpu"
+    assert saved["first"] == {"error": "ValueError: bad shape"}
+    assert saved["second"] == {"ms": 1.5}
+    assert saved["step_status"] == {"first": "error", "second": "ok"}
+    assert saved["step_errors"] == {"first": "ValueError: bad shape"}
+    assert set(saved["step_seconds"]) == {"first", "second"}
+    assert not runner.ok("first") and runner.ok("second")
+
+
+def test_json_is_rewritten_after_every_step(tmp_path):
+    out = tmp_path / "sub" / "r.json"  # the parent is created
+    runner = StepRunner(out)
+    seen: list[dict] = []
+    runner.run("a", lambda: 1)
+    runner.run("b", lambda: seen.append(_read(out)) or 2)
+    assert seen[0]["a"] == 1 and "b" not in seen[0]  # on disk before step b started
+    assert _read(out)["b"] == 2
+    assert not list(out.parent.glob(".*.tmp"))  # written through a temporary file, nothing left behind
+
+
+def test_step_past_its_limit_is_recorded_as_timed_out(tmp_path):
+    before = signal.getsignal(signal.SIGALRM)
+    runner = StepRunner(tmp_path / "r.json", step_timeout=30)
+
+    def slow() -> None:
+        try:
+            time.sleep(5)
+        except Exception:  # noqa: BLE001 - a step's own broad handler must not swallow its time limit
+            pass
+
+    t0 = time.monotonic()
+    assert runner.run("slow", slow, timeout=0.2) is None
+    assert time.monotonic() - t0 < 2
+    assert runner.run("after", lambda: "fine") == "fine"
+    saved = _read(tmp_path / "r.json")
+    assert saved["step_status"] == {"slow": "timeout", "after": "ok"}
+    assert saved["slow"] == {"error": "timed out after 0.2 s"}
+    assert signal.getsignal(signal.SIGALRM) == before  # the previous handler is back
+
+
+def test_budget_skips_the_steps_after_it(tmp_path):
+    runner = StepRunner(tmp_path / "r.json", budget_s=1.5)
+    runner.run("uses_budget", lambda: time.sleep(0.6))
+    called = []
+    runner.run("late", lambda: called.append(1))
+    assert runner.status("late") == "skipped" and not called
+    assert "time budget" in _read(tmp_path / "r.json")["step_errors"]["late"]
+
+
+def test_unstored_step_keeps_what_it_put_in_results(tmp_path):
+    results: dict = {"rows": []}
+    runner = StepRunner(tmp_path / "r.json", results)
+
+    def appends() -> None:
+        results["rows"].append(1)
+        runner.save()
+        raise RuntimeError("second row failed")
+
+    runner.run("rows_step", appends, store=False)
+    saved = _read(tmp_path / "r.json")
+    assert saved["rows"] == [1] and "rows_step" not in saved
+    assert saved["step_status"]["rows_step"] == "error"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_hift_profile_without_cuda_exits_2_with_a_clear_message(tmp_path):
+    script = [sys.executable, "benchmarks/hift_profile.py"]
+    helped = subprocess.run(script + ["--help"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and "--out" in helped.stdout
+    ran = subprocess.run(script + ["--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 2
+    assert "needs a CUDA GPU" in ran.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_hift_profile_conv_stack_bf16_seam_is_removed_afterwards(monkeypatch):
+    from benchmarks import hift_profile as hp
+    from cosyvoice_fast.config import tiny_config
+    from cosyvoice_fast.models.hift import HiFTGenerator
+
+    monkeypatch.setattr(hp, "DEVICE_TYPE", "cpu")
+    torch.manual_seed(0)
+    hift = HiFTGenerator(tiny_config().hift).eval()
+    mel = torch.randn(2, hift.cfg.in_channels, 6) - 5
+    noise = torch.randn(hift.m_source.noise_shape(mel[:, 0]))
+    with torch.inference_mode():
+        ref = hp.forward(hift, mel, noise)
+        with hp.fp32_methods(hift, hp.SPECTRAL_METHODS):
+            assert "_waveform" in vars(hift)
+            wav = hp.forward_conv_stack_bf16(hift, mel, noise)
+    assert not set(hp.SPECTRAL_METHODS) & set(vars(hift))
+    stats = hp.err_stats(wav, ref)
+    assert stats["finite"] and 0 < stats["max_abs"] < 0.1
+    assert hp.err_stats(ref, ref)["snr_db"] is None
+    top = hp.top_kernels([("k" * 150, 3.0), ("b", 1.0), ("k" * 150, 2.0)], top=1)
+    assert top["kernels"] == 3 and top["top"] == [{"name": "k" * 100, "count": 2, "total_ms": 0.005,
+                                                    "share": 0.833}]
