@@ -12,33 +12,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.steps import StepRunner, require_cuda  # noqa: E402
+from benchmarks.steps import StepRunner, require_cuda, time_call  # noqa: E402
 from cosyvoice_fast.backends.cudagraph_vocoder import CudaGraphVocoder  # noqa: E402
 from cosyvoice_fast.modelfiles import load_models  # noqa: E402
 from cosyvoice_fast.synthetic import synthetic_model_dir  # noqa: E402
-
-
-def timed(fn: Callable[[], object], iters: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
 
 
 def main() -> int:
@@ -56,8 +40,12 @@ def main() -> int:
         mels = torch.randn(rows, 80, frames, device="cuda") - 5
         srcs = torch.zeros(rows, 1, 0, device="cuda")
         gens = [torch.Generator(device="cuda").manual_seed(i) for i in range(rows)]
-        replay = timed(lambda: [voc.vocode(mels[i:i + 1], srcs[i:i + 1], gens[i]) for i in range(rows)])
-        batch = timed(lambda: voc.vocode_batch(mels, srcs, gens))
+
+        def per_row() -> list:
+            return [voc.vocode(mels[i:i + 1], srcs[i:i + 1], gens[i]) for i in range(rows)]
+
+        replay = time_call(per_row, 1, 10)["median_ms"]
+        batch = time_call(lambda: voc.vocode_batch(mels, srcs, gens), 1, 10)["median_ms"]
         return {"graph_per_row_ms": round(replay, 2), "eager_batch_ms": round(batch, 2)}
 
     for frames in (56, 108):

@@ -46,7 +46,6 @@ import argparse
 import dataclasses
 import math
 import os
-import statistics
 import sys
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -57,7 +56,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.steps import StepRunner, require_cuda  # noqa: E402
+from benchmarks.steps import StepRunner, require_cuda, time_call  # noqa: E402
 from cosyvoice_fast.config import full_config  # noqa: E402
 from cosyvoice_fast.models.hift import HiFTGenerator  # noqa: E402
 
@@ -132,24 +131,6 @@ def tf32(enabled: bool) -> Iterator[None]:
         yield
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
-
-
-def time_call(call: Callable[[], object], warmup: int, iters: int) -> dict[str, float]:
-    """Median / p95 / min GPU ms of ``call()`` between CUDA events, each call started from an idle GPU (so the
-    launch overhead of an eager call counts, as it does for one vocoder pass in the engine)."""
-    for _ in range(warmup):
-        call()
-    torch.cuda.synchronize()
-    ms = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        ms.append(start.elapsed_time(end))
-    p95 = statistics.quantiles(ms, n=20, method="inclusive")[18]
-    return {"median_ms": round(statistics.median(ms), 3), "p95_ms": round(p95, 3), "min_ms": round(min(ms), 3)}
 
 
 def err_stats(wav: Tensor, ref: Tensor) -> dict[str, float | bool | None]:

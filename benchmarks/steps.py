@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -136,3 +137,23 @@ def require_cuda(script: str) -> None:
         print(f"{script} needs a CUDA GPU (torch.cuda.is_available() is False, torch {torch.__version__}): "
               "run it on the GPU machine.", file=sys.stderr)
         raise SystemExit(2)
+
+
+def time_call(call: Callable[[], object], warmup: int, iters: int) -> dict[str, float]:
+    """Median / p95 / min GPU ms of ``call()`` between CUDA events, each call started from an idle GPU (so the
+    launch overhead of an eager call counts, as it does for one vocoder pass in the engine)."""
+    import torch  # lazy, like require_cuda: the runner itself must import without torch
+
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    ms = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        ms.append(start.elapsed_time(end))
+    p95 = statistics.quantiles(ms, n=20, method="inclusive")[18]
+    return {"median_ms": round(statistics.median(ms), 3), "p95_ms": round(p95, 3), "min_ms": round(min(ms), 3)}
