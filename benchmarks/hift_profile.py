@@ -34,9 +34,12 @@ SNR in dB).  Variants:
   with TF32 off, so what stays fp32 is true fp32 and their error against (a) is bf16's alone.
 - ``cudagraph_fp32_no_tf32`` (e): (a) captured as one CUDA graph per shape (side-stream warm-up, then capture:
   :func:`cosyvoice_fast.backends.graphs.capture`), replays timed; ``cudagraph_fp32_tf32``: the same under (b).
+- ``cudagraph_fused_no_tf32`` / ``cudagraph_fused_tf32``: (e) and its TF32 twin on the ``fused`` vocoder's module
+  (every Snake residual block as :class:`~cosyvoice_fast.kernels.hift_snake.FusedSnakeResBlock`).
 
 ``profile_fp32_tf32_rows16``: torch.profiler over one (b) forward at 16 rows per mel length, the top 15 CUDA
-kernels by total time (memcpy / memset left out).  Every step runs under a time limit inside a total budget, and
+kernels by total time (memcpy / memset left out); ``profile_fused_tf32_rows16`` the same for the fused module.
+``--variants`` picks which variants run (the reference always does).  Every step runs under a time limit inside a total budget, and
 the JSON is rewritten after each step (:mod:`benchmarks.steps`).  Needs a CUDA GPU (exit status 2 without one).
 """
 
@@ -75,6 +78,7 @@ class Variant:
     tf32: bool
     autocast: str | None = None  # None, "all" (the whole forward) or "conv_stack" (decode's filter network)
     graph: bool = False
+    fused: bool = False  # the ``fused`` vocoder's module: residual units as fused Triton passes (kernels/hift_snake)
 
 
 VARIANTS = {
@@ -85,6 +89,8 @@ VARIANTS = {
     "bf16_autocast_conv_stack": Variant(tf32=False, autocast="conv_stack"),
     "cudagraph_fp32_no_tf32": Variant(tf32=False, graph=True),
     "cudagraph_fp32_tf32": Variant(tf32=True, graph=True),
+    "cudagraph_fused_no_tf32": Variant(tf32=False, graph=True, fused=True),
+    "cudagraph_fused_tf32": Variant(tf32=True, graph=True, fused=True),
 }
 
 
@@ -190,6 +196,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--step-timeout", type=float, default=45.0, help="seconds per variant step")
     ap.add_argument("--budget", type=float, default=210.0,
                     help="seconds for all steps together; steps past it are recorded as skipped")
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                    help="variants to run (the reference fp32_no_tf32 is always run first)")
     ap.add_argument("--model-dir", default=None,
                     help="load HiFT from this model directory instead of the seeded synthetic full-size one")
     args = ap.parse_args(argv)
@@ -221,6 +229,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     def setup() -> dict:
         hift = build_hift(args.model_dir)
         state["hift"] = hift
+        if any(VARIANTS[n].fused for n in args.variants):
+            from cosyvoice_fast.kernels.hift_snake import fuse_hift
+
+            state["fused"] = build_hift(args.model_dir)
+            state["fused_blocks"] = fuse_hift(state["fused"])
         state["inputs"] = {}
         g = torch.Generator(device=DEVICE_TYPE).manual_seed(0)
         for frames, rows in shapes:
@@ -249,8 +262,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if v.graph:
             from cosyvoice_fast.backends.graphs import capture
 
+            module = state["fused"] if v.fused else hift
             # a pool of its own: the graph and its memory go when this shape is done
-            graph, wav_static = capture(lambda: forward(hift, mel, noise), torch.device(DEVICE_TYPE),
+            graph, wav_static = capture(lambda: forward(module, mel, noise), torch.device(DEVICE_TYPE),
                                         torch.cuda.graph_pool_handle(), warmup=args.warmup)
 
             def call() -> Tensor:
@@ -298,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"  {name} {key}: {r[key]}", flush=True)
         return r
 
-    def profile_rows16() -> dict:
+    def profile_rows16(module: HiFTGenerator) -> dict:
         from cosyvoice_fast.kernels.estimator_profile import kernel_times
 
         r: dict = {}
@@ -306,17 +320,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             for frames in args.frames:
                 mel = torch.randn(PROFILE_ROWS, hift.cfg.in_channels, frames, device=DEVICE_TYPE) - 5
                 noise = torch.randn(hift.m_source.noise_shape(mel[:, 0]), device=DEVICE_TYPE)
-                forward(hift, mel, noise)  # warm-up: cuDNN picks its kernels outside the profile
-                r[f"{frames}f_rows{PROFILE_ROWS}"] = top_kernels(kernel_times(lambda: forward(hift, mel, noise)))
+                forward(module, mel, noise)  # warm-up: cuDNN picks its kernels outside the profile
+                r[f"{frames}f_rows{PROFILE_ROWS}"] = top_kernels(kernel_times(lambda: forward(module, mel, noise)))
         return r
 
-    runner.run("fp32_no_tf32", lambda: run_variant("fp32_no_tf32", VARIANTS["fp32_no_tf32"]))
-    runner.run("fp32_tf32", lambda: run_variant("fp32_tf32", VARIANTS["fp32_tf32"]))
-    runner.run("bf16_autocast_plain_probe", probe_plain_autocast, timeout=min(args.step_timeout, 30))
-    for name in ("bf16_autocast_all", "bf16_autocast_conv_stack", "cudagraph_fp32_no_tf32"):
+    chosen = [REFERENCE] + [n for n in args.variants if n != REFERENCE]
+    for name in chosen:
+        if name.startswith("bf16_autocast") and "bf16_autocast_plain_probe" not in res:
+            runner.run("bf16_autocast_plain_probe", probe_plain_autocast, timeout=min(args.step_timeout, 30))
         runner.run(name, lambda: run_variant(name, VARIANTS[name]))  # noqa: B023 - called at once
-    runner.run(f"profile_fp32_tf32_rows{PROFILE_ROWS}", profile_rows16)
-    runner.run("cudagraph_fp32_tf32", lambda: run_variant("cudagraph_fp32_tf32", VARIANTS["cudagraph_fp32_tf32"]))
+    runner.run(f"profile_fp32_tf32_rows{PROFILE_ROWS}", lambda: profile_rows16(hift))
+    if "fused" in state:
+        runner.run(f"profile_fused_tf32_rows{PROFILE_ROWS}", lambda: profile_rows16(state["fused"]))
 
     print_summary(res, shapes)
     failed = [k for k, s in res.get("step_status", {}).items() if s != "ok"]

@@ -35,7 +35,7 @@ BACKEND_PRESETS = {
     "eager-incremental": BackendConfig(),
     "cudagraph": BackendConfig(llm="cudagraph", flow="cudagraph", vocoder="cudagraph"),
     "cudagraph-recompute": BackendConfig(llm="cudagraph", flow="cudagraph", vocoder="cudagraph", incremental=False),
-    "fused": BackendConfig(llm="fused", flow="fused", vocoder="cudagraph"),  # Triton kernels in the graphs
+    "fused": BackendConfig(llm="fused", flow="fused", vocoder="fused"),  # Triton kernels in the graphs
     "tensorrt": BackendConfig(llm="cudagraph", flow="tensorrt", vocoder="cudagraph"),
     "trtllm": BackendConfig(llm="trtllm", flow="tensorrt", vocoder="cudagraph"),
 }

@@ -383,7 +383,7 @@ def default_dtype(device: torch.device | str) -> str:
 #: every backend name each stage accepts (whether it can run on this machine is ``backends.base``'s business)
 BACKEND_CHOICES: dict[str, tuple[str, ...]] = {"llm": ("eager", "cudagraph", "fused", "trtllm"),
                                                "flow": ("eager", "incremental", "cudagraph", "fused", "tensorrt"),
-                                               "vocoder": ("eager", "cudagraph")}
+                                               "vocoder": ("eager", "cudagraph", "fused")}
 
 
 @dataclass(frozen=True, slots=True)

@@ -201,7 +201,7 @@ def test_bad_request_fields(svc, wavs, kw, message):
 @pytest.mark.parametrize("kw, message", [
     (dict(llm="vllm"), "unknown llm backend 'vllm'; choose one of eager, cudagraph, fused, trtllm"),
     (dict(flow="warp-drive"), "unknown flow backend 'warp-drive'"),
-    (dict(vocoder="tensorrt"), "unknown vocoder backend 'tensorrt'; choose one of eager, cudagraph"),
+    (dict(vocoder="tensorrt"), "unknown vocoder backend 'tensorrt'; choose one of eager, cudagraph, fused"),
     (dict(dtype="int4"), "unknown dtype 'int4'; choose fp32, fp16 or bf16"),
 ])
 def test_unknown_backend_or_dtype(kw, message):

@@ -108,10 +108,11 @@ def test_gpu_captured_vocoder_shares_an_eager_pass_for_many_rows_and_equals_solo
 
 @pytest.mark.gpu
 def test_gpu_vocoder_batch_graphs_captured_at_start_serve_padded_rows_and_equal_solo(fixture_dir, load_case):
-    """Batched filter graphs are captured in the constructor for the given (length, rows); a batch of 3 chunks
-    replays the 4-row graph (one zero padding row) without capturing anything, and every row equals its solo
-    call (the excitation exactly, the waveform within float rounding); a length with no batched graph takes the
-    eager pass instead."""
+    """Whole-chunk graphs (f0, excitation, filter) are captured in the constructor for the given (length, rows);
+    a lone chunk replays the one-row graph and a batch of 3 chunks the 4-row graph (one zero padding row), with
+    nothing captured while serving.  Each row's excitation is the one its generator gives the chunk alone (the
+    noise draw exactly; f0 on another batch size within float rounding) and its waveform equals the solo call's
+    within float rounding; the cache overlap is spliced in exactly; a length with no graph takes the eager pass."""
     from cosyvoice_fast.backends.cudagraph_vocoder import CudaGraphVocoder
     from cosyvoice_fast.modelfiles import load_models
 
@@ -123,17 +124,27 @@ def test_gpu_vocoder_batch_graphs_captured_at_start_serve_padded_rows_and_equal_
     try:
         before = graphs.captures()
         voc = CudaGraphVocoder(models.hift, min_batch=2, rows=(1, 2, 4), lengths=(frames,), progress=False)
-        assert sorted(voc.batch_graphs) == [(frames, 2), (frames, 4)] and graphs.captures() - before == 2
+        assert sorted(voc.batch_graphs) == [(frames, 1), (frames, 2), (frames, 4)]
+        assert graphs.captures() - before == 3
         mels = torch.randn(3, 80, frames, device="cuda", generator=torch.Generator("cuda").manual_seed(1)) - 5
         srcs = torch.zeros(3, 1, 0, device="cuda")
+        captures = graphs.captures()
         solo = [voc.vocode(mels[i:i + 1], srcs[i:i + 1], torch.Generator("cuda").manual_seed(20 + i))
                 for i in range(3)]
-        captures = graphs.captures()
+        with torch.inference_mode():  # the excitation HarmonicNoiseSource.forward draws for the chunk alone
+            eager = [voc.plain.source(voc._f0(mels[i:i + 1]), torch.Generator("cuda").manual_seed(20 + i))
+                     for i in range(3)]
         wav, src = voc.vocode_batch(mels, srcs, [torch.Generator("cuda").manual_seed(20 + i) for i in range(3)])
-        assert voc.batch_replays == 1 and voc.eager_batches == 0 and graphs.captures() == captures
+        assert voc.batch_replays == 4 and voc.eager_batches == 0 and graphs.captures() == captures
         for i in range(3):
-            assert torch.equal(src[i:i + 1], solo[i][1])
+            assert (solo[i][1] - eager[i]).abs().max().item() <= 1e-5
+            assert (src[i:i + 1] - solo[i][1]).abs().max().item() <= 1e-5
             assert (wav[i:i + 1] - solo[i][0]).abs().max().item() <= 1e-3
+        # a later chunk: the previous chunk's excitation replaces the first n samples exactly
+        n = 8 * voc.plain.samples_per_frame
+        cached = torch.rand(3, 1, n, device="cuda")
+        _, src2 = voc.vocode_batch(mels, cached, [torch.Generator("cuda").manual_seed(i) for i in range(3)])
+        assert torch.equal(src2[:, :, :n], cached) and not torch.equal(src2[:, :, n:2 * n], src[:, :, n:2 * n])
         other = frames + 1  # no batched graph of this length: the eager pass, still no capture
         voc.vocode_batch(torch.randn(2, 80, other, device="cuda") - 5, torch.zeros(2, 1, 0, device="cuda"),
                          [torch.Generator("cuda").manual_seed(i) for i in range(2)])

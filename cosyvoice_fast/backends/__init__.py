@@ -93,11 +93,13 @@ def _build_vocoder(models: Any, name: str, engine: EngineConfig) -> Any:
     from ..config import StreamParams
     from ..schedule import vocoder_frames
     from .cudagraph_vocoder import CudaGraphVocoder
+    from .fused_vocoder import FusedVocoder
 
     # batched filter graphs for the default schedule's chunk lengths (every prompt length), captured now
     lengths = vocoder_frames(StreamParams(), models.config.chunk_size, models.config.token_mel_ratio)
     rows = engine.vocoder_rows if engine.capture_at_start else ()
-    return CudaGraphVocoder(models.hift, max_batch=max(engine.vocoder_rows), rows=rows, lengths=lengths)
+    cls = FusedVocoder if name == "fused" else CudaGraphVocoder
+    return cls(models.hift, max_batch=max(engine.vocoder_rows), rows=rows, lengths=lengths)
 
 
 class StageCache:

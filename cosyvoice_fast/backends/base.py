@@ -187,7 +187,7 @@ def available_backends(device: torch.device | str, engines_dir: str | Path = "en
     for s in ("llm", "flow", "vocoder"):
         out.append(BackendInfo(s, "cudagraph", cuda, "" if cuda else no_cuda))
     fused_off = no_cuda if not cuda else ("" if _has("triton") else TRITON_MISSING)
-    out += [BackendInfo(s, "fused", not fused_off, fused_off) for s in ("llm",)]
+    out += [BackendInfo(s, "fused", not fused_off, fused_off) for s in ("llm", "vocoder")]
     if not cuda:
         out.append(BackendInfo("flow", "tensorrt", False, no_cuda))
     elif not _has("tensorrt"):

@@ -1,0 +1,43 @@
+"""The ``fused`` vocoder backend: the ``cudagraph`` vocoder whose residual units run fused Triton passes.
+
+Same graphs, batching and start-up captures as :class:`~cosyvoice_fast.backends.cudagraph_vocoder.
+CudaGraphVocoder`; only the captured module differs: its Snake residual blocks are
+:class:`~cosyvoice_fast.kernels.hift_snake.FusedSnakeResBlock` (Snake, conv bias and residual add in one pass
+each), so a filter pass launches about half as many kernels and moves about half as many bytes.  HiFT stays
+fp32 (bf16 was not faster and cost ~37 dB SNR, BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from .base import TRITON_MISSING, BackendUnavailable
+from .cudagraph_vocoder import CudaGraphVocoder
+
+
+def why_unavailable() -> str | None:
+    """The reason the fused vocoder cannot run here (no CUDA, no Triton), or None."""
+    if not torch.cuda.is_available():
+        return "vocoder backend 'fused' needs a CUDA GPU (torch sees none here); choose 'eager' instead"
+    if importlib.util.find_spec("triton") is None:
+        return f"vocoder backend 'fused' needs Triton: {TRITON_MISSING}; choose 'cudagraph' instead"
+    return None
+
+
+class FusedVocoder(CudaGraphVocoder):
+    """HiFT in CUDA graphs with fused residual units; :class:`CudaGraphVocoder`'s constructor arguments."""
+
+    def __init__(self, hift: torch.nn.Module, **kwargs):
+        reason = why_unavailable()
+        if reason is not None:
+            raise BackendUnavailable(reason)
+        super().__init__(hift, **kwargs)
+
+    def _plain_model(self, hift: torch.nn.Module) -> torch.nn.Module:
+        from ..kernels.hift_snake import fuse_hift
+
+        plain = super()._plain_model(hift)
+        fuse_hift(plain)
+        return plain

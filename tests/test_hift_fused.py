@@ -1,0 +1,148 @@
+"""The fused HiFT residual units (``kernels/hift_snake.py``) and the ``fused`` vocoder backend.
+
+On CPU the Triton pass runs through the interpreter (``TRITON_INTERPRET=1``, set before Triton is imported).
+The fused units change the order of two additions and the sine's implementation, so they are held to the eager
+model's own accuracy: against a float64 evaluation of the same weights, the fused decode's error stays within
+that of eager fp32 (plus float rounding), for whatever fixture is loaded.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from cosyvoice_fast.backends.base import BackendUnavailable, available_backends  # noqa: E402
+from cosyvoice_fast.config import BackendConfig  # noqa: E402
+from cosyvoice_fast.kernels.hift_snake import FusedSnakeResBlock, fuse_hift, snake_pass  # noqa: E402
+from cosyvoice_fast.models.hift import Snake, SnakeResBlock  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def snake_ref(z: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    act = Snake(alpha.numel()).to(z.device)
+    with torch.no_grad():
+        act.alpha.copy_(alpha)
+    return act(z)
+
+
+@pytest.mark.parametrize("bias,residual,alpha,write_sum", [
+    (False, False, True, False), (True, False, True, False), (True, True, True, True), (True, True, False, True)])
+def test_snake_pass_matches_the_module_formula(bias, residual, alpha, write_sum):
+    g = torch.Generator().manual_seed(0)
+    b, c, t = 2, 5, 300  # t not a block multiple: the masked tail is exercised
+    x = torch.randn(b, c, t, generator=g).to(DEV) * 3
+    bs = torch.randn(c, generator=g).to(DEV) if bias else None
+    res = torch.randn(b, c, t, generator=g).to(DEV) if residual else None
+    al = torch.rand(c, generator=g).to(DEV) * 2 if alpha else None
+    if al is not None:
+        al[1] = 0.0  # a channel trained to zero frequency: the module's eps keeps it finite
+    total, act = snake_pass(x, bias=bs, residual=res, alpha=al, write_sum=write_sum)
+    z = x + (bs.view(1, -1, 1) if bias else 0)
+    z = (res + z) if residual else z
+    assert (total is not None) == write_sum and (act is not None) == alpha
+    if write_sum:
+        assert (total - z).abs().max().item() <= 1e-6
+    if alpha:
+        ref = snake_ref(z, al)
+        assert torch.isfinite(act).all()
+        assert (act - ref).abs().max().item() <= 2e-5 * max(1.0, ref.abs().max().item())
+
+
+def test_snake_pass_refuses_what_it_cannot_compute():
+    with pytest.raises(ValueError, match=r"takes a \(B, C, T\) fp32 tensor, got \(3, 4\)"):
+        snake_pass(torch.zeros(3, 4), alpha=torch.ones(4))
+    with pytest.raises(ValueError, match="would compute nothing"):
+        snake_pass(torch.zeros(1, 2, 3))
+    with pytest.raises(ValueError, match=r"residual shape \(1, 2, 4\) differs"):
+        snake_pass(torch.zeros(1, 2, 3), residual=torch.zeros(1, 2, 4), write_sum=True)
+
+
+def test_fused_block_needs_folded_weights(tiny_models):
+    blk = next(b for b in tiny_models.hift.resblocks if isinstance(b, SnakeResBlock))
+    with pytest.raises(ValueError, match="fold the weight norm first"):
+        FusedSnakeResBlock(blk)
+
+
+def test_fused_hift_decode_is_as_close_to_float64_as_eager(tiny_models):
+    """Whole filter pass (every resblock and source resblock fused) on the fixture's HiFT weights."""
+    hift = tiny_models.hift
+    plain = hift.remove_weight_norm().eval().to(DEV)
+    fused = hift.remove_weight_norm().eval().to(DEV)
+    n_blocks = len(fused.resblocks) + len(fused.source_resblocks)
+    assert fuse_hift(fused) == n_blocks
+    assert fuse_hift(fused) == 0  # already swapped: nothing left to fuse
+    g = torch.Generator().manual_seed(1)
+    frames = 24
+    mel = (torch.randn(2, plain.cfg.in_channels, frames, generator=g) - 5).to(DEV)
+    src = (torch.randn(2, 1, frames * plain.samples_per_frame, generator=g) * 0.1).to(DEV)
+    with torch.inference_mode():
+        eager = plain.decode(mel, src).double()
+        out = fused.decode(mel, src).double()
+        ref = copy.deepcopy(plain).double().decode(mel.double(), src.double())
+    eager_err = (eager - ref).abs().max().item()
+    fused_err = (out - ref).abs().max().item()
+    assert out.shape == eager.shape
+    assert fused_err <= 1.5 * eager_err + 1e-6, (fused_err, eager_err)
+
+
+def test_fused_vocoder_is_listed_and_refused_without_cuda(tiny_models):
+    assert BackendConfig(vocoder="fused").vocoder == "fused"
+    info = {(b.stage, b.name): b for b in available_backends("cpu")}
+    assert not info[("vocoder", "fused")].available and "CUDA" in info[("vocoder", "fused")].reason
+    if not HAS_CUDA:
+        from cosyvoice_fast.backends.fused_vocoder import FusedVocoder
+
+        with pytest.raises(BackendUnavailable, match="vocoder backend 'fused' needs a CUDA GPU"):
+            FusedVocoder(tiny_models.hift)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_vocoder_is_as_close_to_float64_as_the_cudagraph_one(tiny_models):
+    """The captured fused HiFT and the captured plain one (same chunks, same generators), one row and a batched
+    graph of 4 rows, against a float64 evaluation on the same excitation: the fused error stays within the plain
+    one's (a small random HiFT amplifies fp32 rounding through its log-magnitude, so the two differ by up to
+    ~1e-4 on the fixture while both are that far from float64); and its residual units are the fused ones."""
+    from cosyvoice_fast.backends.cudagraph_vocoder import CudaGraphVocoder
+    from cosyvoice_fast.backends.fused_vocoder import FusedVocoder
+
+    hift = copy.deepcopy(tiny_models.hift).to("cuda")
+    frames = 56
+    plain = CudaGraphVocoder(hift, rows=(4,), lengths=(frames,), progress=False)
+    fused = FusedVocoder(hift, rows=(4,), lengths=(frames,), progress=False)
+    assert all(isinstance(b, FusedSnakeResBlock) for b in fused.plain.resblocks)
+    ref64 = copy.deepcopy(plain.plain).double()
+    g = torch.Generator().manual_seed(2)
+    mels = (torch.randn(3, hift.cfg.in_channels, frames, generator=g) - 5).cuda()
+    empty = torch.zeros(3, 1, 0, device="cuda")
+
+    def gens() -> list[torch.Generator]:
+        return [torch.Generator(device="cuda").manual_seed(10 + i) for i in range(3)]
+
+    def errors(wav: torch.Tensor, src: torch.Tensor, mel: torch.Tensor) -> float:
+        with torch.inference_mode():
+            return (wav.double() - ref64.decode(mel.double(), src.double())).abs().max().item()
+
+    w_plain, s_plain = plain.vocode(mels[:1], empty[:1], gens()[0])
+    w_fused, s_fused = fused.vocode(mels[:1], empty[:1], gens()[0])
+    assert torch.equal(s_plain, s_fused)  # same excitation: the generators are used alike
+    assert errors(w_fused, s_fused, mels[:1]) <= 1.5 * errors(w_plain, s_plain, mels[:1]) + 1e-6
+    b_plain, bs_plain = plain.vocode_batch(mels, empty, gens())
+    b_fused, bs_fused = fused.vocode_batch(mels, empty, gens())
+    assert fused.batch_replays == 2 and fused.eager_batches == 0  # the lone chunk and the batch: 4-row graph
+    assert errors(b_fused, bs_fused, mels) <= 1.5 * errors(b_plain, bs_plain, mels) + 1e-6
