@@ -97,8 +97,9 @@ def test_unstored_step_keeps_what_it_put_in_results(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
-def test_hift_profile_without_cuda_exits_2_with_a_clear_message(tmp_path):
-    script = [sys.executable, "benchmarks/hift_profile.py"]
+@pytest.mark.parametrize("name", ["hift_profile", "bf16_error"])
+def test_gpu_script_without_cuda_exits_2_with_a_clear_message(tmp_path, name):
+    script = [sys.executable, f"benchmarks/{name}.py"]
     helped = subprocess.run(script + ["--help"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert helped.returncode == 0 and "--out" in helped.stdout
     ran = subprocess.run(script + ["--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=60)
