@@ -73,6 +73,27 @@ def test_batched_chunks_equal_per_item_chunks(flow, case):
         assert (a - b).abs().max().item() <= TOL
 
 
+def test_equal_shaped_calls_share_encoder_passes_and_equal_per_item_chunks(flow, case):
+    """Seven calls of one exact shape (different voices, same prompt length and call) are encoded in passes of
+    4, 2 and 1 rows (``ENCODE_ROWS``), an eighth of another shape alone; each mel equals its own
+    :func:`flow_chunk_mel`."""
+    call = plan(14, case["token"].shape[1], StreamParams())[1]
+    items = [(None, _inputs(case, 14, i), case["token"][:, :call.n_tokens], call) for i in range(7)]
+    other = plan(9, case["token"].shape[1], StreamParams())[0]
+    items.append((None, _inputs(case, 9, 7), case["token"][:, :other.n_tokens], other))
+    rows: list[int] = []
+
+    def spy(tokens, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        rows.append(int(tokens.shape[0]))
+        return flow.encode(tokens, *args, **kwargs)
+
+    ref = [flow_chunk_mel(flow, inp, tok, c) for _, inp, tok, c in items]
+    out = flow_chunk_mel_batch(flow, items, encode=spy)
+    assert sorted(rows) == [1, 1, 2, 4]
+    for a, b in zip(out, ref):
+        assert a.shape == b.shape and (a - b).abs().max().item() <= TOL
+
+
 def test_eager_solve_policies(flow, case):
     items = _items(case)
     ref = [flow_chunk_mel(flow, inp, tok, call) for _, inp, tok, call in items]

@@ -260,7 +260,7 @@ class GraphEncoder:
             return self.flow.encode(tokens, tlen, ptok, plen, emb, streaming=streaming, finalize=finalize,
                                     n_lookahead=n_lookahead)
         cache = self._cache((bool(streaming), bool(finalize), n_lookahead))
-        key = (tokens.shape[1], ptok.shape[1], emb.dtype)
+        key = (tokens.shape[0], tokens.shape[1], ptok.shape[1], emb.dtype)  # rows: equal-shaped calls batch
         try:
             mu, spks = cache.run(key, tokens, tlen, ptok, plen, emb)
         except RuntimeError as e:  # e.g. an op that cannot be captured: stay correct, lose the speed-up

@@ -97,6 +97,42 @@ def _encode_call(flow: torch.nn.Module, inputs: Any, tokens: torch.Tensor, call:
                                    finalize=call.finalize, n_lookahead=call.lookahead)
 
 
+#: batch sizes one encoder pass takes: a group of equal-shaped calls is cut into these (largest first), so a graph
+#: runner sees few row counts
+ENCODE_ROWS = (16, 8, 4, 2, 1)
+
+
+def _encode_group(flow: torch.nn.Module, group: list[tuple[Any, torch.Tensor, ChunkCall]], streaming: bool,
+                  encode: Any = None) -> list[Any]:
+    """The encoder half of several calls of one exact shape (token count, prompt length, look-ahead, finalize)
+    as one pass per :data:`ENCODE_ROWS` share: rows of the encoder never mix (no padding is needed at equal
+    shapes), so each row equals its own pass within float rounding (another GEMM batch size)."""
+    from ..models.flow import FlowEncoding
+
+    out: list[Any] = []
+    start = 0
+    while start < len(group):
+        rows = next(r for r in ENCODE_ROWS if r <= len(group) - start)
+        part = group[start:start + rows]
+        start += rows
+        if rows == 1:
+            inputs, tokens, call = part[0]
+            out.append(_encode_call(flow, inputs, tokens, call, streaming, encode))
+            continue
+        dev = part[0][0].embedding.device
+        here = part[0][1].device  # token ids arrive on the host from the scheduler: one copy for all rows
+        tokens = fold_to_flow_vocab(torch.cat([t.to(here) for _, t, _ in part]).to(dev), flow.cfg.vocab_size)
+        ptok = torch.cat([inp.flow_prompt_speech_token for inp, _, _ in part])
+        emb = torch.cat([inp.embedding for inp, _, _ in part])
+        tlen = torch.full((rows,), tokens.shape[1], dtype=torch.int32, device=dev)
+        plen = torch.full((rows,), ptok.shape[1], dtype=torch.int32, device=dev)
+        call = part[0][2]
+        enc = (encode or flow.encode)(tokens, tlen, ptok, plen, emb, streaming=streaming, finalize=call.finalize,
+                                      n_lookahead=call.lookahead)
+        out += [FlowEncoding(enc.mu[i:i + 1], enc.spks[i:i + 1]) for i in range(rows)]
+    return out
+
+
 def flow_chunk_mel(flow: torch.nn.Module, inputs: Any, tokens: torch.Tensor, call: ChunkCall,
                    stream: bool = True, estimator: Any = None, encode: Any = None) -> torch.Tensor:
     """Upstream's per-chunk flow call: the whole prefix is recomputed and the new frames are kept.
@@ -122,19 +158,26 @@ def flow_chunk_mel_batch(flow: torch.nn.Module, items: Sequence[ChunkItem], stre
                          same_length: bool = False, encode: Any = None) -> list[torch.Tensor]:
     """:func:`flow_chunk_mel` for several requests' calls, with the CFM solves shared.
 
-    Every item is encoded on its own (prompt, length, look-ahead and finalize differ per request), then the
-    items with the same attention mode (non-final streaming calls chunk-causal, final calls full) run ONE
-    guided Euler solve over their right-padded ``mu`` (:meth:`decode_batch`; split by :func:`plan_solves`).
-    Returns one mel per item, in order, each equal to that item's :func:`flow_chunk_mel`.
+    Items of one exact shape (token count, prompt length, look-ahead, finalize: e.g. the first chunks of a
+    burst of requests) share encoder passes (:func:`_encode_group`); the others are encoded on their own.
+    Then the items with the same attention mode (non-final streaming calls chunk-causal, final calls full) run
+    ONE guided Euler solve over their right-padded ``mu`` (:meth:`decode_batch`; split by :func:`plan_solves`).
+    Returns one mel per item, in order, each equal to that item's :func:`flow_chunk_mel` (float rounding).
     """
     out: list[torch.Tensor | None] = [None] * len(items)
     ratio = flow.cfg.token_mel_ratio
     with torch.inference_mode():
-        encs, modes = [], []
-        for seg, inputs, tokens, call in items:
-            streaming = stream and not call.finalize
-            modes.append(streaming)
-            encs.append(_encode_call(flow, inputs, tokens, call, streaming, encode))
+        modes = [stream and not call.finalize for _, _, _, call in items]
+        shapes: dict[tuple, list[int]] = {}
+        for i, (_, inputs, tokens, call) in enumerate(items):
+            key = (int(tokens.shape[1]), int(inputs.flow_prompt_speech_token.shape[1]), modes[i], call.finalize,
+                   call.lookahead, inputs.embedding.dtype)
+            shapes.setdefault(key, []).append(i)
+        encs: list[Any] = [None] * len(items)
+        for idx in shapes.values():
+            group = [(items[i][1], items[i][2], items[i][3]) for i in idx]
+            for i, enc in zip(idx, _encode_group(flow, group, modes[idx[0]], encode)):
+                encs[i] = enc
         for streaming in (True, False):
             idx = [i for i, m in enumerate(modes) if m == streaming]
             if not idx:
