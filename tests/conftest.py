@@ -50,6 +50,16 @@ def pytest_terminal_summary(terminalreporter):  # noqa: ANN001 - pytest hook
             f"{len(_missing_fixture_tests)} tests skipped: {missing_fixtures_message(FIXTURE_DIR)}", yellow=True)
 
 
+@pytest.fixture
+def no_tf32():
+    """True fp32 for references on a GPU: cuDNN convolutions default to TF32 (10-bit mantissa) and pick their
+    algorithms by shape and batch size, which moves results at the 1e-3 level.  Restored afterwards."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 @pytest.fixture(scope="session")
 def load_case(fixture_dir):
     """``load_case("case_llm")`` -> the recorded dict."""

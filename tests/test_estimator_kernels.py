@@ -29,13 +29,7 @@ TOL = 1e-4
 ACTS = {ACT_NONE: lambda z: z, ACT_GELU: F.gelu, ACT_SILU: F.silu, ACT_MISH: F.mish}
 
 
-@pytest.fixture(autouse=True)
-def no_tf32():
-    """The references must be true fp32 on a GPU too (cuDNN convolutions default to TF32)."""
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+pytestmark = pytest.mark.usefixtures("no_tf32")  # true fp32 references (fixture in conftest)
 
 
 def rnd(*shape: int) -> torch.Tensor:

@@ -34,6 +34,7 @@ _gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 
 PAD_TOL = 1e-5
+pytestmark = pytest.mark.usefixtures("no_tf32")  # true fp32 references (fixture in conftest)
 
 
 # ----------------------------------------------------------------------------------------------- fixtures
@@ -293,19 +294,6 @@ def flow_cuda(tiny_models):
     import copy
 
     return copy.deepcopy(tiny_models.flow).cuda().eval()
-
-
-@pytest.fixture(autouse=True)
-def no_tf32():
-    """cuDNN convolutions default to TF32 (10-bit mantissa) and pick algorithms by shape, so a padded length
-    can round differently from the exact one at the 1e-3 level; fp32 parity is a claim about true fp32."""
-    if not HAS_CUDA:
-        yield
-        return
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def _stream_chunks(stage, inputs, case):

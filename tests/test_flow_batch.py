@@ -315,14 +315,6 @@ def test_a_failing_batch_fails_only_the_culprit(tiny_models, case):
 # ------------------------------------------------------------------------------------------------------ GPU
 
 
-@pytest.fixture
-def no_tf32():
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 @_gpu
 def test_gpu_cudagraph_solve_equals_eager_fp32(tiny_models, case, no_tf32):
     import copy

@@ -191,14 +191,6 @@ def full():
     return est32, copy.deepcopy(est32).to(torch.bfloat16)
 
 
-@pytest.fixture
-def no_tf32():
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 @_gpu
 @pytest.mark.parametrize("frames", [56, 206])
 @pytest.mark.parametrize("streaming", [True, False])

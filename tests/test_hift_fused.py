@@ -26,12 +26,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 HAS_CUDA = torch.cuda.is_available()
 
 
-@pytest.fixture(autouse=True)
-def no_tf32():
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+pytestmark = pytest.mark.usefixtures("no_tf32")  # true fp32 references (fixture in conftest)
 
 
 def snake_ref(z: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
