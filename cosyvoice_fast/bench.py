@@ -105,6 +105,17 @@ def run_wave(engine: Any, requests: list[SynthesisRequest]) -> list[RequestTelem
     return [t for t in out if t is not None]
 
 
+def queue_parts(teles: list[RequestTelemetry]) -> dict[str, dict[str, float]]:
+    """The TTFB ``queue`` stage in its two parts, p50/p95: admitted until the LLM side started its prefill
+    (``queue_llm_ms``), and the first chunk's tokens ready until the chunk side started its flow
+    (``queue_chunk_ms``)."""
+    reqs = [t for t in teles if t.chunks]
+    llm = [(t.prefill_start - (t.frontend_done if math.isnan(t.admitted) else t.admitted)) * 1e3 for t in reqs]
+    chunk = [(t.chunks[0].flow_start - t.chunks[0].tokens_ready) * 1e3 for t in reqs]
+    return {name: {"p50": percentile(v, 50), "p95": percentile(v, 95)}
+            for name, v in (("queue_llm_ms", llm), ("queue_chunk_ms", chunk))}
+
+
 def bench_config(engine: Any, backend: BackendConfig, concurrency: int, n_requests: int, args: argparse.Namespace
                  ) -> dict[str, Any]:
     cfg = engine.models.config
@@ -142,6 +153,7 @@ def bench_config(engine: Any, backend: BackendConfig, concurrency: int, n_reques
     agg["wall_s"] = wall
     agg["gpu_mem_peak_gib"] = (torch.cuda.max_memory_allocated(dev) / 2**30) if dev.type == "cuda" else None
     agg["underruns"] = sum(r["underrun"] for t in teles for r in t.chunk_report())
+    agg.update(queue_parts(teles))
     if busy is not None:
         agg["gpu_busy_pct"] = busy.percent
         agg["gpu_busy_samples"] = len(busy.samples)
@@ -219,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
         if r.get("gpu_busy_pct") is not None:
             print(f"{r['backend']} c{r['concurrency']}: GPU busy {r['gpu_busy_pct']:.1f} % of the timed run "
                   f"({r['gpu_busy_samples']} nvidia-smi samples)")
+    for r in results["runs"]:
+        if "queue_llm_ms" in r:
+            print(f"{r['backend']} c{r['concurrency']}: TTFB queue p50 {r['queue_llm_ms']['p50']:.1f} ms before the "
+                  f"prefill, {r['queue_chunk_ms']['p50']:.1f} ms before the first chunk's flow")
     return 0
 
 

@@ -67,3 +67,16 @@ def test_aggregate_percentiles():
     assert percentile([1, 2, 3, 4, 5], 50) == 3
     assert math.isclose(percentile(range(1, 101), 95), 95.05)
     assert math.isnan(percentile([], 50))
+
+
+def test_bench_splits_the_queue_stage_into_its_llm_and_chunk_parts():
+    from cosyvoice_fast.bench import queue_parts
+
+    reqs = [_req(), _req(offset=5.0)]
+    reqs[1].admitted = reqs[1].frontend_done + 0.001  # waited 1 ms for admission: not part of the queue
+    parts = queue_parts(reqs)
+    assert math.isclose(parts["queue_llm_ms"]["p50"], 1.5, rel_tol=1e-6)  # 2 ms and 1 ms
+    assert math.isclose(parts["queue_chunk_ms"]["p50"], 10.0, rel_tol=1e-6)
+    for r in reqs:
+        assert math.isclose(r.ttfb_breakdown()["queue"], sum(p["p50"] for p in
+                                                            queue_parts([r]).values()), rel_tol=1e-6)
