@@ -37,6 +37,8 @@ ENGINE_HELP: dict[str, str] = {
     "llm_memory_fraction": "share of free GPU memory the LLM KV cache may take when --llm-slots is auto",
     "stage_variants": "built backends kept per stage (LLM, flow, vocoder); the least recently used beyond it is "
                       "dropped",
+    "first_chunk_wait_ms": "ms a ready first chunk may wait for other requests' first chunks a few tokens away, "
+                           "to share one flow solve (0: never wait)",
 }
 
 

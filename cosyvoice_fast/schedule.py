@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from .config import StreamParams
 
@@ -83,6 +83,31 @@ class ChunkCursor:
             return ChunkCall(self.index, self.token_offset, n_available - self.token_offset, n_available, 0,
                              finalize=True)
         return None
+
+    def tokens_short(self, n_available: int) -> int:
+        """How many more tokens the next (non-final) call needs; 0 when it is due (or the cursor is done)."""
+        if self.finished:
+            return 0
+        hop = hop_for(self.index, self.prompt_tokens, self.params, self.chunk_size)
+        return max(0, self.token_offset + hop + self.params.pre_lookahead_len - n_available)
+
+
+#: a ready first chunk waits for another request's first chunk only while that one is this many tokens away
+GATHER_TOKENS = 4
+
+
+def first_chunk_wait(ready_since: float, now: float, tokens_short: Sequence[int], max_wait_s: float,
+                     reach: int = GATHER_TOKENS) -> float:
+    """Seconds a batch of ready first chunks should stay open before its solve, or 0 to run it now.
+
+    Requests reach their first chunk a few decode steps apart (their prefills ran in different turns, their
+    prompts pad the first hop differently); solved at once, the later ones wait for the whole first solve.  So
+    while some other request's first chunk is at most ``reach`` tokens away (``tokens_short``, those still
+    decoding toward theirs) the batch waits, until ``max_wait_s`` after its oldest chunk became ready."""
+    left = ready_since + max_wait_s - now
+    if left <= 0 or not any(0 < n <= reach for n in tokens_short):
+        return 0.0
+    return left
 
 
 def call_frames(call: ChunkCall, prompt_tokens: int, token_mel_ratio: int = 2) -> int:

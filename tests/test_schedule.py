@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cosyvoice_fast.config import ConfigError, StreamParams
-from cosyvoice_fast.schedule import ChunkCursor, first_hop, plan
+from cosyvoice_fast.schedule import ChunkCursor, first_hop, hop_for, plan
 
 
 def test_default_schedule_matches_upstream_recorded_calls(load_case):
@@ -94,3 +94,23 @@ def test_vocoder_frames_are_the_mel_lengths_every_non_final_chunk_takes():
     for prompt in (0, 7, 24, 75, 131):
         calls = [c for c in plan(prompt, 400, StreamParams()) if not c.finalize]
         assert {2 * c.hop + (8 if c.index else 0) for c in calls} <= want
+
+
+def test_tokens_short_counts_down_to_the_next_call():
+    cur = ChunkCursor(8, StreamParams())  # first hop padded to 42, look-ahead 3: the first call needs 45 tokens
+    assert [cur.tokens_short(n) for n in (0, 41, 44, 45, 60)] == [45, 4, 1, 0, 0]
+    assert cur.next_call(45, llm_done=False).n_tokens == 45
+    assert cur.tokens_short(45) == 42 + hop_for(1, 8, StreamParams()) + 3 - 45  # the next hop past the 42 taken
+    cur.next_call(45, llm_done=True)
+    assert cur.tokens_short(0) == 0  # finished
+
+
+def test_first_chunk_wait_waits_only_for_a_chunk_within_reach_and_only_so_long():
+    from cosyvoice_fast.schedule import GATHER_TOKENS, first_chunk_wait
+
+    assert first_chunk_wait(10.0, 10.002, [GATHER_TOKENS], 0.012) == pytest.approx(0.010)
+    assert first_chunk_wait(10.0, 10.002, [GATHER_TOKENS + 1], 0.012) == 0.0  # too far: run now
+    assert first_chunk_wait(10.0, 10.002, [0], 0.012) == 0.0  # due already (it will be in this batch)
+    assert first_chunk_wait(10.0, 10.002, [], 0.012) == 0.0  # nobody else is coming
+    assert first_chunk_wait(10.0, 10.013, [1], 0.012) == 0.0  # waited long enough
+    assert first_chunk_wait(10.0, 10.0, [1], 0.0) == 0.0  # gathering off

@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 
 from ..engine_config import EngineConfig
-from ..schedule import ChunkCall, ChunkCursor
+from ..schedule import ChunkCall, ChunkCursor, first_chunk_wait
 from ..telemetry import RequestTelemetry, now
 from .chunks import ChunkRunner, group_by
 from .state import RequestState, SegmentState
@@ -219,7 +219,9 @@ class Scheduler:
 
     def chunk_turn(self) -> None:
         """Every ready chunk call: first chunks first, in their own batch (first audio must not pay for a long
-        later chunk's solve), then the others by earliest playback deadline."""
+        later chunk's solve; gathered over a few tokens, see :meth:`_gather_first`), then the others by earliest
+        playback deadline."""
+        self._gather_first()
         first, later = self.chunks.ready()
         if first:
             self.first_busy = self.overlap
@@ -231,6 +233,29 @@ class Scheduler:
                     self.cv.notify_all()
         if later:
             self.chunks.run(later)
+
+    def _gather_first(self) -> None:
+        """Keep ready first chunks waiting while another request's first chunk is a few tokens away, at most
+        ``first_chunk_wait_ms`` (:func:`~cosyvoice_fast.schedule.first_chunk_wait`), so that they share one
+        solve.  Only with the sides overlapped: the LLM side keeps decoding meanwhile and wakes this thread at
+        each step.  The wait is on the condition, never a busy loop."""
+        max_wait = self.config.first_chunk_wait_ms / 1e3
+        if not self.overlap or max_wait <= 0:
+            return
+        with self.cv:
+            while not self.closed:
+                opening = [st for st in self.active if st.chunks_emitted == 0 and not st.done
+                           and st.segment is not None]
+                ready = [st.segment.pending[0][1] for st in opening if st.segment.pending]
+                if not ready:
+                    return
+                short = [st.segment.cursor.tokens_short(len(st.segment.tokens)) for st in opening
+                         if not st.segment.pending and st.segment.llm_started and not st.segment.llm_done
+                         and not st.cancelled.is_set()]
+                left = first_chunk_wait(min(ready), now(), short, max_wait)
+                if left <= 0:
+                    return
+                self.cv.wait(timeout=left)
 
     def llm_turn(self) -> None:
         with self.cv:
