@@ -233,7 +233,8 @@ class GraphEncoder:
         self.max_graphs = max_graphs
         self.caches: dict[tuple[bool, bool, int | None], Any] = {}
         self.disabled: str | None = None
-        self.eager_calls = 0
+        self.eager_calls = 0  # one-call passes that could not replay a graph
+        self.batched_calls = 0  # passes over several equal-shaped calls (always eager, see __call__)
 
     def _cache(self, flags: tuple[bool, bool, int | None]) -> Any:
         from .graphs import GraphCache
@@ -255,12 +256,16 @@ class GraphEncoder:
                  streaming: bool, finalize: bool, n_lookahead: int | None) -> Any:
         from ..models.flow import FlowEncoding
 
+        if tokens.shape[0] > 1:  # a batched pass: which calls meet in one depends on timing, so its row count
+            self.batched_calls += 1  # would make new graph shapes while serving; it runs eagerly instead
+            return self.flow.encode(tokens, tlen, ptok, plen, emb, streaming=streaming, finalize=finalize,
+                                    n_lookahead=n_lookahead)
         if self.disabled is not None or tokens.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
             self.eager_calls += 1
             return self.flow.encode(tokens, tlen, ptok, plen, emb, streaming=streaming, finalize=finalize,
                                     n_lookahead=n_lookahead)
         cache = self._cache((bool(streaming), bool(finalize), n_lookahead))
-        key = (tokens.shape[0], tokens.shape[1], ptok.shape[1], emb.dtype)  # rows: equal-shaped calls batch
+        key = (tokens.shape[1], ptok.shape[1], emb.dtype)
         try:
             mu, spks = cache.run(key, tokens, tlen, ptok, plen, emb)
         except RuntimeError as e:  # e.g. an op that cannot be captured: stay correct, lose the speed-up

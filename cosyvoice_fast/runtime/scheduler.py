@@ -218,27 +218,30 @@ class Scheduler:
         self.chunk_turn()
 
     def chunk_turn(self) -> None:
-        """Every ready chunk call: first chunks first, in their own batch (first audio must not pay for a long
+        """Every ready chunk call: first chunks first, in their own batches (first audio must not pay for a long
         later chunk's solve; gathered over a few tokens, see :meth:`_gather_first`), then the others by earliest
-        playback deadline."""
+        playback deadline.  Batches are at most the largest captured solve (``max(flow_rows)`` requests), each
+        vocoded and sent before the next is solved, so 64 first chunks do not all wait for four solves."""
         self._gather_first()
         first, later = self.chunks.ready()
-        if first:
+        step = max(self.config.flow_rows)  # the largest captured solve: each slice's audio goes out after it
+        for i in range(0, len(first), step):
             self.first_busy = self.overlap
             try:
-                self.chunks.run(first)
+                self.chunks.run(first[i:i + step])
             finally:
                 with self.cv:
                     self.first_busy = False
                     self.cv.notify_all()
-        if later:
-            self.chunks.run(later)
+        for i in range(0, len(later), step):
+            self.chunks.run(later[i:i + step])
 
     def _gather_first(self) -> None:
         """Keep ready first chunks waiting while another request's first chunk is a few tokens away, at most
         ``first_chunk_wait_ms`` (:func:`~cosyvoice_fast.schedule.first_chunk_wait`), so that they share one
-        solve.  Only with the sides overlapped: the LLM side keeps decoding meanwhile and wakes this thread at
-        each step.  The wait is on the condition, never a busy loop."""
+        solve; never once they fill the largest captured solve (``flow_rows``).  Only with the sides
+        overlapped: the LLM side keeps decoding meanwhile and wakes this thread at each step.  The wait is on
+        the condition, never a busy loop."""
         max_wait = self.config.first_chunk_wait_ms / 1e3
         if not self.overlap or max_wait <= 0:
             return
@@ -247,7 +250,7 @@ class Scheduler:
                 opening = [st for st in self.active if st.chunks_emitted == 0 and not st.done
                            and st.segment is not None]
                 ready = [st.segment.pending[0][1] for st in opening if st.segment.pending]
-                if not ready:
+                if not ready or len(ready) >= max(self.config.flow_rows):
                     return
                 short = [st.segment.cursor.tokens_short(len(st.segment.tokens)) for st in opening
                          if not st.segment.pending and st.segment.llm_started and not st.segment.llm_done
