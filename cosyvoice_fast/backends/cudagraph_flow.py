@@ -234,7 +234,7 @@ class GraphEncoder:
         self.caches: dict[tuple[bool, bool, int | None], Any] = {}
         self.disabled: str | None = None
         self.eager_calls = 0  # one-call passes that could not replay a graph
-        self.batched_calls = 0  # passes over several equal-shaped calls (always eager, see __call__)
+        self.batched_calls = 0  # calls over several equal-shaped rows (replayed row by row, see __call__)
 
     def _cache(self, flags: tuple[bool, bool, int | None]) -> Any:
         from .graphs import GraphCache
@@ -256,10 +256,15 @@ class GraphEncoder:
                  streaming: bool, finalize: bool, n_lookahead: int | None) -> Any:
         from ..models.flow import FlowEncoding
 
-        if tokens.shape[0] > 1:  # a batched pass: which calls meet in one depends on timing, so its row count
-            self.batched_calls += 1  # would make new graph shapes while serving; it runs eagerly instead
-            return self.flow.encode(tokens, tlen, ptok, plen, emb, streaming=streaming, finalize=finalize,
-                                    n_lookahead=n_lookahead)
+        if tokens.shape[0] > 1:
+            # Several equal-shaped calls: replayed row by row on the exact-shape graphs.  A graph per row count
+            # would make new shapes while serving (which calls meet depends on timing), and an eager batched pass
+            # leaves a shape without its graph for when it comes alone.
+            self.batched_calls += 1
+            rows = [self(tokens[i:i + 1], tlen[i:i + 1], ptok[i:i + 1], plen[i:i + 1], emb[i:i + 1],
+                         streaming=streaming, finalize=finalize, n_lookahead=n_lookahead)
+                    for i in range(tokens.shape[0])]
+            return FlowEncoding(torch.cat([r.mu for r in rows]), torch.cat([r.spks for r in rows]))
         if self.disabled is not None or tokens.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
             self.eager_calls += 1
             return self.flow.encode(tokens, tlen, ptok, plen, emb, streaming=streaming, finalize=finalize,
