@@ -73,8 +73,8 @@ class ChunkCursor:
             return None
         hop = hop_for(self.index, self.prompt_tokens, self.params, self.chunk_size)
         la = self.params.pre_lookahead_len
-        if n_available >= self.token_offset + hop + la:
-            call = ChunkCall(self.index, self.token_offset, hop, self.token_offset + hop + la, la, finalize=False)
+        if n_available >= self._due():
+            call = ChunkCall(self.index, self.token_offset, hop, self._due(), la, finalize=False)
             self.token_offset += hop
             self.index += 1
             return call
@@ -84,12 +84,14 @@ class ChunkCursor:
                              finalize=True)
         return None
 
+    def _due(self) -> int:
+        """Tokens the next non-final call needs: everything up to its hop, plus the look-ahead."""
+        hop = hop_for(self.index, self.prompt_tokens, self.params, self.chunk_size)
+        return self.token_offset + hop + self.params.pre_lookahead_len
+
     def tokens_short(self, n_available: int) -> int:
         """How many more tokens the next (non-final) call needs; 0 when it is due (or the cursor is done)."""
-        if self.finished:
-            return 0
-        hop = hop_for(self.index, self.prompt_tokens, self.params, self.chunk_size)
-        return max(0, self.token_offset + hop + self.params.pre_lookahead_len - n_available)
+        return 0 if self.finished else max(0, self._due() - n_available)
 
 
 #: a ready first chunk waits for another request's first chunk only while that one is this many tokens away

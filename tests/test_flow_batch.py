@@ -74,9 +74,8 @@ def test_batched_chunks_equal_per_item_chunks(flow, case):
 
 
 def test_equal_shaped_calls_share_encoder_passes_and_equal_per_item_chunks(flow, case):
-    """Seven calls of one exact shape (different voices, same prompt length and call) are encoded in passes of
-    4, 2 and 1 rows (``ENCODE_ROWS``), an eighth of another shape alone; each mel equals its own
-    :func:`flow_chunk_mel`."""
+    """Seven calls of one exact shape (different voices, same prompt length and call) are encoded in one pass
+    of 7 rows, an eighth of another shape alone; each mel equals its own :func:`flow_chunk_mel`."""
     call = plan(14, case["token"].shape[1], StreamParams())[1]
     items = [(None, _inputs(case, 14, i), case["token"][:, :call.n_tokens], call) for i in range(7)]
     other = plan(9, case["token"].shape[1], StreamParams())[0]
@@ -89,7 +88,7 @@ def test_equal_shaped_calls_share_encoder_passes_and_equal_per_item_chunks(flow,
 
     ref = [flow_chunk_mel(flow, inp, tok, c) for _, inp, tok, c in items]
     out = flow_chunk_mel_batch(flow, items, encode=spy)
-    assert sorted(rows) == [1, 1, 2, 4]
+    assert sorted(rows) == [1, 7]
     for a, b in zip(out, ref):
         assert a.shape == b.shape and (a - b).abs().max().item() <= TOL
 
@@ -192,6 +191,19 @@ def test_cudagraph_solve_through_the_row_padded_runner(flow, case, fake_graphs):
     assert stage.estimator.eager_calls == 0
     rows = sorted({k[1] for c in stage.estimator.caches.values() for k in c.graphs})
     assert rows == [4, 8]  # 3 streaming items -> 6 rows -> 8; 2 final items -> 4 rows
+
+
+def test_graph_encoder_replays_a_batched_call_row_by_row(flow, case):
+    """Equal-shaped calls reach the graph encoder as one call of several rows; it serves them row by row on its
+    exact-shape path (no graph per row count, which would depend on which calls happen to meet)."""
+    enc = GraphEncoder(flow, torch.device("cpu"))  # off the GPU each row runs flow.encode eagerly
+    call = plan(14, case["token"].shape[1], StreamParams())[1]
+    items = [(None, _inputs(case, 14, i), case["token"][:, :call.n_tokens], call) for i in range(3)]
+    ref = [flow_chunk_mel(flow, inp, tok, c) for _, inp, tok, c in items]
+    out = flow_chunk_mel_batch(flow, items, encode=enc)
+    assert enc.batched_calls == 1 and enc.eager_calls == 3
+    for a, b in zip(out, ref):
+        assert a.shape == b.shape and (a - b).abs().max().item() <= TOL
 
 
 # --------------------------------------------------------------------------------------------- engine (CPU)

@@ -97,40 +97,29 @@ def _encode_call(flow: torch.nn.Module, inputs: Any, tokens: torch.Tensor, call:
                                    finalize=call.finalize, n_lookahead=call.lookahead)
 
 
-#: batch sizes one encoder pass takes: a group of equal-shaped calls is cut into these (largest first), so a graph
-#: runner sees few row counts
-ENCODE_ROWS = (16, 8, 4, 2, 1)
-
-
 def _encode_group(flow: torch.nn.Module, group: list[tuple[Any, torch.Tensor, ChunkCall]], streaming: bool,
                   encode: Any = None) -> list[Any]:
     """The encoder half of several calls of one exact shape (token count, prompt length, look-ahead, finalize)
-    as one pass per :data:`ENCODE_ROWS` share: rows of the encoder never mix (no padding is needed at equal
-    shapes), so each row equals its own pass within float rounding (another GEMM batch size)."""
+    as one pass: rows of the encoder never mix (no padding is needed at equal shapes), so each row equals its
+    own pass within float rounding (another GEMM batch size).  A graph runner given as ``encode`` may still
+    replay it row by row (:class:`~cosyvoice_fast.backends.cudagraph_flow.GraphEncoder` does)."""
     from ..models.flow import FlowEncoding
 
-    out: list[Any] = []
-    start = 0
-    while start < len(group):
-        rows = next(r for r in ENCODE_ROWS if r <= len(group) - start)
-        part = group[start:start + rows]
-        start += rows
-        if rows == 1:
-            inputs, tokens, call = part[0]
-            out.append(_encode_call(flow, inputs, tokens, call, streaming, encode))
-            continue
-        dev = part[0][0].embedding.device
-        here = part[0][1].device  # token ids arrive on the host from the scheduler: one copy for all rows
-        tokens = fold_to_flow_vocab(torch.cat([t.to(here) for _, t, _ in part]).to(dev), flow.cfg.vocab_size)
-        ptok = torch.cat([inp.flow_prompt_speech_token for inp, _, _ in part])
-        emb = torch.cat([inp.embedding for inp, _, _ in part])
-        tlen = torch.full((rows,), tokens.shape[1], dtype=torch.int32, device=dev)
-        plen = torch.full((rows,), ptok.shape[1], dtype=torch.int32, device=dev)
-        call = part[0][2]
-        enc = (encode or flow.encode)(tokens, tlen, ptok, plen, emb, streaming=streaming, finalize=call.finalize,
-                                      n_lookahead=call.lookahead)
-        out += [FlowEncoding(enc.mu[i:i + 1], enc.spks[i:i + 1]) for i in range(rows)]
-    return out
+    if len(group) == 1:
+        inputs, tokens, call = group[0]
+        return [_encode_call(flow, inputs, tokens, call, streaming, encode)]
+    dev = group[0][0].embedding.device
+    here = group[0][1].device  # token ids arrive on the host from the scheduler: one copy for all rows
+    tokens = fold_to_flow_vocab(torch.cat([t.to(here) for _, t, _ in group]).to(dev), flow.cfg.vocab_size)
+    ptok = torch.cat([inp.flow_prompt_speech_token for inp, _, _ in group])
+    emb = torch.cat([inp.embedding for inp, _, _ in group])
+    rows = len(group)
+    tlen = torch.full((rows,), tokens.shape[1], dtype=torch.int32, device=dev)
+    plen = torch.full((rows,), ptok.shape[1], dtype=torch.int32, device=dev)
+    call = group[0][2]
+    enc = (encode or flow.encode)(tokens, tlen, ptok, plen, emb, streaming=streaming, finalize=call.finalize,
+                                  n_lookahead=call.lookahead)
+    return [FlowEncoding(enc.mu[i:i + 1], enc.spks[i:i + 1]) for i in range(rows)]
 
 
 def flow_chunk_mel(flow: torch.nn.Module, inputs: Any, tokens: torch.Tensor, call: ChunkCall,
