@@ -20,6 +20,7 @@ from cosyvoice_fast.backends.eager import EagerFlow, flow_chunk_mel, flow_chunk_
 from cosyvoice_fast.backends.onnx_export import example_inputs
 from cosyvoice_fast.config import BackendConfig, StreamParams, tiny_config
 from cosyvoice_fast.engine import Engine, RequestStream
+from cosyvoice_fast.engine_config import EngineConfig
 from cosyvoice_fast.request import ModelInputs, SynthesisRequest
 from cosyvoice_fast.schedule import plan
 
@@ -290,6 +291,25 @@ def test_engine_batches_first_chunks_and_keeps_solo_audio(batch_engine, case):
         for k, (a, b) in enumerate(zip(out[i], solo[i])):
             assert a.shape == b.shape and np.abs(a - b).max() <= 1e-4, f"request {i}, chunk {k}"
     assert len({np.concatenate(s).tobytes() for s in solo}) == 4  # different requests, different audio
+
+
+def test_chunk_batches_run_in_slices_of_the_largest_captured_solve(tiny_models, case):
+    """With ``flow_rows`` up to 2, four first chunks ready together run as two flow calls of two requests (each
+    slice vocoded and sent before the next is solved), and every request's audio equals its solo run."""
+    eng = Engine(tiny_models, config=EngineConfig(flow_rows=(1, 2)))
+    try:
+        stages = eng.stages(BackendConfig(incremental=False))
+        stages.flow.max_batch = 4  # CPU defaults to 1 (no batching)
+        spy = stages.flow = SpyBatchFlow(stages.flow)
+        solo = [[c.samples for c in eng.stream(_request(case, i))] for i in range(4)]
+        out = _together(eng, [_request(case, i) for i in range(4)])
+    finally:
+        eng.close()
+    assert spy.batches[:2] == [2, 2] and max(spy.batches) == 2
+    for i in range(4):  # within float rounding of the solo run, as every batched solve (see above)
+        assert isinstance(out[i], list), out[i]
+        a, b = np.concatenate(out[i]), np.concatenate(solo[i])
+        assert a.shape == b.shape and np.abs(a - b).max() <= 1e-4, f"request {i}"
 
 
 def test_engine_batch_telemetry_spans_the_batch(batch_engine, case):
