@@ -254,6 +254,7 @@ class Scheduler:
                     return
                 short = [st.segment.cursor.tokens_short(len(st.segment.tokens)) for st in opening
                          if not st.segment.pending and st.segment.llm_started and not st.segment.llm_done
+                         and st.segment.llm is not None and st.segment.llm.ready  # decoding now (not awaiting text)
                          and not st.cancelled.is_set()]
                 left = first_chunk_wait(min(ready), now(), short, max_wait)
                 if left <= 0:
