@@ -106,11 +106,17 @@ class _FakeGraphCache:
         from collections import OrderedDict
 
         self.fn, self.graphs, self.captures, self.replays = fn, OrderedDict(), 0, 0
+        self.max_graphs, self.frozen = max_graphs, False
+
+    def freeze(self) -> None:
+        self.frozen = True
 
     def get(self, key, example):  # noqa: ANN001
         from cosyvoice_fast.backends.graphs import CapturedGraph
 
         if key not in self.graphs:
+            if self.frozen:
+                return None
             static = tuple(t.detach().clone() for t in example)
             outs = tuple(o.clone() for o in self.fn(*static))
             self.graphs[key] = CapturedGraph(_FakeGraph(self.fn, static, outs), static, outs)

@@ -312,12 +312,14 @@ def test_gpu_cudagraph_chunks_equal_eager_fp32(flow_cuda, case):
         assert [a.shape for a in out] == [b.shape for b in ref]
         assert max(errs) <= 1e-4, errs
     assert stage.estimator.eager_calls == 0
-    # the encoder ran as graphs too: one capture per distinct call shape, then replays only
-    assert stage.encoder.disabled is None and stage.encoder.eager_calls == 0
-    assert sum(c.captures for c in stage.encoder.caches.values()) == len(ref)  # every call of one stream differs
-    assert sum(c.replays for c in stage.encoder.caches.values()) == 2 * len(ref)
+    # the encoder ran as graphs too: one capture per (token bucket, attention mode), then replays only
+    n_prompt = case["prompt_token"].shape[1]
+    enc_keys = {(stage.encoder.bucket(n_prompt + c.n_tokens), not c.finalize)
+                for c in plan(n_prompt, case["token"].shape[1], StreamParams())}
+    assert stage.encoder.eager_calls == 0 and stage.encoder.captures == len(enc_keys)
+    assert stage.encoder.replays == 2 * len(ref)
     # each distinct (bucket, mode) captured once, every Euler step replayed
-    buckets = {(bucket_frames(f), s) for f, s in schedule_frames(20, 90)}
+    buckets = {(bucket_frames(f), s) for f, s in schedule_frames(n_prompt, case["token"].shape[1])}
     assert stage.estimator.captures == len(buckets)
     assert stage.estimator.replays == 2 * len(ref) * flow_cuda.cfg.cfm.n_timesteps
 

@@ -183,7 +183,7 @@ def test_cudagraph_solve_through_the_row_padded_runner(flow, case, fake_graphs):
     stage = CudaGraphFlow.__new__(CudaGraphFlow)  # __init__ refuses without CUDA
     stage.flow, stage.config, stage.incremental = flow, tiny_config(), None
     stage.estimator = GraphEstimator(flow.decoder.estimator, torch.device("cpu"), granularity=50)
-    stage.encoder = GraphEncoder(flow, torch.device("cpu"))  # off the GPU it runs flow.encode eagerly
+    stage.encoder = GraphEncoder(flow, torch.device("cpu"))  # fake graphs too: replays re-run encode_padded
     items = _items(case)
     ref = [flow_chunk_mel(flow, inp, tok, call) for _, inp, tok, call in items]
     out = stage.solve(items)
@@ -192,19 +192,6 @@ def test_cudagraph_solve_through_the_row_padded_runner(flow, case, fake_graphs):
     assert stage.estimator.eager_calls == 0
     rows = sorted({k[1] for c in stage.estimator.caches.values() for k in c.graphs})
     assert rows == [4, 8]  # 3 streaming items -> 6 rows -> 8; 2 final items -> 4 rows
-
-
-def test_graph_encoder_replays_a_batched_call_row_by_row(flow, case):
-    """Equal-shaped calls reach the graph encoder as one call of several rows; it serves them row by row on its
-    exact-shape path (no graph per row count, which would depend on which calls happen to meet)."""
-    enc = GraphEncoder(flow, torch.device("cpu"))  # off the GPU each row runs flow.encode eagerly
-    call = plan(14, case["token"].shape[1], StreamParams())[1]
-    items = [(None, _inputs(case, 14, i), case["token"][:, :call.n_tokens], call) for i in range(3)]
-    ref = [flow_chunk_mel(flow, inp, tok, c) for _, inp, tok, c in items]
-    out = flow_chunk_mel_batch(flow, items, encode=enc)
-    assert enc.batched_calls == 1 and enc.eager_calls == 3
-    for a, b in zip(out, ref):
-        assert a.shape == b.shape and (a - b).abs().max().item() <= TOL
 
 
 # --------------------------------------------------------------------------------------------- engine (CPU)

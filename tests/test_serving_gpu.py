@@ -70,16 +70,20 @@ def test_gpu_more_requests_than_slots_wait_and_nothing_is_captured_while_serving
         est = stages.flow.estimator
         fixed = est.captures
         assert stages.llm.capacity == 4 and est.captures > 0 and all(c.frozen for c in est.caches.values())
+        enc = stages.flow.encoder  # token-bucket graphs: every voice length was served by start-up captures
+        enc_fixed = enc.captures
+        assert enc_fixed > 0 and all(c.frozen for c in enc.caches.values())
         reqs = [_request(case, i) for i in range(12)]
         first = _serve(eng, reqs)  # 12 requests, 6 streams, 4 LLM slots: the rest wait, none fails
         for i, r in enumerate(reqs):
             assert first[i] == r.max_tokens * 960, f"request {i}: {first[i]!r}"
-        assert est.captures == fixed  # LLM and estimator graphs were all captured at start-up
-        warm = graphs.captures()  # + the exact-shape encoder/HiFT graphs of the lengths served once
+        assert est.captures == fixed  # LLM, estimator and encoder graphs were all captured at start-up
+        assert enc.captures == enc_fixed and enc.eager_calls == 0 and enc.batched_calls > 0
+        warm = graphs.captures()  # + the exact-shape HiFT graphs of final-chunk lengths served once
         again = _serve(eng, list(reversed([_request(case, i) for i in range(12)])))
         assert all(again[i] == first[11 - i] for i in range(12)), again
         assert graphs.captures() == warm, "a graph was captured while serving lengths already seen"
-        assert est.captures == fixed
+        assert est.captures == fixed and enc.captures == enc_fixed
         stats = eng.stats()
         assert stats["rejected"] == 0 and stats["graph_captures"] == warm >= after_start
         assert stats["decode_rows"] > stats["decode_steps"]  # decode steps were shared

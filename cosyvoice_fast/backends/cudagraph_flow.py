@@ -2,7 +2,8 @@
 
 A flow chunk is ~10 Euler steps, each one estimator call on the CFG batch of 2 (conditional row, all-zero
 unconditional row).  The estimator is a few hundred small kernels, so eager execution is launch-bound; here
-each call is one graph replay.  The encoder (one call per chunk) stays eager.
+each call is one graph replay.  The encoder (one call per chunk, or one per group of requests' chunks) replays
+graphs over padded token buckets (:mod:`~cosyvoice_fast.backends.graph_encoder`).
 
 Bucket policy
 -------------
@@ -41,6 +42,7 @@ from ..config import ModelConfig, StreamParams
 from ..schedule import ChunkCall, bucket_frames, call_frames, plan
 from .base import BackendUnavailable
 from .eager import flow_chunk_mel, flow_chunk_mel_batch
+from .graph_encoder import ENCODER_ROWS, GraphEncoder
 
 log = logging.getLogger(__name__)
 
@@ -216,75 +218,8 @@ class GraphEstimator:
             return out
 
 
-class GraphEncoder:
-    """``flow.encode`` replayed as a CUDA graph per exact input shape (prompt tokens, tokens, dtype) and flags.
-
-    The encoder is ~12 ms of launch-bound eager work per chunk at full size.  Its convolutions look ahead and
-    its attention is chunked by absolute position, so padding to a bucket would need its own proof; exact
-    shapes need none, and the streaming schedule repeats them: for one prompt length every request's chunks
-    have the same lengths, so after the first request (or a warm-up) every encoder call is a replay.  A new
-    shape costs one capture (a few eager runs).  If a capture ever fails, the encoder runs eagerly from then on
-    (logged once), so correctness never depends on it.
-    """
-
-    def __init__(self, flow: torch.nn.Module, device: torch.device, max_graphs: int = 64):
-        self.flow = flow
-        self.device = device
-        self.max_graphs = max_graphs
-        self.caches: dict[tuple[bool, bool, int | None], Any] = {}
-        self.disabled: str | None = None
-        self.eager_calls = 0  # one-call passes that could not replay a graph
-        self.batched_calls = 0  # calls over several equal-shaped rows (replayed row by row, see __call__)
-
-    def _cache(self, flags: tuple[bool, bool, int | None]) -> Any:
-        from .graphs import GraphCache
-
-        cache = self.caches.get(flags)
-        if cache is None:
-            streaming, finalize, n_lookahead = flags
-            flow = self.flow
-
-            def run(tokens: Tensor, tlen: Tensor, ptok: Tensor, plen: Tensor, emb: Tensor) -> tuple[Tensor, ...]:
-                enc = flow.encode(tokens, tlen, ptok, plen, emb, streaming=streaming, finalize=finalize,
-                                  n_lookahead=n_lookahead)
-                return enc.mu, enc.spks
-
-            cache = self.caches[flags] = GraphCache(run, self.device, self.max_graphs, "flow-encoder")
-        return cache
-
-    def __call__(self, tokens: Tensor, tlen: Tensor, ptok: Tensor, plen: Tensor, emb: Tensor, *,
-                 streaming: bool, finalize: bool, n_lookahead: int | None) -> Any:
-        from ..models.flow import FlowEncoding
-
-        if tokens.shape[0] > 1:
-            # Several equal-shaped calls: replayed row by row on the exact-shape graphs.  A graph per row count
-            # would make new shapes while serving (which calls meet depends on timing), and an eager batched pass
-            # leaves a shape without its graph for when it comes alone.
-            self.batched_calls += 1
-            rows = [self(tokens[i:i + 1], tlen[i:i + 1], ptok[i:i + 1], plen[i:i + 1], emb[i:i + 1],
-                         streaming=streaming, finalize=finalize, n_lookahead=n_lookahead)
-                    for i in range(tokens.shape[0])]
-            return FlowEncoding(torch.cat([r.mu for r in rows]), torch.cat([r.spks for r in rows]))
-        if self.disabled is not None or tokens.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-            self.eager_calls += 1
-            return self.flow.encode(tokens, tlen, ptok, plen, emb, streaming=streaming, finalize=finalize,
-                                    n_lookahead=n_lookahead)
-        cache = self._cache((bool(streaming), bool(finalize), n_lookahead))
-        key = (tokens.shape[1], ptok.shape[1], emb.dtype)
-        try:
-            mu, spks = cache.run(key, tokens, tlen, ptok, plen, emb)
-        except RuntimeError as e:  # e.g. an op that cannot be captured: stay correct, lose the speed-up
-            self.disabled = f"{type(e).__name__}: {e}"
-            log.warning("flow encoder capture failed, running it eagerly from now on: %s", self.disabled)
-            torch.cuda.synchronize(self.device)
-            return self.__call__(tokens, tlen, ptok, plen, emb, streaming=streaming, finalize=finalize,
-                                 n_lookahead=n_lookahead)
-        # outputs live in the graph pool, which other shapes' graphs reuse: copy before the next replay
-        return FlowEncoding(mu.clone(), spks.clone())
-
-
 class CudaGraphFlow:
-    """Flow stage: graph-replayed encoder (exact shapes) and estimator (length buckets; see the module
+    """Flow stage: graph-replayed encoder (token buckets) and estimator (frame buckets; see the module
     docstring for the bucket policy)."""
 
     max_batch = ROW_SIZES[-1] // 2  # requests per batched solve (2 CFG rows each)
@@ -296,8 +231,8 @@ class CudaGraphFlow:
                  estimator: Callable[[torch.nn.Module], torch.nn.Module] | None = None):
         """``buckets`` / ``rows`` (``EngineConfig.flow_buckets`` / ``flow_rows``): the estimator lengths and
         requests per solve to serve from graphs; with ``capture_at_start`` every one of them (both attention
-        modes) and every incremental shape is captured here and nothing is captured later (uncaptured shapes
-        run eagerly; the exact-shape encoder graphs still capture on a new length).  ``estimator`` maps the
+        modes), every encoder bucket and every incremental shape is captured here and nothing is captured later
+        (uncaptured shapes run eagerly).  ``estimator`` maps the
         model's estimator (projections already fused) to the module the graphs capture instead of it (the
         ``fused`` backend's kernels)."""
         reason = why_unavailable(flow)
@@ -310,9 +245,11 @@ class CudaGraphFlow:
         gran = granularity or est.cfg.static_chunk_size or 50
         self.estimator = GraphEstimator(estimator(est) if estimator else est, next(flow.parameters()).device, gran,
                                         max_frames, max_graphs, buckets)
-        self.encoder = GraphEncoder(flow, next(flow.parameters()).device)
         if rows:
             self.max_batch = min(max(rows), ROW_SIZES[-1] // 2)
+        self.encoder = GraphEncoder(flow, next(flow.parameters()).device, buckets,
+                                    rows=tuple(r for r in ENCODER_ROWS if r <= self.max_batch) or (1,),
+                                    max_tokens=max_frames // flow.cfg.token_mel_ratio)
         self.incremental = None
         if incremental:
             from .cudagraph_incremental import DEFAULT_STATE_FRAMES, GraphIncrementalFlow
@@ -322,8 +259,9 @@ class CudaGraphFlow:
             self.capture_all(rows or (1,), progress)
 
     def capture_all(self, rows: Sequence[int], progress: bool = True) -> int:
-        """Capture every (bucket x rows x attention mode) estimator graph and every incremental shape, then
-        freeze both: from here on a shape nobody captured runs eagerly.  Returns the graphs captured."""
+        """Capture every (bucket x rows x attention mode) estimator graph, every encoder graph and every
+        incremental shape, then freeze them: from here on a shape nobody captured runs eagerly.  Returns the
+        graphs captured."""
         from tqdm.auto import tqdm
 
         dtype = next(self.flow.parameters()).dtype
@@ -336,7 +274,7 @@ class CudaGraphFlow:
         for f, s, r in tqdm(jobs, desc="capturing flow graphs", unit="graph", disable=not progress, leave=False):
             self.estimator.capture(f, s, dtype, r)
         self.estimator.freeze()
-        n = len(jobs)
+        n = len(jobs) + self.encoder.capture_all(dtype, progress)
         if self.incremental is not None:
             n += self.incremental.graphs.capture_all(progress=progress)
         return n

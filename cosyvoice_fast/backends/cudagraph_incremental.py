@@ -266,7 +266,7 @@ class IncrementalEstimatorGraphs:
 def recompute_encoder(encode: Any):
     """An ``encode`` for :func:`~cosyvoice_fast.backends.incremental_flow.run_increment` that re-runs the whole
     (chunk-causal) encoder with ``encode`` (``flow.encode``'s signature, e.g. a graph-replaying
-    :class:`~cosyvoice_fast.backends.cudagraph_flow.GraphEncoder`) and keeps the new frames.
+    :class:`~cosyvoice_fast.backends.graph_encoder.GraphEncoder`) and keeps the new frames.
 
     Same values as the incremental encoder (chunk-causal attention and look-ahead make committed frames final);
     on a GPU the captured full encoder (one replay) is cheaper than the eager incremental one (hundreds of

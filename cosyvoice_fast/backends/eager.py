@@ -101,8 +101,7 @@ def _encode_group(flow: torch.nn.Module, group: list[tuple[Any, torch.Tensor, Ch
                   encode: Any = None) -> list[Any]:
     """The encoder half of several calls of one exact shape (token count, prompt length, look-ahead, finalize)
     as one pass: rows of the encoder never mix (no padding is needed at equal shapes), so each row equals its
-    own pass within float rounding (another GEMM batch size).  A graph runner given as ``encode`` may still
-    replay it row by row (:class:`~cosyvoice_fast.backends.cudagraph_flow.GraphEncoder` does)."""
+    own pass within float rounding (another GEMM batch size)."""
     from ..models.flow import FlowEncoding
 
     if len(group) == 1:
@@ -148,7 +147,8 @@ def flow_chunk_mel_batch(flow: torch.nn.Module, items: Sequence[ChunkItem], stre
     """:func:`flow_chunk_mel` for several requests' calls, with the CFM solves shared.
 
     Items of one exact shape (token count, prompt length, look-ahead, finalize: e.g. the first chunks of a
-    burst of requests) share encoder passes (:func:`_encode_group`); the others are encoded on their own.
+    burst of requests) share encoder passes (:func:`_encode_group`); the others are encoded on their own.  An
+    ``encode`` with an ``encode_calls`` method (the graph encoder) takes each attention mode's items at once.
     Then the items with the same attention mode (non-final streaming calls chunk-causal, final calls full) run
     ONE guided Euler solve over their right-padded ``mu`` (:meth:`decode_batch`; split by :func:`plan_solves`).
     Returns one mel per item, in order, each equal to that item's :func:`flow_chunk_mel` (float rounding).
@@ -157,16 +157,25 @@ def flow_chunk_mel_batch(flow: torch.nn.Module, items: Sequence[ChunkItem], stre
     ratio = flow.cfg.token_mel_ratio
     with torch.inference_mode():
         modes = [stream and not call.finalize for _, _, _, call in items]
-        shapes: dict[tuple, list[int]] = {}
-        for i, (_, inputs, tokens, call) in enumerate(items):
-            key = (int(tokens.shape[1]), int(inputs.flow_prompt_speech_token.shape[1]), modes[i], call.finalize,
-                   call.lookahead, inputs.embedding.dtype)
-            shapes.setdefault(key, []).append(i)
         encs: list[Any] = [None] * len(items)
-        for idx in shapes.values():
-            group = [(items[i][1], items[i][2], items[i][3]) for i in idx]
-            for i, enc in zip(idx, _encode_group(flow, group, modes[idx[0]], encode)):
-                encs[i] = enc
+        encode_calls = getattr(encode, "encode_calls", None)
+        if encode_calls is not None:  # a runner that pads mixed lengths itself (GraphEncoder)
+            for mode in (True, False):
+                idx = [i for i, m in enumerate(modes) if m == mode]
+                if idx:
+                    for i, enc in zip(idx, encode_calls([(items[i][1], items[i][2], items[i][3]) for i in idx],
+                                                        mode)):
+                        encs[i] = enc
+        else:
+            shapes: dict[tuple, list[int]] = {}
+            for i, (_, inputs, tokens, call) in enumerate(items):
+                key = (int(tokens.shape[1]), int(inputs.flow_prompt_speech_token.shape[1]), modes[i],
+                       call.finalize, call.lookahead, inputs.embedding.dtype)
+                shapes.setdefault(key, []).append(i)
+            for idx in shapes.values():
+                group = [(items[i][1], items[i][2], items[i][3]) for i in idx]
+                for i, enc in zip(idx, _encode_group(flow, group, modes[idx[0]], encode)):
+                    encs[i] = enc
         for streaming in (True, False):
             idx = [i for i, m in enumerate(modes) if m == streaming]
             if not idx:

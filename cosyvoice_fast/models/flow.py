@@ -80,6 +80,20 @@ class CausalMaskedDiffWithXvec(nn.Module):
         mu = self.encoder_proj(h).transpose(1, 2).contiguous()
         return FlowEncoding(mu, spks)
 
+    def encode_padded(self, ids: Tensor, full_lens: Tensor, body_lens: Tensor, embedding: Tensor,
+                      streaming: bool = False) -> FlowEncoding:
+        """:meth:`encode` for right-padded rows of mixed lengths (a batch of different requests' calls).
+
+        Row ``i`` of ``ids`` (B, T) holds prompt tokens then new tokens, ``full_lens[i]`` in all, of which the last
+        ``full_lens[i] - body_lens[i]`` are look-ahead only (0 for a final call).  Returns ``mu`` (B, 80, stride*T),
+        valid on each row's first ``stride * body_lens[i]`` frames, where it equals :meth:`encode` of that row
+        within float rounding (:meth:`UpsampleConformerEncoder.forward_padded` says why).
+        """
+        spks = self.speaker_condition(embedding)
+        x = self.embed_tokens(ids, full_lens)
+        h, _ = self.encoder.forward_padded(x, full_lens, body_lens, streaming=streaming)
+        return FlowEncoding(self.encoder_proj(h).transpose(1, 2).contiguous(), spks)
+
     def decode(self, mu: Tensor, spks: Tensor, prompt_feat: Tensor, streaming: bool = False,
                n_timesteps: int | None = None, noise: Tensor | None = None, *,
                estimator: Estimator | None = None) -> Tensor:

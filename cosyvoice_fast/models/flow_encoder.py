@@ -64,14 +64,35 @@ class UpsampleConformerEncoder(nn.Module):
         streaming: chunk-causal attention.  Returns (B, stride*T, output_size) and the (B, 1, stride*T) validity
         mask (None when ``xs_lens`` is None).
         """
-        t = xs.shape[1]
-        stride = self.cfg.upsample_stride
-        chunk = self.cfg.static_chunk_size if streaming else 0
-
         x = self.embed(xs)
         ctx = self.embed(context) if context is not None and context.shape[1] > 0 else None
-        mask = attention_mask(xs_lens, t, chunk, xs.device)
         x = self.pre_lookahead_layer(x, ctx)
+        return self._blocks(x, xs_lens, streaming)
+
+    def forward_padded(self, xs: Tensor, full_lens: Tensor, body_lens: Tensor, streaming: bool = False
+                       ) -> tuple[Tensor, Tensor]:
+        """Encode right-padded rows of different lengths in one pass.
+
+        Row ``i`` of xs (B, T, input_size) holds ``full_lens[i]`` token embeddings: ``body_lens[i]`` encoded tokens
+        followed by their look-ahead-only context (at most ``pre_lookahead_len``), then padding.  Valid outputs
+        (the first ``stride * body_lens[i]`` frames) equal :meth:`forward` on that row alone with the context passed
+        separately: the embedded padding is zeroed (the look-ahead conv sees zeros past the context, as at an
+        utterance end), every later time-mixing op is causal or masked by ``body_lens``, and chunk-causal limits
+        count from the first position.  Only the reduction order of a longer attention row differs.
+        """
+        x = self.embed(xs)
+        t = xs.shape[1]
+        inside = torch.arange(t, device=xs.device).unsqueeze(0) < full_lens.to(xs.device).unsqueeze(1)
+        x = self.pre_lookahead_layer(x * inside.unsqueeze(-1).to(x.dtype))
+        out, valid = self._blocks(x, body_lens, streaming)
+        return out, valid  # type: ignore[return-value]
+
+    def _blocks(self, x: Tensor, xs_lens: Tensor | None, streaming: bool) -> tuple[Tensor, Tensor | None]:
+        """Everything after the look-ahead conv: Conformer blocks, upsample, up-blocks, final norm."""
+        t = x.shape[1]
+        stride = self.cfg.upsample_stride
+        chunk = self.cfg.static_chunk_size if streaming else 0
+        mask = attention_mask(xs_lens, t, chunk, x.device)
         pos = relative_position_table(t, t, x.shape[-1], x.device, x.dtype)
         for block in self.encoders:
             x = block(x, pos, mask)
@@ -80,7 +101,7 @@ class UpsampleConformerEncoder(nn.Module):
         t_up = t * stride
         up_lens = None if xs_lens is None else xs_lens * stride
         x = self.up_embed(x)
-        mask = attention_mask(up_lens, t_up, chunk * stride, xs.device)
+        mask = attention_mask(up_lens, t_up, chunk * stride, x.device)
         pos = relative_position_table(t_up, t_up, x.shape[-1], x.device, x.dtype)
         for block in self.up_encoders:
             x = block(x, pos, mask)
@@ -88,6 +109,6 @@ class UpsampleConformerEncoder(nn.Module):
 
         valid = None
         if up_lens is not None:
-            valid = (torch.arange(t_up, device=xs.device).unsqueeze(0) < up_lens.to(xs.device).unsqueeze(1))
+            valid = (torch.arange(t_up, device=x.device).unsqueeze(0) < up_lens.to(x.device).unsqueeze(1))
             valid = valid.unsqueeze(1)
         return x, valid
