@@ -208,3 +208,18 @@ def test_a_stage_that_fails_to_build_is_not_rebuilt_and_frees_what_it_held(count
     assert counting == [("llm", "fused")]  # built once, not again
     assert cache.get(BackendConfig(llm="eager")).llm.name == "eager"  # other backends still build
     assert ("llm", "eager") in counting
+
+
+def test_out_of_memory_while_building_names_the_capacity_settings(counting, monkeypatch):
+    """Start-up captures sized beyond the GPU (e.g. ``--flow-rows 1,2,4,8,16,32``) fail with the settings to lower."""
+    def flow(models, name, module, engine):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 44.00 MiB.\nmore detail")
+
+    monkeypatch.setattr(backends, "_build_flow", flow)
+    cache = StageCache(fake_models(), EngineConfig(flow_rows=(1, 2, 32)))
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        cache.get(BackendConfig(flow="cudagraph"))
+    msg = str(err.value)
+    assert msg.startswith("building the flow stage ran out of GPU memory")
+    assert "flow_rows=(1, 2, 32) (--flow-rows)" in msg and "flow_buckets=(50, 100" in msg
+    assert msg.endswith("torch said: CUDA out of memory. Tried to allocate 44.00 MiB.")

@@ -102,6 +102,18 @@ def _build_vocoder(models: Any, name: str, engine: EngineConfig) -> Any:
     return cls(models.hift, max_batch=max(engine.vocoder_rows), rows=rows, lengths=lengths)
 
 
+def out_of_memory_advice(stage: str, engine: EngineConfig, error: BaseException) -> str:
+    """What to lower when building ``stage`` (its start-up graph captures, its KV cache) ran out of GPU memory:
+    the settings that size it, with their values, then the first line of torch's own message."""
+    knobs = {"llm": (("llm_slots", "--llm-slots"), ("max_context", "--max-context")),
+             "flow": (("flow_buckets", "--flow-buckets"), ("flow_rows", "--flow-rows")),
+             "vocoder": (("vocoder_rows", "--vocoder-rows"),)}.get(stage, ())
+    named = ", ".join(f"{field}={getattr(engine, field)!r} ({flag})" for field, flag in knobs)
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return (f"building the {stage} stage ran out of GPU memory: the capacity settings ask for more than this GPU "
+            f"has free ({named}); lower them, or free the GPU of other work. torch said: {first}")
+
+
 class StageCache:
     """Built stage implementations of one engine, at most ``engine_config.stage_variants`` per stage.
 
@@ -177,6 +189,8 @@ class StageCache:
         except BackendUnavailable:
             raise  # a refusal before anything was built: cheap to ask again, and the message says why
         except Exception as e:
+            if isinstance(e, torch.OutOfMemoryError):  # the capacity settings, not the backend, are at fault
+                e = torch.OutOfMemoryError(out_of_memory_advice(key[0], self.engine_config, e))
             # A build that fails half-way (a kernel out of shared memory during capture, out of memory) is not
             # retried by every later request: each retry took seconds and leaked what the failed build had
             # allocated (its frames live on in the traceback).  Drop those frames and give the memory back.
