@@ -130,6 +130,23 @@ def vocoder_frames(params: StreamParams, chunk_size: int = 25, token_mel_ratio: 
     return tuple(sorted(f for f in first | later if f > 0))
 
 
+def final_vocoder_frames(params: StreamParams, chunk_size: int = 25, token_mel_ratio: int = 2,
+                         cache_frames: int = MEL_CACHE_FRAMES, max_chunks: int = 16) -> tuple[int, ...]:
+    """Mel lengths a streamed segment's final vocoder call can have, for any prompt and utterance length.
+
+    The final call comes when the LM stops before the next chunk is due, so it holds fewer tokens than that
+    chunk's hop plus look-ahead: ``ratio x n`` for ``n < first hop + look-ahead`` when it is also the first call,
+    else ``cache_frames + ratio x r`` for ``r < hop + look-ahead``.  About a hundred lengths with the defaults:
+    few enough to capture one-row HiFT graphs for all of them at start-up instead of one per new length while
+    serving."""
+    la = params.pre_lookahead_len
+    first = max(first_hop(p, params, chunk_size) for p in range(chunk_size))
+    hop = max(hop_for(i, 0, params, chunk_size) for i in range(1, max_chunks))
+    alone = {token_mel_ratio * n for n in range(1, first + la)}
+    later = {cache_frames + token_mel_ratio * r for r in range(1, hop + la)}
+    return tuple(sorted(alone | later))
+
+
 def bucket_frames(frames: int, granularity: int = 50) -> int:
     """The captured length serving an estimator input of ``frames`` frames: the next multiple of
     ``granularity`` (at least one granule)."""

@@ -96,6 +96,29 @@ def test_vocoder_frames_are_the_mel_lengths_every_non_final_chunk_takes():
         assert {2 * c.hop + (8 if c.index else 0) for c in calls} <= want
 
 
+@pytest.mark.parametrize("params", [StreamParams(), StreamParams(token_hop_len_first=7, token_hop_len=13,
+                                                                   pre_lookahead_len=0),
+                                    StreamParams(token_hop_len_first=10, pre_lookahead_len=1)])
+def test_final_vocoder_frames_are_exactly_the_lengths_final_calls_take(params):
+    """Every (prompt, utterance length) pair's final call has one of these lengths, and each length occurs."""
+    from cosyvoice_fast.schedule import final_vocoder_frames
+
+    seen = set()
+    for prompt in range(0, 50, 3):
+        for total in range(1, 330):
+            last = plan(prompt, total, params)[-1]
+            assert last.finalize
+            seen.add(2 * (last.n_tokens - last.token_offset) + (8 if last.index else 0))
+    assert seen == set(final_vocoder_frames(params))
+
+
+def test_final_vocoder_frames_of_the_default_schedule():
+    from cosyvoice_fast.schedule import final_vocoder_frames
+
+    # alone: 2 x (1..51) tokens (first hop up to 49, look-ahead 3); after a chunk: 8 + 2 x (1..102) (hop 100)
+    assert final_vocoder_frames(StreamParams()) == tuple(range(2, 213, 2))
+
+
 def test_tokens_short_counts_down_to_the_next_call():
     cur = ChunkCursor(8, StreamParams())  # first hop padded to 42, look-ahead 3: the first call needs 45 tokens
     assert [cur.tokens_short(n) for n in (0, 41, 44, 45, 60)] == [45, 4, 1, 0, 0]

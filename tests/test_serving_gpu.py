@@ -157,6 +157,43 @@ def test_gpu_vocoder_batch_graphs_captured_at_start_serve_padded_rows_and_equal_
         torch.backends.cudnn.allow_tf32 = tf32
 
 
+@pytest.mark.gpu
+def test_gpu_final_chunk_lengths_replay_one_row_graphs_captured_at_start(fixture_dir, load_case):
+    """``final_lengths`` are captured for one row only: a final chunk (with the previous chunk's excitation
+    spliced in) replays its start-up graph, captures nothing, and equals the path without start-up graphs (eager
+    excitation, then the filter graph) within float rounding; two final chunks of such a length go row by row."""
+    from cosyvoice_fast.backends.cudagraph_vocoder import CudaGraphVocoder
+    from cosyvoice_fast.modelfiles import load_models
+
+    case = load_case("case_flow_stream")
+    frames = int(case["prompt_feat"].shape[1])
+    final = frames + 8 + 2 * 3  # a later chunk's 8 cached frames + 3 tokens
+    models = load_models(fixture_dir, device="cuda")
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        voc = CudaGraphVocoder(models.hift, rows=(1, 2), lengths=(frames,), final_lengths=(final,), progress=False)
+        assert sorted(voc.batch_graphs) == sorted([(frames, 1), (frames, 2), (final, 1)])
+        ref = CudaGraphVocoder(models.hift, progress=False)  # no start-up graphs
+        mels = torch.randn(2, 80, final, device="cuda", generator=torch.Generator("cuda").manual_seed(3)) - 5
+        n = 8 * voc.plain.samples_per_frame
+        cached = torch.rand(2, 1, n, device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+        want = [ref.vocode(mels[i:i + 1], cached[i:i + 1], torch.Generator("cuda").manual_seed(30 + i))
+                for i in range(2)]
+        captures = graphs.captures()
+        got = voc.vocode(mels[:1], cached[:1], torch.Generator("cuda").manual_seed(30))
+        assert voc.batch_replays == 1 and graphs.captures() == captures
+        assert torch.equal(got[1][:, :, :n], cached[:1])
+        assert (got[1] - want[0][1]).abs().max().item() <= 1e-5
+        assert (got[0] - want[0][0]).abs().max().item() <= 1e-3
+        wav, src = voc.vocode_batch(mels, cached, [torch.Generator("cuda").manual_seed(30 + i) for i in range(2)])
+        assert voc.batch_replays == 3 and voc.eager_batches == 0 and graphs.captures() == captures
+        for i in range(2):
+            assert (wav[i:i + 1] - want[i][0]).abs().max().item() <= 1e-3
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+
+
 def _vocoder_rows_equal_solo(voc, case) -> None:  # noqa: ANN001
     frames = int(case["prompt_feat"].shape[1])
     mels = torch.randn(4, 80, frames, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) - 5

@@ -91,15 +91,17 @@ def _build_vocoder(models: Any, name: str, engine: EngineConfig) -> Any:
     if name == "eager":
         return eager.EagerVocoder(models.hift)
     from ..config import StreamParams
-    from ..schedule import vocoder_frames
+    from ..schedule import final_vocoder_frames, vocoder_frames
     from .cudagraph_vocoder import CudaGraphVocoder
     from .fused_vocoder import FusedVocoder
 
-    # batched filter graphs for the default schedule's chunk lengths (every prompt length), captured now
-    lengths = vocoder_frames(StreamParams(), models.config.chunk_size, models.config.token_mel_ratio)
+    # whole-chunk graphs for the default schedule's chunk lengths (every prompt length), captured now: the
+    # non-final ones for every row count, the final ones for one row
+    shape = (StreamParams(), models.config.chunk_size, models.config.token_mel_ratio)
     rows = engine.vocoder_rows if engine.capture_at_start else ()
     cls = FusedVocoder if name == "fused" else CudaGraphVocoder
-    return cls(models.hift, max_batch=max(engine.vocoder_rows), rows=rows, lengths=lengths)
+    return cls(models.hift, max_batch=max(engine.vocoder_rows), rows=rows, lengths=vocoder_frames(*shape),
+               final_lengths=final_vocoder_frames(*shape))
 
 
 def out_of_memory_advice(stage: str, engine: EngineConfig, error: BaseException) -> str:

@@ -13,8 +13,10 @@ cheap on the GPU but was launch-bound on the CPU, in the chunk thread that share
 The f0 predictor runs its convolutions in full fp32 (TF32 off) on every path of this backend: the excitation
 integrates f0 into a phase, so f0 rounding grows with the chunk; in fp32 a batched row stays within float
 rounding of the same chunk alone.  Weight norm is folded into plain weights first (same numbers, fewer
-kernels).  Shapes with no start-up graph (final chunks of odd lengths) keep the old paths: the eager
-excitation then a one-row filter graph captured on first use, or one eager filter pass from ``min_batch`` rows.
+kernels).  Final chunks take whatever length is left, so their lengths are captured for one row only
+(:func:`~cosyvoice_fast.schedule.final_vocoder_frames`: every final length of the default schedule).  Shapes
+with no start-up graph (other stream settings, whole utterances) keep the old paths: the eager excitation then
+a one-row filter graph captured on first use, or one eager filter pass from ``min_batch`` rows.
 """
 
 from __future__ import annotations
@@ -42,7 +44,11 @@ def fp32_convs() -> Iterator[None]:
 
 class CudaGraphVocoder:
     def __init__(self, hift: torch.nn.Module, max_graphs: int = 48, max_batch: int = 16, min_batch: int = 6,
-                 rows: Sequence[int] = (), lengths: Sequence[int] = (), progress: bool = True):
+                 rows: Sequence[int] = (), lengths: Sequence[int] = (), final_lengths: Sequence[int] = (),
+                 progress: bool = True):
+        """``lengths`` x ``rows``: the whole-chunk graphs captured now (non-final chunks, which arrive in step
+        across streams); ``final_lengths``: lengths captured for the smallest row count only (final chunks,
+        whose lengths vary per utterance, so they rarely share a batch)."""
         dev = next(hift.parameters()).device
         if dev.type != "cuda" or not torch.cuda.is_available():
             raise BackendUnavailable("vocoder backend 'cudagraph' needs the model on a CUDA GPU")
@@ -57,7 +63,10 @@ class CudaGraphVocoder:
         self.batch_replays = 0  # chunk batches (one row included) served by a start-up graph
         self.eager_batches = 0  # batches that ran an eager filter pass (no graph for their shape)
         self._pool = torch.cuda.graph_pool_handle()
-        self._capture_batches(tuple(sorted(set(lengths))), progress)
+        jobs = {(n, r) for n in lengths for r in self.batch_rows}
+        if self.batch_rows:
+            jobs |= {(n, self.batch_rows[0]) for n in final_lengths}
+        self._capture_batches(sorted(jobs), progress)
 
     def _plain_model(self, hift: torch.nn.Module) -> torch.nn.Module:
         """The module the graphs run: a weight-norm-folded copy (``fused`` also swaps in its kernels here)."""
@@ -74,17 +83,16 @@ class CudaGraphVocoder:
         src = torch.where(keep, cache, self.plain.m_source.from_noise(self._f0(mel), noise))
         return self.plain.decode(mel, src), src
 
-    def _capture_batches(self, lengths: tuple[int, ...], progress: bool) -> None:
+    def _capture_batches(self, jobs: Sequence[tuple[int, int]], progress: bool) -> None:
         """Capture the whole chunk for every (length, row count); start-up only, so serving never captures."""
         from tqdm.auto import tqdm
 
-        jobs = [(n, r) for n in lengths for r in self.batch_rows]
         cfg, per_frame = self.plain.cfg, self.plain.samples_per_frame
         # the noise draw is the largest input (9 harmonics per sample): one buffer per row count, sized for the
         # longest length, serves every length (row i's first n samples are contiguous, as a solo draw needs)
-        longest = max(lengths, default=0) * per_frame
-        noise_rows = {r: torch.zeros(r, longest, self.plain.m_source.n_harmonics, device=self.device)
-                      for r in self.batch_rows} if jobs else {}
+        longest = {r: max(n for n, rr in jobs if rr == r) * per_frame for _, r in jobs}
+        noise_rows = {r: torch.zeros(r, m, self.plain.m_source.n_harmonics, device=self.device)
+                      for r, m in longest.items()}
         for n, r in tqdm(jobs, desc="capturing HiFT graphs", unit="graph", disable=not progress or not jobs,
                          leave=False):
             mel = torch.zeros(r, cfg.in_channels, n, device=self.device)
