@@ -116,8 +116,17 @@ def queue_parts(teles: list[RequestTelemetry]) -> dict[str, dict[str, float]]:
             for name, v in (("queue_llm_ms", llm), ("queue_chunk_ms", chunk))}
 
 
-def bench_config(engine: Any, backend: BackendConfig, concurrency: int, n_requests: int, args: argparse.Namespace
-                 ) -> dict[str, Any]:
+def timeline(teles: list[RequestTelemetry], t0: float) -> list[dict[str, Any]]:
+    """Every timed request's raw timestamps (:meth:`RequestTelemetry.to_dict`, relative to its receipt) plus
+    ``start_s``, its receipt relative to the timed run's start, so the requests can be laid on one time axis
+    (which stage waits for which, where the GPU sits idle between waves)."""
+    return [{"start_s": t.received - t0, **t.to_dict()} for t in teles]
+
+
+def bench_config(engine: Any, backend: BackendConfig, concurrency: int, n_requests: int, args: argparse.Namespace,
+                 trace: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Warm up, then time ``n_requests`` in waves of ``concurrency`` (a wave starts when the last one ended);
+    the aggregate figures.  ``trace``: when given, :func:`timeline` of the timed requests is appended to it."""
     cfg = engine.models.config
     params = StreamParams(token_hop_len_first=args.token_hop_len_first, pre_lookahead_len=args.pre_lookahead_len)
 
@@ -146,6 +155,8 @@ def bench_config(engine: Any, backend: BackendConfig, concurrency: int, n_reques
             teles += run_wave(engine, [make(done + i) for i in range(wave)])
             done += wave
         wall = time.perf_counter() - t0
+    if trace is not None:
+        trace += timeline(teles, t0)
     agg = aggregate(teles)
     step_ms = [(b - a) * 1e3 for t in teles for a, b in zip(t.token_times[1:], t.token_times[2:])]
     agg["llm_ms_per_token"] = {"p50": percentile(step_ms, 50), "p95": percentile(step_ms, 95)}
@@ -180,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--same-voice", action="store_true",
                     help="every request uses the same prompt voice (different text): the incremental flow then "
                          "starts from the voice's cached prompt state; default: a new voice per request")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also write timeline.json to --out: every timed request's raw stage and chunk timestamps "
+                         "on the run's time axis")
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--report", metavar="DIR", help="only render DIR/report.html from DIR/results.json")
     a = ap.parse_args(argv)
@@ -198,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     avail = {(b.stage, b.name): b for b in available_backends(dev)}
     results: dict[str, Any] = {"gpu": gpu, "dtype": a.dtype, "model": svc.model_name, "args": vars(a),
                                "engine_config": asdict(run.engine), "torch": torch.__version__, "runs": []}
+    trace: list[dict[str, Any]] | None = [] if a.timeline else None
     try:
         for name in a.backends.split(","):
             try:
@@ -212,7 +227,10 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             for c in (int(x) for x in a.concurrency.split(",")):
                 log.info("backend %s, concurrency %d, %d requests", name, c, a.requests)
-                agg = bench_config(svc.engine, backend, c, a.requests, a)
+                requests: list[dict[str, Any]] | None = [] if a.timeline else None
+                agg = bench_config(svc.engine, backend, c, a.requests, a, requests)
+                if trace is not None:
+                    trace.append({"backend": name, "concurrency": c, "requests": requests})
                 results["runs"].append({"backend": name, "concurrency": c, **agg})
                 print(_row(name, c, agg), flush=True)
     finally:
@@ -220,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(_finite(results), indent=1))
+    if trace is not None:
+        (out / "timeline.json").write_text(json.dumps(_finite(trace)))
     write_report(results, out)
     print(f"\nGPU {gpu}, dtype {a.dtype}, prompt {a.prompt_tokens} tokens, text {a.text_tokens} tokens, "
           f"{a.gen_tokens} generated tokens, hop_first {a.token_hop_len_first}, lookahead {a.pre_lookahead_len}")

@@ -162,3 +162,26 @@ def test_bench_runs_on_cpu_without_a_dtype_flag(tmp_path):
     assert res["engine_config"]["max_streams"] == EngineConfig().max_streams
     (run,) = res["runs"]
     assert run["backend"] == "eager" and run["concurrency"] == 1 and run["n"] == 2
+
+
+def test_bench_timeline_lays_every_timed_request_on_one_time_axis(tmp_path):
+    """``--timeline`` writes each timed request's stage and chunk timestamps with its start in the run."""
+    from cosyvoice_fast import bench
+    from cosyvoice_fast.schedule import StreamParams, plan
+
+    out = tmp_path / "t"
+    assert bench.main(["--synthetic", "tiny", "--backends", "eager", "--concurrency", "2", "--requests", "4",
+                       "--prompt-tokens", "10", "--text-tokens", "4", "--gen-tokens", "50", "--timeline",
+                       "--out", str(out)]) == 0
+    (run,) = json.loads((out / "timeline.json").read_text())
+    assert (run["backend"], run["concurrency"], len(run["requests"])) == ("eager", 2, 4)
+    n_chunks = len(plan(10, 50, StreamParams()))
+    starts = sorted(r["start_s"] for r in run["requests"])
+    assert starts[0] >= 0 and starts[2] > starts[1]  # two waves: the second starts after the first
+    for r in run["requests"]:
+        assert len(r["token_times"]) == 50 and len(r["chunks"]) == n_chunks
+        assert r["frontend_done"] <= r["prefill_start"] <= r["prefill_done"] <= r["token_times"][0]
+        for c in r["chunks"]:
+            assert c["tokens_ready"] <= c["flow_start"] <= c["flow_end"] <= c["vocoder_end"] <= c["delivered"]
+        assert r["chunks"][-1]["finalize"] and r["chunks"][-1]["delivered"] <= r["finished"]
+    assert n_chunks == 2 and "timeline" not in json.loads((out / "results.json").read_text())

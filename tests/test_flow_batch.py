@@ -266,6 +266,15 @@ def _together(eng: Engine, reqs: list[SynthesisRequest]) -> dict[int, object]:
     return out
 
 
+def _same_audio(a: np.ndarray, b: np.ndarray) -> bool:
+    """A batched request's audio against its solo run.  The batched solve changes GEMM batch sizes, so the mels
+    differ by float rounding (<= 1e-5 above); the random-weight HiFT amplifies that into up to ~1e-4 on single
+    samples, by an amount that depends on the CPU's kernels (1.004e-4 on one CI machine, 0 on another).  So the
+    bound is the engine tests' (tests/test_engine.py): max <= 1e-3, mean <= 1e-5; a wrong chunk, row or
+    generator differs by orders of magnitude more."""
+    return a.shape == b.shape and np.abs(a - b).max() <= 1e-3 and np.abs(a - b).mean() <= 1e-5
+
+
 def test_engine_batches_first_chunks_and_keeps_solo_audio(batch_engine, case):
     spy = batch_engine.stages(BackendConfig(incremental=False)).flow
     solo = [[c.samples for c in batch_engine.stream(_request(case, i))] for i in range(4)]
@@ -276,7 +285,7 @@ def test_engine_batches_first_chunks_and_keeps_solo_audio(batch_engine, case):
         assert isinstance(out[i], list), out[i]
         assert len(out[i]) == len(solo[i]) >= 2
         for k, (a, b) in enumerate(zip(out[i], solo[i])):
-            assert a.shape == b.shape and np.abs(a - b).max() <= 1e-4, f"request {i}, chunk {k}"
+            assert _same_audio(a, b), f"request {i}, chunk {k}"
     assert len({np.concatenate(s).tobytes() for s in solo}) == 4  # different requests, different audio
 
 
@@ -296,7 +305,7 @@ def test_chunk_batches_run_in_slices_of_the_largest_captured_solve(tiny_models, 
     for i in range(4):  # within float rounding of the solo run, as every batched solve (see above)
         assert isinstance(out[i], list), out[i]
         a, b = np.concatenate(out[i]), np.concatenate(solo[i])
-        assert a.shape == b.shape and np.abs(a - b).max() <= 1e-4, f"request {i}"
+        assert _same_audio(a, b), f"request {i}"
 
 
 def test_engine_batch_telemetry_spans_the_batch(batch_engine, case):
@@ -325,7 +334,7 @@ def test_a_failing_batch_fails_only_the_culprit(tiny_models, case):
         for i in (0, 1, 3):
             assert isinstance(out[i], list), out[i]
             assert len(out[i]) == len(solo[i])
-            assert all(a.shape == b.shape and np.abs(a - b).max() <= 1e-4 for a, b in zip(out[i], solo[i]))
+            assert all(_same_audio(a, b) for a, b in zip(out[i], solo[i]))
         assert eng.active_requests() == 0
     finally:
         eng.close()
