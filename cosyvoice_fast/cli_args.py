@@ -39,6 +39,8 @@ ENGINE_HELP: dict[str, str] = {
                       "dropped",
     "first_chunk_wait_ms": "ms a ready first chunk may wait for other requests' first chunks a few tokens away, "
                            "to share one flow solve (0: never wait)",
+    "later_chunk_wait_ms": "ms a ready later chunk may wait for other requests' chunks a few tokens away, to share "
+                           "one flow solve, while its listener has audio left (0: never wait)",
 }
 
 

@@ -57,6 +57,9 @@ class EngineConfig:
     - ``first_chunk_wait_ms``: with ``cuda_streams == 2``, how long a ready first chunk may wait for other
       requests whose first chunk is a few tokens away (:func:`~cosyvoice_fast.schedule.first_chunk_wait`), so
       that they share one solve instead of the later ones waiting for a whole solve; 0 never waits.
+    - ``later_chunk_wait_ms``: the same for later chunks (streams decoding side by side reach them a few steps
+      apart too), never while a listener has less than half a second of audio left
+      (:func:`~cosyvoice_fast.schedule.later_chunk_wait`); 0 never waits.
     """
 
     max_streams: int = 64
@@ -71,6 +74,7 @@ class EngineConfig:
     llm_memory_fraction: float = 0.25
     stage_variants: int = 3
     first_chunk_wait_ms: float = 12.0
+    later_chunk_wait_ms: float = 12.0
 
     def __post_init__(self) -> None:
         for name in ("max_streams", "max_context", "stage_variants"):
@@ -89,10 +93,10 @@ class EngineConfig:
             _positive_tuple(name, getattr(self, name))
         if self.cuda_streams not in (1, 2):
             raise ConfigError(f"EngineConfig.cuda_streams must be 1 or 2, got {self.cuda_streams!r}")
-        w = self.first_chunk_wait_ms
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1000.0:
-            raise ConfigError(f"EngineConfig.first_chunk_wait_ms must be a number of milliseconds in [0, 1000], "
-                              f"got {w!r}")
+        for name in ("first_chunk_wait_ms", "later_chunk_wait_ms"):
+            w = getattr(self, name)
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1000.0:
+                raise ConfigError(f"EngineConfig.{name} must be a number of milliseconds in [0, 1000], got {w!r}")
         f = self.llm_memory_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f <= 1.0:
             raise ConfigError(f"EngineConfig.llm_memory_fraction must be a number in (0, 1], got {f!r}")

@@ -93,6 +93,12 @@ class ChunkCursor:
         """How many more tokens the next (non-final) call needs; 0 when it is due (or the cursor is done)."""
         return 0 if self.finished else max(0, self._due() - n_available)
 
+    def tokens_to_next_call(self, n_available: int, tokens_left: int) -> int:
+        """How many more tokens until this cursor's next call of any kind: the next hop's, or the final one when
+        the LM stops after ``tokens_left`` more tokens (its length limit; a stop token may come sooner, which
+        nobody can foresee); 0 when a call is due or the cursor is done."""
+        return 0 if self.finished else min(self.tokens_short(n_available), max(0, tokens_left))
+
 
 #: a ready first chunk waits for another request's first chunk only while that one is this many tokens away
 GATHER_TOKENS = 4
@@ -110,6 +116,23 @@ def first_chunk_wait(ready_since: float, now: float, tokens_short: Sequence[int]
     if left <= 0 or not any(0 < n <= reach for n in tokens_short):
         return 0.0
     return left
+
+
+#: a ready later chunk waits for others only while its listener has at least this much audio left to play
+LATER_SLACK_S = 0.5
+
+
+def later_chunk_wait(ready_since: float, now: float, deadline: float, tokens_short: Sequence[int],
+                     max_wait_s: float, reach: int = GATHER_TOKENS, slack_s: float = LATER_SLACK_S) -> float:
+    """Seconds a batch of ready later chunks should stay open before its solve, or 0 to run it now.
+
+    Streams decoding side by side reach their later chunks (and their final ones, at equal length limits) a few
+    steps apart too, and a chunk solved alone makes the others wait for that whole solve.  A later chunk has
+    its listener's queued audio as slack, so it waits like a first chunk (:func:`first_chunk_wait`), but never
+    while the most urgent listener (``deadline``: when it runs out of audio) has less than ``slack_s`` left
+    after the wait."""
+    left = first_chunk_wait(ready_since, now, tokens_short, max_wait_s, reach)
+    return max(0.0, min(left, deadline - now - slack_s))
 
 
 def call_frames(call: ChunkCall, prompt_tokens: int, token_mel_ratio: int = 2) -> int:

@@ -44,11 +44,11 @@ def test_engine_flags_build_the_engine_config():
     run = choices(["--max-streams", "8", "--llm-slots", "6", "--max-context", "1024", "--queue-limit", "0",
                    "--flow-buckets", "50,100", "--flow-rows", "1,2", "--vocoder-rows", "1", "--cuda-streams", "1",
                    "--no-capture-at-start", "--llm-memory-fraction", "0.5", "--stage-variants", "2",
-                   "--first-chunk-wait-ms", "0"])
+                   "--first-chunk-wait-ms", "0", "--later-chunk-wait-ms", "5"])
     assert run.engine == EngineConfig(max_streams=8, llm_slots=6, max_context=1024, queue_limit=0,
                                       flow_buckets=(50, 100), flow_rows=(1, 2), vocoder_rows=(1,), cuda_streams=1,
                                       capture_at_start=False, llm_memory_fraction=0.5, stage_variants=2,
-                                      first_chunk_wait_ms=0.0)
+                                      first_chunk_wait_ms=0.0, later_chunk_wait_ms=5.0)
 
 
 def test_no_engine_flags_give_the_defaults_and_auto_slots():
@@ -65,6 +65,7 @@ def test_no_engine_flags_give_the_defaults_and_auto_slots():
     (["--queue-limit", "-1"], "--queue-limit must be an integer >= 0"),
     (["--llm-memory-fraction", "1.5"], "--llm-memory-fraction must be a number in (0, 1]"),
     (["--first-chunk-wait-ms", "-1"], "--first-chunk-wait-ms must be a number of milliseconds in [0, 1000]"),
+    (["--later-chunk-wait-ms", "2000"], "--later-chunk-wait-ms must be a number of milliseconds in [0, 1000]"),
     (["--stage-variants", "0"], "--stage-variants must be a positive integer"),
     (["--model-dir", "/m", "--synthetic", "tiny"], "--model-dir /m and --synthetic tiny name two models"),
     (["--device", "cpu", "--dtype", "bf16"], "--dtype bf16 needs a CUDA GPU"),

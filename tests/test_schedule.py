@@ -137,3 +137,27 @@ def test_first_chunk_wait_waits_only_for_a_chunk_within_reach_and_only_so_long()
     assert first_chunk_wait(10.0, 10.002, [], 0.012) == 0.0  # nobody else is coming
     assert first_chunk_wait(10.0, 10.013, [1], 0.012) == 0.0  # waited long enough
     assert first_chunk_wait(10.0, 10.0, [1], 0.0) == 0.0  # gathering off
+
+
+def test_tokens_to_next_call_counts_down_to_a_hop_or_the_length_limit():
+    cur = ChunkCursor(8, StreamParams())  # the first call needs 45 tokens
+    assert cur.tokens_to_next_call(41, tokens_left=100) == 4  # the hop comes first
+    assert cur.tokens_to_next_call(41, tokens_left=2) == 2  # the LM stops (final call) first
+    assert cur.tokens_to_next_call(45, tokens_left=100) == 0  # due
+    assert cur.next_call(45, llm_done=False).n_tokens == 45 and cur.tokens_to_next_call(46, tokens_left=1) == 1
+    assert cur.next_call(47, llm_done=True).finalize
+    assert cur.tokens_to_next_call(0, tokens_left=5) == 0  # finished: no call is coming
+
+
+def test_later_chunk_wait_waits_like_a_first_chunk_while_the_listener_has_audio_left():
+    from cosyvoice_fast.schedule import LATER_SLACK_S, later_chunk_wait
+
+    far = 10.0 + LATER_SLACK_S + 1.0  # the most urgent listener runs out of audio a second past the slack
+    assert later_chunk_wait(10.0, 10.002, far, [2], 0.012) == pytest.approx(0.010)
+    assert later_chunk_wait(10.0, 10.002, far, [5], 0.012) == 0.0  # too far
+    assert later_chunk_wait(10.0, 10.002, far, [], 0.012) == 0.0  # nobody else coming
+    assert later_chunk_wait(10.0, 10.002, far, [2], 0.0) == 0.0  # gathering off
+    close = 10.002 + LATER_SLACK_S + 0.004  # 4 ms of waiting left before the slack is reached
+    assert later_chunk_wait(10.0, 10.002, close, [2], 0.012) == pytest.approx(0.004)
+    assert later_chunk_wait(10.0, 10.002, 10.3, [2], 0.012) == 0.0  # the listener's audio runs out soon
+    assert later_chunk_wait(10.0, 10.002, 10.3, [2], 0.012, slack_s=0.1) == pytest.approx(0.010)

@@ -227,3 +227,52 @@ def test_first_chunks_a_few_tokens_apart_share_one_solve_when_gathered(tiny_mode
     assert (early.flow_start >= late.tokens_ready) is (wait_ms > 0)
     for o, ref in zip(out, refs):
         np.testing.assert_array_equal(np.concatenate([c.samples for c in o]), ref)
+
+
+def _run_gated(eng: Engine, reqs: list[SynthesisRequest]) -> list[list]:
+    """Stream ``reqs`` together with their LMs held until all are prefilled, so they decode in lockstep."""
+    gate = threading.Event()
+    stages = eng.stages(eng.default_backend)
+    real_llm, stages.llm = stages.llm, GatedLLM(stages.llm, gate)
+    try:
+        out: list[list] = [[] for _ in reqs]
+        threads = [threading.Thread(target=lambda i=i: out[i].extend(eng.stream(reqs[i]))) for i in range(len(reqs))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # all prefilled (one token each), none decoding yet
+            with eng._sched.cv:
+                segs = [st.segment for st in eng._sched.active]
+                if len(segs) == len(reqs) and all(s is not None and s.llm_started for s in segs):
+                    break
+            time.sleep(0.005)
+        gate.set()
+        eng.wake()
+        for t in threads:
+            t.join(timeout=60)
+            assert not t.is_alive(), "a request hung"
+    finally:
+        stages.llm = real_llm
+    return out
+
+
+@pytest.mark.parametrize("wait_ms", [0.0, 1000.0])
+def test_final_chunks_a_few_tokens_apart_share_one_solve_when_gathered(tiny_models, case, wait_ms, monkeypatch):
+    """Two requests with one prompt length decode in lockstep and stop at 60 and 64 tokens: their first chunks
+    are ready together, their final chunks 4 tokens apart.  With ``later_chunk_wait_ms`` the earlier final waits
+    for the later one (the listener's audio is no limit here: the slack rule is switched off, a CI machine may
+    be slow); with 0 it is solved at once.  The audio is the same either way."""
+    monkeypatch.setattr("cosyvoice_fast.schedule.LATER_SLACK_S", -float("inf"))
+    reqs = [_request(case, 0, max_tokens=60), _request(case, 3, max_tokens=64)]  # 8-token prompts, both
+    eng = Engine(tiny_models, config=EngineConfig(cuda_streams=2, later_chunk_wait_ms=wait_ms))
+    try:
+        refs = [eng.synthesize(r)[0] for r in reqs]
+        out = _run_gated(eng, reqs)
+    finally:
+        eng.close()
+    assert [len(o) for o in out] == [2, 2]
+    early, late = out[0][-1].timing, out[1][-1].timing
+    assert early.finalize and late.finalize and early.tokens_ready < late.tokens_ready
+    assert (early.flow_start >= late.tokens_ready) is (wait_ms > 0)
+    for o, ref in zip(out, refs):
+        np.testing.assert_array_equal(np.concatenate([c.samples for c in o]), ref)

@@ -60,7 +60,7 @@ class ChunkRunner:
                      and st.segment.pending]
         first = [st for st in ready if st.chunks_emitted == 0]
         later = [st for st in ready if st.chunks_emitted > 0]
-        later.sort(key=lambda s: s.audio_samples_emitted / self.sample_rate + s.telemetry.received)
+        later.sort(key=lambda s: s.playback_deadline(self.sample_rate))
         return first, later
 
     # ------------------------------------------------------------------------------------------- execution

@@ -32,7 +32,8 @@ from typing import Callable
 import torch
 
 from ..engine_config import EngineConfig
-from ..schedule import ChunkCall, ChunkCursor, first_chunk_wait
+from .. import schedule as chunk_schedule
+from ..schedule import ChunkCall, ChunkCursor, first_chunk_wait, later_chunk_wait
 from ..telemetry import RequestTelemetry, now
 from .chunks import ChunkRunner, group_by
 from .state import RequestState, SegmentState
@@ -219,10 +220,11 @@ class Scheduler:
 
     def chunk_turn(self) -> None:
         """Every ready chunk call: first chunks first, in their own batches (first audio must not pay for a long
-        later chunk's solve; gathered over a few tokens, see :meth:`_gather_first`), then the others by earliest
-        playback deadline.  Batches are at most the largest captured solve (``max(flow_rows)`` requests), each
-        vocoded and sent before the next is solved, so 64 first chunks do not all wait for four solves."""
-        self._gather_first()
+        later chunk's solve), then the others by earliest playback deadline; each kind gathered over a few
+        tokens (:meth:`_gather`).  Batches are at most the largest captured solve (``max(flow_rows)``
+        requests), each vocoded and sent before the next is solved, so 64 first chunks do not all wait for
+        four solves."""
+        self._gather()
         first, later = self.chunks.ready()
         step = max(self.config.flow_rows)  # the largest captured solve: each slice's audio goes out after it
         for i in range(0, len(first), step):
@@ -236,30 +238,53 @@ class Scheduler:
         for i in range(0, len(later), step):
             self.chunks.run(later[i:i + step])
 
-    def _gather_first(self) -> None:
-        """Keep ready first chunks waiting while another request's first chunk is a few tokens away, at most
-        ``first_chunk_wait_ms`` (:func:`~cosyvoice_fast.schedule.first_chunk_wait`), so that they share one
-        solve; never once they fill the largest captured solve (``flow_rows``).  Only with the sides
-        overlapped: the LLM side keeps decoding meanwhile and wakes this thread at each step.  The wait is on
-        the condition, never a busy loop."""
-        max_wait = self.config.first_chunk_wait_ms / 1e3
-        if not self.overlap or max_wait <= 0:
+    def _gather(self) -> None:
+        """Keep ready chunks waiting while another request's chunk of the same kind (first, or later) is a few
+        tokens away, so that they share one solve instead of the others waiting for a whole solve; never once
+        they fill the largest captured solve (``flow_rows``).  First chunks wait at most
+        ``first_chunk_wait_ms`` (:func:`~cosyvoice_fast.schedule.first_chunk_wait`); when none is ready, later
+        chunks wait at most ``later_chunk_wait_ms`` and never while a listener's audio is about to run out
+        (:func:`~cosyvoice_fast.schedule.later_chunk_wait`).  Only with the sides overlapped: the LLM side keeps
+        decoding meanwhile and wakes this thread at each step.  The wait is on the condition, never a busy
+        loop."""
+        if not self.overlap:
             return
+        cfg = self.config
         with self.cv:
             while not self.closed:
-                opening = [st for st in self.active if st.chunks_emitted == 0 and not st.done
-                           and st.segment is not None]
-                ready = [st.segment.pending[0][1] for st in opening if st.segment.pending]
-                if not ready or len(ready) >= max(self.config.flow_rows):
-                    return
-                short = [st.segment.cursor.tokens_short(len(st.segment.tokens)) for st in opening
-                         if not st.segment.pending and st.segment.llm_started and not st.segment.llm_done
-                         and st.segment.llm is not None and st.segment.llm.ready  # decoding now (not awaiting text)
-                         and not st.cancelled.is_set()]
-                left = first_chunk_wait(min(ready), now(), short, max_wait)
+                running = [st for st in self.active if not st.done and st.segment is not None]
+                opening = [st for st in running if st.chunks_emitted == 0]
+                if any(st.segment.pending for st in opening):
+                    left = self._gather_wait(opening, cfg.first_chunk_wait_ms / 1e3, None)
+                else:
+                    left = self._gather_wait([st for st in running if st.chunks_emitted > 0],
+                                             cfg.later_chunk_wait_ms / 1e3, self.chunks.sample_rate)
                 if left <= 0:
                     return
                 self.cv.wait(timeout=left)
+
+    def _gather_wait(self, states: list[RequestState], max_wait: float, sample_rate: int | None) -> float:
+        """Seconds the ready chunks among ``states`` (all first, or all later: ``sample_rate`` given) should
+        wait for the others' next calls; caller holds ``cv``."""
+        if max_wait <= 0:
+            return 0.0
+        ready = [st for st in states if st.segment.pending]
+        if not ready or len(ready) >= max(self.config.flow_rows):
+            return 0.0
+        short = []
+        for st in states:
+            seg = st.segment
+            if seg.pending or not seg.llm_started or seg.llm_done or seg.llm is None or not seg.llm.ready \
+                    or st.cancelled.is_set():  # only LMs decoding now (not one awaiting text) are coming
+                continue
+            n = len(seg.tokens)
+            short.append(seg.cursor.tokens_short(n) if sample_rate is None
+                         else seg.cursor.tokens_to_next_call(n, seg.llm.max_len - len(seg.llm.history)))
+        since = min(st.segment.pending[0][1] for st in ready)
+        if sample_rate is None:
+            return first_chunk_wait(since, now(), short, max_wait)
+        deadline = min(st.playback_deadline(sample_rate) for st in ready)
+        return later_chunk_wait(since, now(), deadline, short, max_wait, slack_s=chunk_schedule.LATER_SLACK_S)
 
     def llm_turn(self) -> None:
         with self.cv:
