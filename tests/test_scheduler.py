@@ -187,48 +187,6 @@ def test_vocode_chunks_keeps_a_failing_row_its_own(tiny_models, case):
         assert torch.equal(got[i][0], ref[i][0])
 
 
-@pytest.mark.parametrize("wait_ms", [0.0, 1000.0])
-def test_first_chunks_a_few_tokens_apart_share_one_solve_when_gathered(tiny_models, case, wait_ms):
-    """Two requests decoding in lockstep whose first chunks fall 4 tokens apart (prompts of 8 and 12 tokens pad
-    the first hop to 42 and 38): with ``first_chunk_wait_ms`` the earlier one waits for the later one, so both
-    go to the flow together; with 0 the earlier one is solved at once.  The audio is the same either way."""
-    reqs = [_request(case, 0, max_tokens=60), _request(case, 1, max_tokens=60)]
-    eng = Engine(tiny_models, config=EngineConfig(cuda_streams=2, first_chunk_wait_ms=wait_ms))
-    try:
-        refs = [eng.synthesize(r)[0] for r in reqs]
-        gate = threading.Event()
-        stages = eng.stages(eng.default_backend)
-        real_llm, stages.llm = stages.llm, GatedLLM(stages.llm, gate)
-        try:
-            out: list[list] = [[], []]
-            threads = [threading.Thread(target=lambda i=i: out[i].extend(eng.stream(reqs[i]))) for i in range(2)]
-            for t in threads:
-                t.start()
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:  # both prefilled (one token each), neither decoding yet
-                with eng._sched.cv:
-                    segs = [st.segment for st in eng._sched.active]
-                    if len(segs) == 2 and all(s is not None and s.llm_started for s in segs):
-                        break
-                time.sleep(0.005)
-            gate.set()
-            eng.wake()
-            for t in threads:
-                t.join(timeout=60)
-                assert not t.is_alive(), "a request hung"
-        finally:
-            stages.llm = real_llm
-    finally:
-        eng.close()
-    early, late = out[1][0].timing, out[0][0].timing  # 41 and 45 tokens
-    assert early.tokens_ready < late.tokens_ready
-    # gathered: the early chunk's solve starts only once the late one is ready too (one chunk turn takes both;
-    # the eager CPU flow then runs them one by one); not gathered: it starts at once
-    assert (early.flow_start >= late.tokens_ready) is (wait_ms > 0)
-    for o, ref in zip(out, refs):
-        np.testing.assert_array_equal(np.concatenate([c.samples for c in o]), ref)
-
-
 def _run_gated(eng: Engine, reqs: list[SynthesisRequest]) -> list[list]:
     """Stream ``reqs`` together with their LMs held until all are prefilled, so they decode in lockstep."""
     gate = threading.Event()
@@ -236,7 +194,8 @@ def _run_gated(eng: Engine, reqs: list[SynthesisRequest]) -> list[list]:
     real_llm, stages.llm = stages.llm, GatedLLM(stages.llm, gate)
     try:
         out: list[list] = [[] for _ in reqs]
-        threads = [threading.Thread(target=lambda i=i: out[i].extend(eng.stream(reqs[i]))) for i in range(len(reqs))]
+        threads = [threading.Thread(target=lambda i=i: out[i].extend(eng.stream(reqs[i])))
+                   for i in range(len(reqs))]
         for t in threads:
             t.start()
         deadline = time.monotonic() + 30
@@ -254,6 +213,27 @@ def _run_gated(eng: Engine, reqs: list[SynthesisRequest]) -> list[list]:
     finally:
         stages.llm = real_llm
     return out
+
+
+@pytest.mark.parametrize("wait_ms", [0.0, 1000.0])
+def test_first_chunks_a_few_tokens_apart_share_one_solve_when_gathered(tiny_models, case, wait_ms):
+    """Two requests decoding in lockstep whose first chunks fall 4 tokens apart (prompts of 8 and 12 tokens pad
+    the first hop to 42 and 38): with ``first_chunk_wait_ms`` the earlier one waits for the later one, so both
+    go to the flow together; with 0 the earlier one is solved at once.  The audio is the same either way."""
+    reqs = [_request(case, 0, max_tokens=60), _request(case, 1, max_tokens=60)]
+    eng = Engine(tiny_models, config=EngineConfig(cuda_streams=2, first_chunk_wait_ms=wait_ms))
+    try:
+        refs = [eng.synthesize(r)[0] for r in reqs]
+        out = _run_gated(eng, reqs)
+    finally:
+        eng.close()
+    early, late = out[1][0].timing, out[0][0].timing  # 41 and 45 tokens
+    assert early.tokens_ready < late.tokens_ready
+    # gathered: the early chunk's solve starts only once the late one is ready too (one chunk turn takes both;
+    # the eager CPU flow then runs them one by one); not gathered: it starts at once
+    assert (early.flow_start >= late.tokens_ready) is (wait_ms > 0)
+    for o, ref in zip(out, refs):
+        np.testing.assert_array_equal(np.concatenate([c.samples for c in o]), ref)
 
 
 @pytest.mark.parametrize("wait_ms", [0.0, 1000.0])
