@@ -73,9 +73,9 @@ class RequestState:
         return self.request.request_id
 
     def playback_deadline(self, sample_rate: int) -> float:
-        """When this request's listener runs out of audio at the latest (``perf_counter`` seconds): receipt plus
-        the audio sent so far.  Playback starts at the first chunk's delivery, later than receipt, so the true
-        moment is later by the first-audio time; ranking by this errs toward urgency."""
+        """The earliest moment this request's listener can run out of audio (``perf_counter`` seconds): receipt
+        plus the audio sent so far.  Playback starts at the first chunk's delivery, later than receipt, so the
+        true moment is later by the first-audio time; ranking and waiting by this err toward urgency."""
         return self.telemetry.received + self.audio_samples_emitted / sample_rate
 
     def close(self) -> None:
