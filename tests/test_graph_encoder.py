@@ -17,10 +17,9 @@ import torch
 from cosyvoice_fast.backends.eager import flow_chunk_mel, flow_chunk_mel_batch
 from cosyvoice_fast.backends.graph_encoder import GraphEncoder, token_buckets
 from cosyvoice_fast.config import StreamParams
-from cosyvoice_fast.request import ModelInputs
 from cosyvoice_fast.schedule import plan
 
-TOL = 1e-5
+from test_flow_batch import TOL, _inputs
 
 
 @pytest.fixture(scope="module")
@@ -31,15 +30,6 @@ def case(load_case) -> dict:
 @pytest.fixture(scope="module")
 def flow(tiny_models):
     return tiny_models.flow
-
-
-def _inputs(case: dict, n_prompt: int, i: int, device="cpu", dtype=torch.float32) -> ModelInputs:
-    g = torch.Generator().manual_seed(700 + i)
-    inputs = ModelInputs(text_segments=[torch.tensor([[1, 2, 3]])],
-                         flow_prompt_speech_token=case["prompt_token"][:, :n_prompt],
-                         prompt_feat=case["prompt_feat"][:, :2 * n_prompt],
-                         embedding=case["embedding"] + 0.05 * torch.randn(1, 192, generator=g))
-    return inputs.to(device, dtype)
 
 
 def _padded_rows(flow, case: dict, spec: list[tuple[int, int, int]]):
