@@ -298,7 +298,9 @@ def test_replica_metrics_reach_rays_exporter_labelled_by_replica(cluster):
 
 @pytest.mark.ray
 def test_killed_replica_ends_its_streams_with_an_error_and_is_replaced(cluster):
-    kinds = [(20 + i % 4, "alice") for i in range(16)]
+    # 24 streams: one replica admits 16 at most, so both replicas hold some whatever Serve's router picks (with
+    # 16, its cached queue lengths sometimes sent all of them to one replica)
+    kinds = [(20 + i % 4, "alice") for i in range(24)]
     outs: list[dict] = [{} for _ in kinds]
     started = threading.Barrier(len(kinds) + 1, timeout=120)
     with ThreadPoolExecutor(len(kinds)) as pool:
@@ -307,7 +309,7 @@ def test_killed_replica_ends_its_streams_with_an_error_and_is_replaced(cluster):
         counts: dict[int, int] = {}
         for o in outs:
             counts[o["pid"]] = counts.get(o["pid"], 0) + 1
-        assert len(counts) == 2, f"the 16 streams did not spread over both replicas: {counts}"
+        assert len(counts) == 2 and max(counts.values()) <= 16, f"streams per replica: {counts}"
         victim = max(counts, key=counts.get)
         os.kill(victim, signal.SIGKILL)
         results = [f.result(timeout=300) for f in futures]
