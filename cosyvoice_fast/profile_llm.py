@@ -130,20 +130,21 @@ def step_profile(lm: torch.nn.Module, backend: str, rows: int, context: int, max
 
 
 def backend_ms_per_token(stage: object, inputs: object, text: torch.Tensor, rows: int, tokens: int) -> float:
-    """Wall ms per decode round of a backend's ``generate`` with ``rows`` requests stepping together (forced
-    length, eos ignored): what a token costs a request including sampling and the per-step host sync."""
-    gens = [torch.Generator(device="cuda").manual_seed(i) for i in range(rows)]
-    its = [stage.generate(inputs, text, g, tokens, True) for g in gens]  # type: ignore[attr-defined]
-    for it in its:
-        next(it)  # prefill + first token
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    n = 0
-    for _ in range(tokens - 1):
-        for it in its:
-            next(it)
-        n += 1
-    torch.cuda.synchronize()
-    for it in its:
-        it.close()
-    return (time.perf_counter() - t) * 1e3 / n
+    """Wall ms per decode round of a backend with ``rows`` requests stepping together (one ``prefill`` of them
+    all, then batched ``decode`` calls; forced length, eos ignored): what a token costs a request including
+    sampling and the per-step host sync."""
+    new_state = stage.new_state  # type: ignore[attr-defined]
+    states = [new_state(inputs, text, torch.Generator(device="cuda").manual_seed(i), tokens, True) for i in range(rows)]
+    try:
+        stage.prefill(states)  # type: ignore[attr-defined]
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        n = 0
+        while not all(st.done for st in states):
+            stage.decode([st for st in states if not st.done])  # type: ignore[attr-defined]
+            n += 1
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) * 1e3 / max(1, n)
+    finally:
+        for st in states:
+            stage.release(st)  # type: ignore[attr-defined]

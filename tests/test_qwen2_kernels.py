@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 
 from cosyvoice_fast.config import QwenConfig  # noqa: E402
 from cosyvoice_fast.kernels import qwen2_attention as attn_k  # noqa: E402
+from cosyvoice_fast.kernels import qwen2_gemv as gemv_k  # noqa: E402
 from cosyvoice_fast.kernels import qwen2_proj as proj_k  # noqa: E402
 from cosyvoice_fast.kernels.qwen2_decode import FusedDecoder, decode_step, kernels_per_step  # noqa: E402
 from cosyvoice_fast.models.qwen2 import KVCache, Qwen2Decoder  # noqa: E402
@@ -54,20 +55,19 @@ def _positions(rows: int, max_len: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def test_qkv_rope_writes_q_and_the_cache_at_each_rows_position():
+@pytest.mark.parametrize("kernels,rows", [(proj_k, 3), (gemv_k, 1)])
+def test_qkv_rope_writes_q_and_the_cache_at_each_rows_position(kernels, rows):
     dec = _decoder(1).fuse_projections()
-    layer, rows, max_len = dec.layers[0], 3, 24
+    layer, max_len = dec.layers[0], 24
     a = layer.self_attn
-    resid = torch.randn(rows, CFG.hidden_size, device=DEV)
-    parts = torch.randn(3, rows, CFG.hidden_size, device=DEV)  # a previous down projection's K-split sums
-    x = resid + parts[0] + parts[1] + parts[2]
+    x = torch.randn(rows, CFG.hidden_size, device=DEV)
     pos = _positions(rows, max_len)
     cache = KVCache.for_config(CFG, max_len, rows, device=DEV)
     for t in cache.k + cache.v:
         t.fill_(float("nan"))
     q = _nan(rows, CFG.num_attention_heads, CFG.head_dim)
-    proj_k.qkv_rope(resid, parts, layer.input_layernorm.weight, a.qkv_weight, a.qkv_bias, dec.rotary.inv_freq, pos, q,
-                    cache.k[0], cache.v[0], layer.input_layernorm.eps, a.n_heads, a.n_kv, a.head_dim)
+    kernels.qkv_rope(x, layer.input_layernorm.weight, a.qkv_weight, a.qkv_bias, dec.rotary.inv_freq, pos, q,
+                     cache.k[0], cache.v[0], layer.input_layernorm.eps, a.n_heads, a.n_kv, a.head_dim)
     cos, sin = dec.rotary.rows(pos[:, None], x.dtype)
     q_ref, k_ref, v_ref = a._qkv(layer.input_layernorm(x[:, None]), cos, sin)
     assert _err(q, q_ref[:, :, 0]) <= TOL
@@ -117,23 +117,50 @@ def test_split_attention_merges_to_softmax_attention(splits):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("split", [0, 1, 3])  # 0: add into the residual
-def test_projection_adds_the_residual_or_writes_k_split_partials(split):
+@pytest.mark.parametrize("split", [1, 3])
+def test_projection_adds_into_the_residual_whole_or_from_k_split_partials(split):
     rows, k_dim, n = 5, 80, 48  # K not a multiple of the K tile or of the split
     a = torch.randn(rows, k_dim, device=DEV)
     w = torch.randn(n, k_dim, device=DEV)
     resid = torch.randn(rows, n, device=DEV)
-    parts_in = torch.randn(2, rows, n, device=DEV)
-    ref = resid + parts_in[0] + parts_in[1] + a @ w.t()
-    if split == 0:
-        proj_k.proj_residual(a, w, resid, parts_in=parts_in)
-        assert _err(resid, ref) <= TOL
-    else:
-        before = resid.clone()
-        parts_out = _nan(split, rows, n)
-        proj_k.proj_residual(a, w, resid, parts_out=parts_out)
-        assert torch.equal(resid, before)  # left to the readers
-        assert _err(parts_out.sum(0), a @ w.t()) <= TOL
+    ref = resid + a @ w.t()
+    parts = _nan(split, rows, n) if split > 1 else None
+    counters = torch.zeros(n // 16, dtype=torch.int32, device=DEV)
+    proj_k.proj_residual(a, w, resid, parts, counters)
+    assert _err(resid, ref) <= TOL
+    assert counters.eq(0).all()  # the last split reset its tile's counter for the next layer
+    proj_k.proj_residual(a, w, resid, parts, counters)  # so the same scratch serves again
+    assert _err(resid, ref + a @ w.t()) <= TOL
+    with pytest.raises(ValueError, match=r"3-way K split needs parts \(3, 5, 48\) and 3 counters, got"):
+        proj_k.proj_residual(a, w, resid, _nan(3, 4, n), counters)
+
+
+@torch.inference_mode()
+def test_one_row_gemv_projections_equal_the_math_with_and_without_k_pieces(monkeypatch):
+    rows = 1
+    dec = _decoder(6).fuse_projections()
+    layer = dec.layers[0]
+    x = torch.randn(rows, CFG.hidden_size, device=DEV)
+    h = _nan(rows, CFG.intermediate_size)
+    gemv_k.gate_up(x, layer.post_attention_layernorm.weight, layer.mlp.gate_up_weight, h,
+                   layer.post_attention_layernorm.eps)
+    xn = layer.post_attention_layernorm(x)
+    h_ref = F.silu(layer.mlp.gate_proj(xn)) * layer.mlp.up_proj(xn)
+    assert _err(h, h_ref) <= TOL
+    resid = torch.randn(rows, CFG.hidden_size, device=DEV)
+    ref = resid + layer.mlp.down_proj(h_ref)
+    gemv_k.proj_residual(h, layer.mlp.down_proj.weight, resid)  # all of K in one piece
+    assert _err(resid, ref) <= TOL
+    monkeypatch.setattr(proj_k, "TILES", proj_k.Tiles(down_chunk=32))
+    split = gemv_k.split_count(CFG.intermediate_size)
+    assert split == 3  # 96 = 3 pieces of 32
+    parts, counters = _nan(split, rows, CFG.hidden_size), torch.zeros(CFG.hidden_size, dtype=torch.int32, device=DEV)
+    gemv_k.proj_residual(h, layer.mlp.down_proj.weight, resid, parts, counters)
+    assert _err(resid, ref + layer.mlp.down_proj(h_ref)) <= TOL
+    assert counters.eq(0).all()
+    with pytest.raises(ValueError, match="the GEMV decode kernels take one row, got 2; steps of more rows use"):
+        gemv_k.gate_up(torch.randn(2, CFG.hidden_size, device=DEV), layer.post_attention_layernorm.weight,
+                       layer.mlp.gate_up_weight, _nan(2, CFG.intermediate_size), 1e-6)
 
 
 @torch.inference_mode()
@@ -155,17 +182,18 @@ def test_gate_up_silu_and_projection_over_more_than_one_row_block():
 
 
 @torch.inference_mode()
-def test_final_rmsnorm_adds_the_partials_and_matches_the_module():
+def test_final_rmsnorm_matches_the_module():
     dec = _decoder(3)
     x = torch.randn(5, CFG.hidden_size, device=DEV) * 3
-    parts = torch.randn(2, 5, CFG.hidden_size, device=DEV)
     out = _nan(5, CFG.hidden_size)
-    proj_k.rmsnorm(x, parts, dec.norm.weight, out, dec.norm.eps)
-    assert _err(out, dec.norm(x + parts[0] + parts[1])) <= TOL
+    proj_k.rmsnorm(x, dec.norm.weight, out, dec.norm.eps)
+    assert _err(out, dec.norm(x)) <= TOL
 
 
 @torch.inference_mode()
-def test_decode_steps_equal_the_decoder_per_row_and_shared_positions():
+@pytest.mark.parametrize("gemv,early", [(False, False), (True, True)])  # one-row steps looped or GEMV
+def test_decode_steps_equal_the_decoder_per_row_and_shared_positions(gemv, early, monkeypatch):
+    monkeypatch.setattr(proj_k, "TILES", proj_k.Tiles(gemv=gemv, early_tile=early, down_split=2, down_chunk=64))
     dec = _decoder(4)
     rows, max_len = 3, 24
     caches = [KVCache.for_config(CFG, max_len, rows, device=DEV) for _ in range(2)]
@@ -191,6 +219,12 @@ def test_tiles_are_validated_by_field():
         proj_k.Tiles(down=8)
     with pytest.raises(ValueError, match="Tiles.down_split must be 1..16, got 0"):
         proj_k.Tiles(down_split=0)
+    with pytest.raises(ValueError, match="Tiles.gemv_cols must be a power of two in 1..64, got 12"):
+        proj_k.Tiles(gemv_cols=12)
+    with pytest.raises(ValueError, match="Tiles.gemv must be True or False, got 1"):
+        proj_k.Tiles(gemv=1)
+    with pytest.raises(ValueError, match="Tiles.down_chunk must be a power of two >= 16, got 100"):
+        proj_k.Tiles(down_chunk=100)
 
 
 def test_attention_splits_fill_the_gpu_for_few_rows_and_stay_powers_of_two():

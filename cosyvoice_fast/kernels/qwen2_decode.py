@@ -2,9 +2,10 @@
 
 Per layer: (1) RMSNorm + q/k/v + bias + RoPE + KV-cache write, (2) decode attention split over keys with the
 split merge in the same kernel, (3) o-projection + residual, (4) RMSNorm + gate/up + SiLU*mul, (5) the
-down projection as K-split partial sums that the next layer's (1) and (3) (or the final norm) add to the
-residual.  Per step: the copy of the input embeddings into the fp32 residual stream, the zeroing of the
-attention's merge counters, and the final RMSNorm.
+down projection split over K, whose last split adds the partial sums to the residual.  Per step: the copy of
+the input embeddings into the fp32 residual stream, the zeroing of the merge counters, and the final RMSNorm.
+One-row steps take the projections of :mod:`.qwen2_gemv` (weights loaded before each kernel waits for the
+previous one, no tensor cores; ``Tiles.gemv``), larger steps the looped ones of :mod:`.qwen2_proj`.
 
 :class:`FusedDecoder` is a drop-in for :class:`~cosyvoice_fast.models.qwen2.Qwen2Decoder` *as a CUDA-graph
 runner calls it*: ``decoder(inputs_embeds, pos, cache, kv_len=...)``.  One-token calls with a cache take the
@@ -21,9 +22,11 @@ import os
 from typing import Any
 
 import torch
+import triton
 
 from ..models.qwen2 import KVCache, Qwen2Decoder
 from . import qwen2_attention as attn_k
+from . import qwen2_gemv as gemv_k
 from . import qwen2_proj as proj_k
 
 
@@ -85,25 +88,42 @@ def decode_step(decoder: Qwen2Decoder, inputs_embeds: torch.Tensor, pos: torch.T
     o_part = torch.empty(rows, n_heads, splits, head_dim, dtype=torch.float32, device=dev)
     m_part = torch.empty(rows, n_heads, splits, dtype=torch.float32, device=dev)
     l_part = torch.empty(rows, n_heads, splits, dtype=torch.float32, device=dev)
-    counters = torch.zeros(rows, n_kv, dtype=torch.int32, device=dev)
     h = torch.empty(rows, cfg.intermediate_size, dtype=dtype, device=dev)
-    parts = torch.empty(proj_k.TILES.down_split, rows, hidden, dtype=torch.float32, device=dev)
-    prev: torch.Tensor | None = None  # the previous layer's down-projection partials, not yet in ``resid``
+    gemv = rows == 1 and proj_k.TILES.gemv
+    if gemv:  # weights loaded before each kernel's wait (.qwen2_gemv); the down projection in K pieces
+        proj = gemv_k
+        split = gemv_k.split_count(cfg.intermediate_size)
+        down_tiles = hidden  # counters: at most one per output column
+    else:
+        proj = proj_k
+        split = proj_k.TILES.down_split
+        down_tiles = triton.cdiv(hidden, proj_k.TILES.down) * triton.cdiv(rows, proj_k.row_block(rows))
+    # one memset zeroes the attention's merge counters and the down projection's split counters; each kernel
+    # puts its counters back to zero, so every layer (and the next replay) finds them so
+    counters = torch.zeros(rows * n_kv + down_tiles, dtype=torch.int32, device=dev)
+    attn_counters, down_counters = counters[:rows * n_kv].view(rows, n_kv), counters[rows * n_kv:]
+    parts = torch.empty(split, rows, hidden, dtype=torch.float32, device=dev) if split > 1 else None
     inv_freq = decoder.rotary.inv_freq
     for i, layer in enumerate(decoder.layers):
         a, mlp = layer.self_attn, layer.mlp
         kc, vc = cache.k[i], cache.v[i]
-        proj_k.qkv_rope(resid, prev, layer.input_layernorm.weight, _contig(a.qkv_weight), _contig(a.qkv_bias),
-                        inv_freq, positions, q, kc, vc, layer.input_layernorm.eps, n_heads, n_kv, head_dim)
-        attn_k.decode_attention(q, kc, vc, positions, kv_len, attn, o_part, m_part, l_part, counters)
-        proj_k.proj_residual(attn.view(rows, n_heads * head_dim), _contig(a.o_proj.weight), resid, parts_in=prev,
-                             block_n=proj_k.TILES.oproj)
-        proj_k.gate_up(resid, layer.post_attention_layernorm.weight, _contig(mlp.gate_up_weight), h,
-                       layer.post_attention_layernorm.eps)
-        proj_k.proj_residual(h, _contig(mlp.down_proj.weight), resid, parts_out=parts, block_n=proj_k.TILES.down)
-        prev = parts
+        proj.qkv_rope(resid, layer.input_layernorm.weight, _contig(a.qkv_weight), _contig(a.qkv_bias), inv_freq,
+                      positions, q, kc, vc, layer.input_layernorm.eps, n_heads, n_kv, head_dim)
+        attn_k.decode_attention(q, kc, vc, positions, kv_len, attn, o_part, m_part, l_part, attn_counters)
+        o_in, wo = attn.view(rows, n_heads * head_dim), _contig(a.o_proj.weight)
+        gate_in = (resid, layer.post_attention_layernorm.weight, _contig(mlp.gate_up_weight), h,
+                   layer.post_attention_layernorm.eps)
+        if gemv:
+            gemv_k.proj_residual(o_in, wo, resid)
+            gemv_k.gate_up(*gate_in)
+            gemv_k.proj_residual(h, _contig(mlp.down_proj.weight), resid, parts, down_counters)
+        else:
+            proj_k.proj_residual(o_in, wo, resid, block_n=proj_k.TILES.oproj)
+            proj_k.gate_up(*gate_in)
+            proj_k.proj_residual(h, _contig(mlp.down_proj.weight), resid, parts, down_counters,
+                                 block_n=proj_k.TILES.down)
     out = torch.empty(rows, hidden, dtype=dtype, device=dev)
-    proj_k.rmsnorm(resid, prev, decoder.norm.weight, out, decoder.norm.eps)
+    proj_k.rmsnorm(resid, decoder.norm.weight, out, decoder.norm.eps)
     return out.view(rows, 1, hidden)
 
 

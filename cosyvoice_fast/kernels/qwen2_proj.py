@@ -15,9 +15,10 @@ Everything that would otherwise be its own kernel rides in the prologue or epilo
 - SiLU*mul: a gate/up program owns the same columns of gate and up;
 - residuals: the residual stream stays fp32 in one (rows, H) buffer.  The o-projection adds into it.  The down
   projection (the largest matrix, but only H = 896 output columns) is split over K as well, so one row's weight
-  stream has enough programs in flight; its ``S`` fp32 partial sums go to a (S, rows, H) buffer that the next
-  readers add in a fixed order (the next layer's q/k/v norm and o-projection, or the final norm): deterministic,
-  no atomics, no extra kernel.
+  stream has enough programs in flight; each split writes an fp32 partial sum to a (S, rows, H) scratch and bumps
+  a per-tile counter, and the split that arrives last adds all partials to the residual in split order and puts
+  the counter back to zero (the attention's merge, :mod:`.qwen2_attention`, works the same way).  Deterministic,
+  no atomics on data, no extra kernel, and every reader sees one finished fp32 residual row.
 
 K tiles are ``Tiles.k_bytes`` of each weight row (128 bf16 / 64 fp32 elements), pipelined with cp.async: a
 few stages in flight per program, ~2 programs per SM for the big matrices, and small enough shared memory that
@@ -56,16 +57,23 @@ class Tiles:
     down_split: int = 4  # K splits of the down projection (partial sums, see the module docstring)
     pdl: bool = True  # programmatic dependent launch: a kernel launches while the previous one drains (CUDA only)
     k_bytes: int = 256  # bytes of one weight row per K tile (128 bf16 elements: ~54 KB of smem per gate/up program)
+    early_tile: bool = True  # the looped projections load their first weight tile before the PDL wait
+    gemv: bool = True  # one-row steps take the weight-prefetch GEMV kernels of .qwen2_gemv
+    gemv_cols: int = 8  # output columns per program of those kernels (per half-head for q/k/v)
+    down_chunk: int = 512  # K elements per split of their down projection
 
     def __post_init__(self) -> None:
-        for name in ("qkv", "oproj", "gate_up", "down", "attn_keys", "k_bytes"):
+        for name in ("qkv", "oproj", "gate_up", "down", "attn_keys", "k_bytes", "down_chunk"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"Tiles.{name} must be a power of two >= 16, got {v}")
+        if not 1 <= self.gemv_cols <= 64 or self.gemv_cols & (self.gemv_cols - 1):
+            raise ValueError(f"Tiles.gemv_cols must be a power of two in 1..64, got {self.gemv_cols}")
         if not 1 <= self.down_split <= 16:
             raise ValueError(f"Tiles.down_split must be 1..16, got {self.down_split}")
-        if not isinstance(self.pdl, bool):
-            raise ValueError(f"Tiles.pdl must be True or False, got {self.pdl!r}")
+        for name in ("pdl", "early_tile", "gemv"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Tiles.{name} must be True or False, got {getattr(self, name)!r}")
 
 
 TILES = Tiles()  # what the launchers use (read at each launch, so a benchmark can swap it)
@@ -84,75 +92,40 @@ def pdl_start(PDL: tl.constexpr):
 
 
 @triton.jit
-def _resid_tile(x_ptr, part_ptr, rows, rmask, k, K, B, NPART: tl.constexpr):
-    """fp32 residual tile ``x[rows, k] + sum_s part[s, rows, k]`` (the previous down projection's K splits, added
-    in split order; ``NPART`` = 0 when there are none)."""
-    m2 = rmask[:, None] & (k[None, :] < K)
-    off = rows[:, None] * K + k[None, :]
-    x = tl.load(x_ptr + off, mask=m2, other=0.0).to(tl.float32)
-    for s in tl.static_range(NPART):
-        x += tl.load(part_ptr + s * B * K + off, mask=m2, other=0.0)
-    return x
+def _resid_tile(x_ptr, rows, rmask, k, K):
+    """fp32 residual tile ``x[rows, k]``."""
+    return tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=rmask[:, None] & (k[None, :] < K), other=0.0
+                   ).to(tl.float32)
 
 
 @triton.jit
-def _row_rstd(x_ptr, part_ptr, rows, rmask, K, B, eps, NPART: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_K: tl.constexpr):
-    """``1 / sqrt(mean(x^2) + eps)`` of residual rows ``rows`` (see :func:`_resid_tile`)."""
+def _row_rstd(x_ptr, rows, rmask, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``1 / sqrt(mean(x^2) + eps)`` of residual rows ``rows``."""
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in tl.static_range(0, K, BLOCK_K):  # unrolled (K is a constexpr): all row loads issue at once
-        x = _resid_tile(x_ptr, part_ptr, rows, rmask, k0 + tl.arange(0, BLOCK_K), K, B, NPART)
+        x = _resid_tile(x_ptr, rows, rmask, k0 + tl.arange(0, BLOCK_K), K)
         ss += tl.sum(x * x, axis=1)
     return 1.0 / tl.sqrt(ss / K + eps)
 
 
 @triton.jit
-def _normed_tile(x_ptr, part_ptr, rows, rmask, k, K, B, rstd, nw_ptr, NPART: tl.constexpr):
+def _normed_tile(x_ptr, rows, rmask, k, K, rstd, nw_ptr):
     """A (BLOCK_M, BLOCK_K) tile of ``RMSNorm(x)`` in the norm weight's dtype: normalise in fp32, round, then
     scale (the reference order)."""
-    x = _resid_tile(x_ptr, part_ptr, rows, rmask, k, K, B, NPART)
+    x = _resid_tile(x_ptr, rows, rmask, k, K)
     nw = tl.load(nw_ptr + k, mask=k < K, other=0.0)
     return (x * rstd[:, None]).to(nw.dtype) * nw[None, :]
 
 
 @triton.jit
-def _w_tile(w_ptr, cols, cmask, k, K, k_end):
-    """Weight rows ``cols`` of a (N, K) row-major matrix, K tile ``k`` (< ``k_end``), as a (BLOCK_K, BLOCK_N)
-    operand."""
-    return tl.load(w_ptr + cols[None, :] * K + k[:, None], mask=cmask[None, :] & (k[:, None] < k_end), other=0.0)
-
-
-# ------------------------------------------------------------------------------------------ kernels
-
-
-@triton.jit
-def _qkv_rope_kernel(x_ptr, part_ptr, nw_ptr, w_ptr, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
-                     B, K: tl.constexpr, eps, stride_cb, stride_ch, stride_cp,
-                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NPART: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-                     PDL: tl.constexpr):
-    """Program (column block, row block): columns ``d`` and ``d + D/2`` of one q, k or v head."""
-    pdl_start(PDL)
+def rope_store(acc1, acc2, head, d, dmask, rows, rmask, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
+               stride_cb, stride_ch, stride_cp, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
+    """The q/k/v epilogue: bias, RoPE on q and k heads (half-split pairs ``d``, ``d + D/2``), then q to its
+    scratch rows and k/v into the cache rows at each row's position."""
     HALF: tl.constexpr = D // 2
-    NB: tl.constexpr = (HALF + BLOCK_N - 1) // BLOCK_N
-    pid = tl.program_id(0)
-    head = pid // NB
-    d = (pid % NB) * BLOCK_N + tl.arange(0, BLOCK_N)
-    dmask = d < HALF  # all true unless head_dim / 2 < 16 (test-sized models): tl.dot needs 16 columns
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < B
-    rstd = _row_rstd(x_ptr, part_ptr, rows, rmask, K, B, eps, NPART, BLOCK_M, BLOCK_K)
     col1 = head * D + d
-    col2 = col1 + HALF
-    acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        xn = _normed_tile(x_ptr, part_ptr, rows, rmask, k, K, B, rstd, nw_ptr, NPART)
-        acc1 = tl.dot(xn, _w_tile(w_ptr, col1, dmask, k, K, K), acc1, input_precision=PREC)
-        acc2 = tl.dot(xn, _w_tile(w_ptr, col2, dmask, k, K, K), acc2, input_precision=PREC)
     acc1 += tl.load(b_ptr + col1, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    acc2 += tl.load(b_ptr + col2, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    acc2 += tl.load(b_ptr + col1 + HALF, mask=dmask, other=0.0).to(tl.float32)[None, :]
     pos = tl.load(pos_ptr + rows, mask=rmask, other=0)
     # q and k heads rotate (half-split pairing: out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin); v heads do not
     rot = head < HQ + HKV
@@ -178,21 +151,97 @@ def _qkv_rope_kernel(x_ptr, part_ptr, nw_ptr, w_ptr, b_ptr, freq_ptr, pos_ptr, q
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, B, K: tl.constexpr, N, eps,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-                    PDL: tl.constexpr):
-    """``h = silu(gate(norm(x))) * up(norm(x))`` for columns ``n`` (gate rows n, up rows N + n of the fused weight)."""
-    pdl_start(PDL)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cmask = cols < N
+def split_add(acc, r_ptr, part_ptr, cnt_ptr, tile, rows, rmask, cols, cmask, B, N, SPLIT_K: tl.constexpr):
+    """``r[rows, cols] += acc`` for a projection split over K (split ``program_id(2)``): one split adds directly;
+    with several, each stores its fp32 partial and bumps the tile's counter, and the last to arrive adds every
+    partial in split order (deterministic) and resets the counter to zero for the next layer and replay."""
+    m2 = rmask[:, None] & cmask[None, :]
+    off = rows[:, None] * N + cols[None, :]
+    if SPLIT_K == 1:
+        tl.store(r_ptr + off, tl.load(r_ptr + off, mask=m2, other=0.0) + acc, mask=m2)
+    else:
+        sid = tl.program_id(2)
+        tl.store(part_ptr + sid * B * N + off, acc, mask=m2)
+        tl.debug_barrier()  # every thread's partial is issued before the release below
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            total = tl.load(part_ptr + off, mask=m2, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                total += tl.load(part_ptr + s * B * N + off, mask=m2, other=0.0, cache_modifier=".cg")
+            tl.store(r_ptr + off, tl.load(r_ptr + off, mask=m2, other=0.0) + total, mask=m2)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+@triton.jit
+def _w_tile(w_ptr, cols, cmask, k, K, k_end):
+    """Weight rows ``cols`` of a (N, K) row-major matrix, K tile ``k`` (< ``k_end``), as a (BLOCK_K, BLOCK_N)
+    operand."""
+    return tl.load(w_ptr + cols[None, :] * K + k[:, None], mask=cmask[None, :] & (k[:, None] < k_end), other=0.0)
+
+
+# ------------------------------------------------------------------------------------------ kernels
+
+
+@triton.jit
+def _qkv_rope_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
+                     B, K: tl.constexpr, eps, stride_cb, stride_ch, stride_cp,
+                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+                     PDL: tl.constexpr, EARLY: tl.constexpr):
+    """Program (column block, row block): columns ``d`` and ``d + D/2`` of one q, k or v head."""
+    HALF: tl.constexpr = D // 2
+    NB: tl.constexpr = (HALF + BLOCK_N - 1) // BLOCK_N
+    pid = tl.program_id(0)
+    head = pid // NB
+    d = (pid % NB) * BLOCK_N + tl.arange(0, BLOCK_N)
+    dmask = d < HALF  # all true unless head_dim / 2 < 16 (test-sized models): tl.dot needs 16 columns
+    col1 = head * D + d
+    col2 = col1 + HALF
+    k = tl.arange(0, BLOCK_K)
+    if not EARLY:
+        pdl_start(PDL)
+    w1 = _w_tile(w_ptr, col1, dmask, k, K, K)  # the first K tile: weights never depend on the previous kernel
+    w2 = _w_tile(w_ptr, col2, dmask, k, K, K)
+    if EARLY:
+        pdl_start(PDL)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < B
-    rstd = _row_rstd(x_ptr, x_ptr, rows, rmask, K, B, eps, 0, BLOCK_M, BLOCK_K)
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    rstd = _row_rstd(x_ptr, rows, rmask, K, eps, BLOCK_M, BLOCK_K)
+    xn = _normed_tile(x_ptr, rows, rmask, k, K, rstd, nw_ptr)
+    acc1 = tl.dot(xn, w1, input_precision=PREC)
+    acc2 = tl.dot(xn, w2, input_precision=PREC)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        xn = _normed_tile(x_ptr, x_ptr, rows, rmask, k, K, B, rstd, nw_ptr, 0)
+        xn = _normed_tile(x_ptr, rows, rmask, k, K, rstd, nw_ptr)
+        acc1 = tl.dot(xn, _w_tile(w_ptr, col1, dmask, k, K, K), acc1, input_precision=PREC)
+        acc2 = tl.dot(xn, _w_tile(w_ptr, col2, dmask, k, K, K), acc2, input_precision=PREC)
+    rope_store(acc1, acc2, head, d, dmask, rows, rmask, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
+               stride_cb, stride_ch, stride_cp, HQ, HKV, D)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, B, K: tl.constexpr, N, eps,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+                    PDL: tl.constexpr, EARLY: tl.constexpr):
+    """``h = silu(gate(norm(x))) * up(norm(x))`` for columns ``n`` (gate rows n, up rows N + n of the fused weight)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    k = tl.arange(0, BLOCK_K)
+    if not EARLY:
+        pdl_start(PDL)
+    wg = _w_tile(w_ptr, cols, cmask, k, K, K)
+    wu = _w_tile(w_ptr, cols + N, cmask, k, K, K)
+    if EARLY:
+        pdl_start(PDL)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < B
+    rstd = _row_rstd(x_ptr, rows, rmask, K, eps, BLOCK_M, BLOCK_K)
+    xn = _normed_tile(x_ptr, rows, rmask, k, K, rstd, nw_ptr)
+    acc_g = tl.dot(xn, wg, input_precision=PREC)
+    acc_u = tl.dot(xn, wu, input_precision=PREC)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        xn = _normed_tile(x_ptr, rows, rmask, k, K, rstd, nw_ptr)
         acc_g = tl.dot(xn, _w_tile(w_ptr, cols, cmask, k, K, K), acc_g, input_precision=PREC)
         acc_u = tl.dot(xn, _w_tile(w_ptr, cols + N, cmask, k, K, K), acc_u, input_precision=PREC)
     h = acc_g * tl.sigmoid(acc_g) * acc_u
@@ -201,46 +250,42 @@ def _gate_up_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, B, K: tl.constexpr, N, eps,
 
 
 @triton.jit
-def _proj_residual_kernel(a_ptr, w_ptr, r_ptr, part_in_ptr, part_out_ptr, B, K, N,
-                          NPART_IN: tl.constexpr, SPLIT_K: tl.constexpr, TO_PARTS: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
-    """``a @ W[n, :]^T`` for columns ``n`` over K split ``program_id(2)``.  ``TO_PARTS``: split ``s`` writes its
-    partial sum to ``part_out[s]`` and the residual is left to the readers.  Otherwise (one split) the residual
-    becomes ``r + sum(part_in) + a W^T`` (each program owns its columns, so nothing races)."""
-    pdl_start(PDL)
+def _proj_residual_kernel(a_ptr, w_ptr, r_ptr, part_ptr, cnt_ptr, B, K, N, SPLIT_K: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+                          PDL: tl.constexpr, EARLY: tl.constexpr):
+    """``r[:, n] += a @ W[n, :]^T`` for columns ``n``, over K split ``program_id(2)`` (see :func:`split_add`)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < B
     sid = tl.program_id(2)
     chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_end = tl.minimum(sid * chunk + chunk, K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(sid * chunk, k_end, BLOCK_K):
+    k = sid * chunk + tl.arange(0, BLOCK_K)
+    if not EARLY:
+        pdl_start(PDL)
+    w = _w_tile(w_ptr, cols, cmask, k, K, k_end)
+    if EARLY:
+        pdl_start(PDL)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < B
+    a = tl.load(a_ptr + rows[:, None] * K + k[None, :], mask=rmask[:, None] & (k[None, :] < k_end), other=0.0)
+    acc = tl.dot(a, w, input_precision=PREC)
+    for k0 in range(sid * chunk + BLOCK_K, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_ptr + rows[:, None] * K + k[None, :], mask=rmask[:, None] & (k[None, :] < k_end), other=0.0)
         acc = tl.dot(a, _w_tile(w_ptr, cols, cmask, k, K, k_end), acc, input_precision=PREC)
-    m2 = rmask[:, None] & cmask[None, :]
-    if not TO_PARTS:
-        ptrs = r_ptr + rows[:, None] * N + cols[None, :]
-        r = _resid_tile(r_ptr, part_in_ptr, rows, rmask, cols, N, B, NPART_IN)
-        tl.store(ptrs, r + acc, mask=m2)
-    else:
-        tl.store(part_out_ptr + sid * B * N + rows[:, None] * N + cols[None, :], acc, mask=m2)
+    tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    split_add(acc, r_ptr, part_ptr, cnt_ptr, tile, rows, rmask, cols, cmask, B, N, SPLIT_K)
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, part_ptr, w_ptr, out_ptr, B, N, eps, NPART: tl.constexpr, BLOCK: tl.constexpr,
-                    PDL: tl.constexpr):
-    """One row per program: ``w * (x * rsqrt(mean(x^2) + eps))`` rounded to ``out``'s dtype (x: the residual
-    plus the last down projection's partial sums)."""
+def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, N, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One row per program: ``w * (x * rsqrt(mean(x^2) + eps))`` rounded to ``out``'s dtype (x: the fp32
+    residual)."""
     pdl_start(PDL)
     row = tl.program_id(0)
     k = tl.arange(0, BLOCK)
     kmask = k < N
     x = tl.load(x_ptr + row * N + k, mask=kmask, other=0.0).to(tl.float32)
-    for s in tl.static_range(NPART):
-        x += tl.load(part_ptr + s * B * N + row * N + k, mask=kmask, other=0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
     w = tl.load(w_ptr + k, mask=kmask, other=0.0)
     tl.store(out_ptr + row * N + k, ((x * rstd).to(w.dtype) * w).to(out_ptr.dtype.element_ty), mask=kmask)
@@ -257,6 +302,12 @@ def row_block(rows: int) -> int:
 def dot_precision(dtype: torch.dtype) -> str:
     """IEEE fp32 products for fp32 weights (TF32 would cost ~1e-3 of parity); tensor cores otherwise."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def looped_options(t: torch.Tensor) -> dict:
+    """:func:`launch_options` of the looped projections, plus whether their first weight tile loads before the
+    PDL wait (``Tiles.early_tile``)."""
+    return {**launch_options(t, 3), "EARLY": TILES.early_tile}
 
 
 def launch_options(t: torch.Tensor, stages: int) -> dict:
@@ -280,28 +331,22 @@ def _k_block(k: int, dtype: torch.dtype, block_m: int = 16) -> int:
     return max(16, min(elems, triton.next_power_of_2(k)))
 
 
-def _parts(parts: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(pointer argument, count) of the previous down projection's partial sums; ``like`` stands in for none."""
-    return (like, 0) if parts is None else (parts, parts.shape[0])
-
-
-def qkv_rope(x: torch.Tensor, parts: torch.Tensor | None, norm_w: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
-             inv_freq: torch.Tensor, pos: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, eps: float, n_heads: int, n_kv: int, head_dim: int) -> None:
-    """q (B, Hq, D) <- RoPE(norm(x) Wq + bq); cache rows b at ``pos[b]`` <- RoPE(k), v.  ``x``: fp32 (B, K)
-    residual, plus ``parts`` (S, B, K) partial sums when not None."""
+def qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, b: torch.Tensor, inv_freq: torch.Tensor,
+             pos: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, eps: float,
+             n_heads: int, n_kv: int, head_dim: int) -> None:
+    """q (B, Hq, D) <- RoPE(norm(x) Wq + bq); cache rows b at ``pos[b]`` <- RoPE(k), v.  ``x``: the fp32 (B, K)
+    residual."""
     rows, k_dim = x.shape
     half = head_dim // 2
     if half < 1 or half & (half - 1):
         raise ValueError(f"head_dim {head_dim}: the fused kernels need a power-of-two head_dim >= 2")
     block_n = max(16, min(TILES.qkv, half))
     bm = row_block(rows)
-    part_arg, npart = _parts(parts, x)
     grid = ((n_heads + 2 * n_kv) * triton.cdiv(half, block_n), triton.cdiv(rows, bm))
-    _qkv_rope_kernel[grid](x, part_arg, norm_w, w, b, inv_freq, pos, q_out, k_cache, v_cache, rows, k_dim, eps,
+    _qkv_rope_kernel[grid](x, norm_w, w, b, inv_freq, pos, q_out, k_cache, v_cache, rows, k_dim, eps,
                            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                           HQ=n_heads, HKV=n_kv, D=head_dim, NPART=npart, BLOCK_N=block_n, BLOCK_M=bm,
-                           BLOCK_K=_k_block(k_dim, w.dtype, bm), PREC=dot_precision(w.dtype), **launch_options(x, 3))
+                           HQ=n_heads, HKV=n_kv, D=head_dim, BLOCK_N=block_n, BLOCK_M=bm,
+                           BLOCK_K=_k_block(k_dim, w.dtype, bm), PREC=dot_precision(w.dtype), **looped_options(x))
 
 
 def gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, h_out: torch.Tensor, eps: float) -> None:
@@ -311,28 +356,29 @@ def gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, h_out: torch
     bm, bn = row_block(rows), TILES.gate_up
     grid = (triton.cdiv(n, bn), triton.cdiv(rows, bm))
     _gate_up_kernel[grid](x, norm_w, w, h_out, rows, k_dim, n, eps, BLOCK_M=bm, BLOCK_N=bn,
-                          BLOCK_K=_k_block(k_dim, w.dtype, bm), PREC=dot_precision(w.dtype), **launch_options(x, 3))
+                          BLOCK_K=_k_block(k_dim, w.dtype, bm), PREC=dot_precision(w.dtype), **looped_options(x))
 
 
-def proj_residual(a: torch.Tensor, w: torch.Tensor, resid: torch.Tensor, parts_in: torch.Tensor | None = None,
-                  parts_out: torch.Tensor | None = None, block_n: int = 16) -> None:
-    """``parts_out`` None: resid (B, N) fp32 <- resid + sum(parts_in) + a (B, K) W^T with ``w`` (N, K).
-    Otherwise its S = ``parts_out.shape[0]`` K splits write their partial sums to ``parts_out`` (S, B, N)."""
+def proj_residual(a: torch.Tensor, w: torch.Tensor, resid: torch.Tensor, parts: torch.Tensor | None = None,
+                  counters: torch.Tensor | None = None, block_n: int = 16) -> None:
+    """resid (B, N) fp32 += a (B, K) @ w (N, K)^T.  With ``parts`` (S, B, N) fp32 scratch and ``counters``
+    (>= column blocks x row blocks) int32 zeros, K is split S ways (see :func:`split_add`)."""
     rows, k_dim = a.shape
     n = w.shape[0]
     bm = row_block(rows)
-    part_arg, npart = _parts(parts_in, resid)
-    split = 1 if parts_out is None else parts_out.shape[0]
+    split = 1 if parts is None else parts.shape[0]
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(rows, bm)
+    if split > 1 and (parts.shape[1:] != (rows, n) or counters is None or counters.numel() < tiles):
+        raise ValueError(f"proj_residual: a {split}-way K split needs parts ({split}, {rows}, {n}) and {tiles} "
+                         f"counters, got {tuple(parts.shape)} and {None if counters is None else counters.numel()}")
     grid = (triton.cdiv(n, block_n), triton.cdiv(rows, bm), split)
-    _proj_residual_kernel[grid](a, w, resid, part_arg, resid if parts_out is None else parts_out, rows, k_dim, n,
-                                NPART_IN=npart, SPLIT_K=split, TO_PARTS=parts_out is not None, BLOCK_M=bm,
-                                BLOCK_N=block_n, BLOCK_K=_k_block(k_dim, w.dtype, bm), PREC=dot_precision(w.dtype),
-                                **launch_options(a, 3))
+    _proj_residual_kernel[grid](a, w, resid, resid if parts is None else parts,
+                                resid if counters is None else counters, rows, k_dim, n, SPLIT_K=split,
+                                BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=_k_block(k_dim, w.dtype, bm),
+                                PREC=dot_precision(w.dtype), **looped_options(a))
 
 
-def rmsnorm(x: torch.Tensor, parts: torch.Tensor | None, w: torch.Tensor, out: torch.Tensor, eps: float) -> None:
-    """out (B, N) <- RMSNorm(x + sum(parts)) with weight ``w``; ``x`` fp32."""
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, eps: float) -> None:
+    """out (B, N) <- RMSNorm(x) with weight ``w``; ``x`` the fp32 residual."""
     rows, n = x.shape
-    part_arg, npart = _parts(parts, x)
-    _rmsnorm_kernel[(rows,)](x, part_arg, w, out, rows, n, eps, NPART=npart, BLOCK=triton.next_power_of_2(n),
-                             **launch_options(x, 1))
+    _rmsnorm_kernel[(rows,)](x, w, out, n, eps, BLOCK=triton.next_power_of_2(n), **launch_options(x, 1))

@@ -1,0 +1,171 @@
+"""Decode projections for one-row steps (one stream decoding alone): each program loads its whole weight slice
+*before* it waits for the previous kernel, and multiplies without tensor cores.
+
+Why: at one row a decode step is a chain of ~120 kernels that each read a few MB of weights and do almost no
+arithmetic.  The looped kernels of :mod:`.qwen2_proj` start streaming weights only once the kernel before them
+has finished (programmatic dependent launch lets them launch early, but their first load sits behind the wait),
+so every link of the chain pays a full memory latency plus its own stream, and ``tl.dot`` pads the one row to
+16.  Weights never depend on the previous kernel, so here a program loads all of its weight columns (every K at
+once, ``(cols, next_pow2(K))`` with the tail masked) at launch, then waits (``gdc_wait``), and only then reads
+the activations it needs: the weight stream of kernel *n + 1* overlaps kernel *n*.  The row is multiplied by a
+broadcast-and-sum in fp32.  Each program holds its slice in registers, so slices are narrow (``Tiles.gemv_cols``
+columns) and the down projection is split over K in ``Tiles.down_chunk`` pieces whose partial sums the last
+split adds (:func:`~.qwen2_proj.split_add`).  The same whole-K tiles through ``tl.dot`` for 2..16 rows spilled
+and ran three times slower than the looped kernels (BENCHMARKS.md), so those steps stay looped.
+
+Same numerics as the looped kernels: RMSNorm in fp32, rounded to the weight dtype before the product, fp32
+products and accumulation, fp32 residual stream.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import qwen2_proj
+from .qwen2_proj import launch_options, pdl_start, rope_store, split_add
+
+
+@triton.jit
+def _w_slice(w_ptr, cols, cmask, k0, K, KP: tl.constexpr):
+    """Weight rows ``cols`` of a (N, K) row-major matrix, elements ``k0 .. min(k0 + KP, K)``: (cols, KP)."""
+    k = k0 + tl.arange(0, KP)
+    return tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=cmask[:, None] & (k[None, :] < K), other=0.0)
+
+
+@triton.jit
+def _normed_row(x_ptr, nw_ptr, K, eps, KP: tl.constexpr):
+    """``RMSNorm(x)`` of the fp32 residual row as (1, KP), rounded to the norm weight's dtype then scaled."""
+    k = tl.arange(0, KP)
+    kmask = k < K
+    x = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
+    nw = tl.load(nw_ptr + k, mask=kmask, other=0.0)
+    return ((x * rstd).to(nw.dtype) * nw)[None, :]
+
+
+@triton.jit
+def _times_wt(a, w):
+    """``a (1, KP) @ w (N, KP)^T`` as (1, N): fp32 products summed in fp32."""
+    return tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+
+
+@triton.jit
+def _qkv_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, K, eps,
+                     stride_cb, stride_ch, stride_cp, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                     BLOCK_N: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr):
+    """Program: columns ``d`` and ``d + D/2`` of one q, k or v head."""
+    HALF: tl.constexpr = D // 2
+    NB: tl.constexpr = (HALF + BLOCK_N - 1) // BLOCK_N
+    pid = tl.program_id(0)
+    head = pid // NB
+    d = (pid % NB) * BLOCK_N + tl.arange(0, BLOCK_N)
+    dmask = d < HALF
+    col1 = head * D + d
+    w1 = _w_slice(w_ptr, col1, dmask, 0, K, KP)
+    w2 = _w_slice(w_ptr, col1 + HALF, dmask, 0, K, KP)
+    pdl_start(PDL)
+    row = tl.arange(0, 1)
+    xn = _normed_row(x_ptr, nw_ptr, K, eps, KP)
+    rope_store(_times_wt(xn, w1), _times_wt(xn, w2), head, d, dmask, row, row < 1, b_ptr, freq_ptr, pos_ptr, q_ptr,
+               kc_ptr, vc_ptr, stride_cb, stride_ch, stride_cp, HQ, HKV, D)
+
+
+@triton.jit
+def _gate_up_gemv_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, K, N, eps, BLOCK_N: tl.constexpr, KP: tl.constexpr,
+                         PDL: tl.constexpr):
+    """``h = silu(gate(norm(x))) * up(norm(x))`` for columns ``n`` (gate rows n, up rows N + n)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    wg = _w_slice(w_ptr, cols, cmask, 0, K, KP)
+    wu = _w_slice(w_ptr, cols + N, cmask, 0, K, KP)
+    pdl_start(PDL)
+    xn = _normed_row(x_ptr, nw_ptr, K, eps, KP)
+    g = _times_wt(xn, wg)
+    h = g * tl.sigmoid(g) * _times_wt(xn, wu)
+    tl.store(h_ptr + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=cmask[None, :])
+
+
+@triton.jit
+def _proj_gemv_kernel(a_ptr, w_ptr, r_ptr, part_ptr, cnt_ptr, K, N, SPLIT_K: tl.constexpr,
+                      BLOCK_N: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr):
+    """``r[0, n] += a @ W[n, :]^T`` for columns ``n``; program ``(i, 0, s)`` takes K elements
+    ``s·KP .. (s+1)·KP`` (all of K when ``SPLIT_K`` is 1)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    k0 = tl.program_id(2) * KP
+    w = _w_slice(w_ptr, cols, cmask, k0, K, KP)
+    pdl_start(PDL)
+    k = k0 + tl.arange(0, KP)
+    a = tl.load(a_ptr + k, mask=k < K, other=0.0)[None, :]
+    row = tl.arange(0, 1)
+    split_add(_times_wt(a, w), r_ptr, part_ptr, cnt_ptr, tl.program_id(0), row, row < 1, cols, cmask, 1, N,
+              SPLIT_K)
+
+
+# ------------------------------------------------------------------------------------------ launchers
+
+
+def _check_one_row(rows: int) -> None:
+    if rows != 1:
+        raise ValueError(f"the GEMV decode kernels take one row, got {rows}; steps of more rows use the looped "
+                         "kernels of qwen2_proj")
+
+
+def _cols(cols: int) -> int:
+    return max(1, min(qwen2_proj.TILES.gemv_cols, cols))
+
+
+def qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, b: torch.Tensor, inv_freq: torch.Tensor,
+             pos: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, eps: float,
+             n_heads: int, n_kv: int, head_dim: int) -> None:
+    """:func:`.qwen2_proj.qkv_rope` for one row (same arguments, same results)."""
+    rows, k_dim = x.shape
+    _check_one_row(rows)
+    half = head_dim // 2
+    if half < 1 or half & (half - 1):
+        raise ValueError(f"head_dim {head_dim}: the fused kernels need a power-of-two head_dim >= 2")
+    bn = _cols(half)
+    grid = ((n_heads + 2 * n_kv) * triton.cdiv(half, bn),)
+    _qkv_gemv_kernel[grid](x, norm_w, w, b, inv_freq, pos, q_out, k_cache, v_cache, k_dim, eps,
+                           k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), HQ=n_heads, HKV=n_kv,
+                           D=head_dim, BLOCK_N=bn, KP=triton.next_power_of_2(k_dim), **launch_options(x, 1))
+
+
+def gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, h_out: torch.Tensor, eps: float) -> None:
+    """:func:`.qwen2_proj.gate_up` for one row."""
+    rows, k_dim = x.shape
+    _check_one_row(rows)
+    n = w.shape[0] // 2
+    bn = _cols(n)
+    _gate_up_gemv_kernel[(triton.cdiv(n, bn),)](x, norm_w, w, h_out, k_dim, n, eps, BLOCK_N=bn,
+                                                KP=triton.next_power_of_2(k_dim), **launch_options(x, 1))
+
+
+def proj_residual(a: torch.Tensor, w: torch.Tensor, resid: torch.Tensor, parts: torch.Tensor | None = None,
+                  counters: torch.Tensor | None = None) -> None:
+    """resid (1, N) fp32 += a (1, K) @ w (N, K)^T.  With ``parts`` (S, 1, N) fp32 scratch and ``counters``
+    (>= column blocks) int32 zeros, K is split into S = ``split_count(K)`` pieces of ``Tiles.down_chunk``;
+    without, one piece of all of K."""
+    rows, k_dim = a.shape
+    _check_one_row(rows)
+    n = w.shape[0]
+    bn = _cols(n)
+    if parts is None:
+        split, kp = 1, triton.next_power_of_2(k_dim)
+    else:
+        split, kp = split_count(k_dim), qwen2_proj.TILES.down_chunk
+        if parts.shape != (split, rows, n) or counters is None or counters.numel() < triton.cdiv(n, bn):
+            raise ValueError(f"proj_residual: K {k_dim} in pieces of {kp} needs parts ({split}, {rows}, {n}) and "
+                             f"{triton.cdiv(n, bn)} counters, got {tuple(parts.shape)} and "
+                             f"{None if counters is None else counters.numel()}")
+    grid = (triton.cdiv(n, bn), 1, split)
+    _proj_gemv_kernel[grid](a, w, resid, resid if parts is None else parts,
+                            resid if counters is None else counters, k_dim, n, SPLIT_K=split, BLOCK_N=bn, KP=kp,
+                            **launch_options(a, 1))
+
+
+def split_count(k_dim: int) -> int:
+    """K pieces of the one-row down projection: ``Tiles.down_chunk`` elements each (the last one partial)."""
+    return triton.cdiv(k_dim, qwen2_proj.TILES.down_chunk)
