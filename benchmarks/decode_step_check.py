@@ -12,7 +12,7 @@ kernels (weights loaded before the PDL wait, :mod:`cosyvoice_fast.kernels.qwen2_
 3. ``backend``: the ``fused`` LLM backend end to end, wall ms per token at 1 and 16 requests (sampling and the
    per-step host sync included), the host time of each step's launches, and the GPU time of the whole decode
    graph (embedding, decoder, speech head, nucleus draw) per KV bucket;
-4. ``variants``: a handful of named tile settings of the one-row GEMV kernels.
+4. ``variants``: a handful of named settings of the decode attention (programs to aim for, keys per tile).
 
 ``--graph-only`` runs step 2 with the default tiles only, which also works on code from before the GEMV
 kernels (run it from a copy of that tree for a same-machine baseline).  Results: ``OUT/decode_step_check.json``.
@@ -37,7 +37,8 @@ from cosyvoice_fast.kernels import qwen2_proj  # noqa: E402
 
 CONTEXT, MAX_LEN, BUCKET = 300, 1024, 512
 ROWS = (1, 2, 4, 8, 16, 32, 64)
-VARIANTS = {"gemv_cols4": {"gemv_cols": 4}, "gemv_cols16": {"gemv_cols": 16}, "down_chunk1024": {"down_chunk": 1024}}
+VARIANTS = {"attn_programs128": {"attn_programs": 128}, "attn_programs256": {"attn_programs": 256},
+            "attn_programs512": {"attn_programs": 512}, "attn_keys64": {"attn_keys": 64}}
 
 
 def _lm(dtype: torch.dtype) -> torch.nn.Module:
@@ -155,7 +156,7 @@ def main() -> int:
         try:
             for name, change in VARIANTS.items():
                 qwen2_proj.TILES = dataclasses.replace(default, **change)
-                for rows in (1,):
+                for rows in (1, 4, 16, 64):
                     fn = profile_llm.decode_math(lm16, "fused", rows, CONTEXT, MAX_LEN, BUCKET)
                     results["variants"].append({"variant": name, "rows": rows,
                                                 "graph_ms": round(profile_llm.graph_ms(fn), 4)})

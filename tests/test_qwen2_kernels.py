@@ -228,8 +228,8 @@ def test_tiles_are_validated_by_field():
 
 
 def test_attention_splits_fill_the_gpu_for_few_rows_and_stay_powers_of_two():
-    got = {rows: attn_k.attention_splits(rows, 2) for rows in (1, 2, 3, 4, 16, 32, 64)}
-    assert got == {1: 16, 2: 16, 3: 8, 4: 8, 16: 2, 32: 1, 64: 1}
+    got = {rows: attn_k.attention_splits(rows, 2) for rows in (1, 2, 3, 4, 16, 32, 48, 64, 256)}
+    assert got == {1: 16, 2: 16, 3: 16, 4: 16, 16: 16, 32: 8, 48: 4, 64: 4, 256: 1}
 
 
 @torch.inference_mode()

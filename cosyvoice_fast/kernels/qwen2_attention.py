@@ -91,9 +91,10 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, o_ptr, m_ptr, l_
 
 
 def attention_splits(rows: int, n_kv: int) -> int:
-    """Key splits per (row, kv head): ~64 programs in all, at most 16, so one row fills the GPU with
-    attention programs while many rows do not pay a merge per split (power of two: it is a tile dimension)."""
-    target = max(1, 64 // (rows * n_kv))
+    """Key splits per (row, kv head): about ``Tiles.attn_programs`` programs in all, at most 16, so few rows
+    still fill the GPU with attention programs while many rows do not pay a merge per split (power of two: it
+    is a tile dimension)."""
+    target = max(1, qwen2_proj.TILES.attn_programs // (rows * n_kv))
     return min(16, 1 << (target.bit_length() - 1))
 
 

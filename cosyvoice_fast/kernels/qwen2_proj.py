@@ -54,6 +54,7 @@ class Tiles:
     gate_up: int = 32  # of gate and of up each
     down: int = 16
     attn_keys: int = 32
+    attn_programs: int = 512  # decode attention programs to aim for (key splits = this / (rows x kv heads))
     down_split: int = 4  # K splits of the down projection (partial sums, see the module docstring)
     pdl: bool = True  # programmatic dependent launch: a kernel launches while the previous one drains (CUDA only)
     k_bytes: int = 256  # bytes of one weight row per K tile (128 bf16 elements: ~54 KB of smem per gate/up program)
@@ -63,7 +64,7 @@ class Tiles:
     down_chunk: int = 512  # K elements per split of their down projection
 
     def __post_init__(self) -> None:
-        for name in ("qkv", "oproj", "gate_up", "down", "attn_keys", "k_bytes", "down_chunk"):
+        for name in ("qkv", "oproj", "gate_up", "down", "attn_keys", "k_bytes", "down_chunk", "attn_programs"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"Tiles.{name} must be a power of two >= 16, got {v}")
