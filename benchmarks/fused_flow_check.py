@@ -9,8 +9,10 @@ Full-size estimator (CosyVoice2 DecoderConfig) with seeded random weights (timin
 3. kernels per forward (torch.profiler), cudagraph (eager estimator) vs fused.
 4. one forward as a CUDA graph replay (median of CUDA events) at 56 and 206 frames, bf16, for every fused
    configuration (FFN in one or two kernels, out-projection inside the attention kernel or not) and tile variant.
+5. the launch settings (``estimator_common.LAUNCH``: programmatic dependent launch, early weight tiles) on and
+   off for each kernel configuration, same replays.
 Every step runs under a time limit; the JSON is rewritten after each step (:mod:`benchmarks.steps`), and a
-table is printed last.
+table is printed last.  ``--steps launch,kernels`` runs only the named steps.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.steps import StepRunner, require_cuda  # noqa: E402
 from cosyvoice_fast.config import CFMConfig, DecoderConfig  # noqa: E402
 from cosyvoice_fast.kernels.estimator_fused import FusedEstimator, kernels_per_forward  # noqa: E402
-from cosyvoice_fast.kernels import estimator_conv, estimator_linear  # noqa: E402
+from cosyvoice_fast.kernels import estimator_common, estimator_conv, estimator_linear  # noqa: E402
 from cosyvoice_fast.kernels.estimator_profile import (count_kernels, estimator_inputs,  # noqa: E402
                                                       graph_replay_ms, kernel_times)
 
@@ -38,6 +40,13 @@ VARIANTS = {
     "bk128_warps4": ({"warps": 4}, {"warps": 4}),
     "conv_ln_bm32": ({}, {"ln_bm": 32}),
     "bk256": ({"bk": 256}, {"bk": 256}),  # K <= 256 GEMMs (q/k/v, FF1) in one K step: fewer serial loads
+}
+# Launch settings timed in the ``launch`` step (``estimator_common.LAUNCH`` overrides).
+LAUNCHES = {
+    "no_pdl": {"pdl": False, "early_weights": False},
+    "pdl_all_rows": {"pdl": True, "early_weights": False, "pdl_max_rows": 1 << 30},
+    "pdl_early_weights_all_rows": {"pdl": True, "early_weights": True, "pdl_max_rows": 1 << 30},
+    "default": dict(estimator_common.LAUNCH),
 }
 from cosyvoice_fast.models.cfm import CausalCFM  # noqa: E402
 
@@ -55,7 +64,11 @@ def main() -> int:
     ap.add_argument("--step-timeout", type=int, default=150,
                     help="seconds per step (step 1 compiles every fp32 and bf16 kernel: 60 s was too short)")
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--steps", default="",
+                    help="comma-separated step names to run (errors, padding, solve, kernels, timing, timeline, "
+                         "variants, launch); all when empty")
     args = ap.parse_args()
+    only = {x for x in args.steps.split(",") if x}
     require_cuda("fused_flow_check.py")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -80,8 +93,10 @@ def main() -> int:
     fused16_ao_one = FusedEstimator(est16, ffn_one_kernel=True, attention_out_fused=True)
     fused16_ao_ln = FusedEstimator(est16, attention_out_fused=True, resnet_split_ln=True)
     # (name, module) of every fused configuration counted and timed
+    fused16_ln = FusedEstimator(est16, resnet_split_ln=False)
     fused_modes = (("fused", fused16), ("fused_one_kernel_ffn", fused16_one), ("fused_attn_out", fused16_ao),
-                   ("fused_attn_out_one_kernel_ffn", fused16_ao_one), ("fused_attn_out_split_ln", fused16_ao_ln))
+                   ("fused_attn_out_one_kernel_ffn", fused16_ao_one), ("fused_attn_out_split_ln", fused16_ao_ln),
+                   ("fused_whole_row_ln", fused16_ln))
     cfg = est32.cfg
 
     def estimator_errors() -> dict:
@@ -136,11 +151,13 @@ def main() -> int:
         return r
 
     def kernels() -> dict:
-        r = {"expected_fused": kernels_per_forward(cfg.n_blocks, cfg.num_mid_blocks),
-             "expected_fused_one_kernel_ffn": kernels_per_forward(cfg.n_blocks, cfg.num_mid_blocks, True),
-             "expected_fused_attn_out": kernels_per_forward(cfg.n_blocks, cfg.num_mid_blocks, False, True),
-             "expected_fused_attn_out_split_ln": kernels_per_forward(cfg.n_blocks, cfg.num_mid_blocks, False, True,
-                                                                     True)}
+        # every mode but "whole_row_ln" splits the ResNet LayerNorms at 2 rows (SPLIT_LN_MAX_ROWS)
+        n, mid = cfg.n_blocks, cfg.num_mid_blocks
+        r = {"expected_fused": kernels_per_forward(n, mid, resnet_split_ln=True),
+             "expected_fused_one_kernel_ffn": kernels_per_forward(n, mid, True, resnet_split_ln=True),
+             "expected_fused_attn_out": kernels_per_forward(n, mid, False, True, True),
+             "expected_fused_attn_out_split_ln": kernels_per_forward(n, mid, False, True, True),
+             "expected_fused_whole_row_ln": kernels_per_forward(n, mid)}
         with torch.inference_mode():
             for frames in (56, 206):
                 a = estimator_inputs(cfg, 2, frames, torch.bfloat16)
@@ -202,13 +219,31 @@ def main() -> int:
                     estimator_conv.TUNING.update(conv0)
         return r
 
-    runner.run("estimator_errors", estimator_errors)
-    runner.run("padding", padding)
-    runner.run("solve_mel_errors", solve)
-    runner.run("kernels", kernels)
-    runner.run("timing_ms_bf16", timing)
-    runner.run("kernel_timeline_bf16", timeline)
-    runner.run("variants_ms_bf16", variants)
+    def launch() -> dict:
+        r = {}
+        saved = dict(estimator_common.LAUNCH)
+        modes = [(n, m) for n, m in fused_modes if "one_kernel" not in n]
+        with torch.inference_mode():
+            try:
+                for lname, settings in LAUNCHES.items():
+                    estimator_common.LAUNCH.update(settings)
+                    for rows, frames, streaming in shapes:
+                        a = estimator_inputs(cfg, rows, frames, torch.bfloat16)
+                        key = f"rows{rows}_{frames}_{'chunk' if streaming else 'full'}"
+                        for name, mod in modes:
+                            ms = graph_replay_ms(lambda: mod(*a, streaming), iters=args.iters)  # noqa: B023
+                            r.setdefault(lname, {}).setdefault(key, {})[name] = round(ms, 4)
+            finally:
+                estimator_common.LAUNCH.update(saved)
+        return r
+
+    steps = (("errors", "estimator_errors", estimator_errors), ("padding", "padding", padding),
+             ("solve", "solve_mel_errors", solve), ("kernels", "kernels", kernels),
+             ("timing", "timing_ms_bf16", timing), ("timeline", "kernel_timeline_bf16", timeline),
+             ("variants", "variants_ms_bf16", variants), ("launch", "launch_ms_bf16", launch))
+    for short, name, fn in steps:
+        if not only or short in only:
+            runner.run(name, fn)
 
     print("\n== fused flow estimator, %s, bf16 unless noted ==" % res["device"])
     k = res.get("kernels", {})
@@ -216,11 +251,15 @@ def main() -> int:
         print(f"kernels/forward {frames} frames: " + "  ".join(
             f"{name} {k.get(f'{name}_{frames}')}" for name in ("cudagraph", "fused", "fused_one_kernel_ffn",
                                                                "fused_attn_out", "fused_attn_out_one_kernel_ffn",
-                                                               "fused_attn_out_split_ln")))
+                                                               "fused_attn_out_split_ln", "fused_whole_row_ln")))
     for key, v in res.get("timing_ms_bf16", {}).items():
         print(f"graph replay ms {key}: {v}")
     for key, v in res.get("variants_ms_bf16", {}).items():
         print(f"variant {key}: {v} ms")
+    for lname, by_shape in res.get("launch_ms_bf16", {}).items():
+        if isinstance(by_shape, dict):
+            for key, v in by_shape.items():
+                print(f"launch {lname} {key}: {v} ms")
     for key, v in res.get("kernel_timeline_bf16", {}).items():
         if "kernels" in v:
             print(f"timeline {key}: {v['kernels']} kernels, sum of kernel times {v['sum_kernel_us']} us")

@@ -18,10 +18,12 @@ if not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 
 from cosyvoice_fast.kernels.estimator_attention import attention  # noqa: E402
+from cosyvoice_fast.kernels.estimator_common import LAUNCH  # noqa: E402
 from cosyvoice_fast.kernels.estimator_conv import causal_conv, pack_conv_weight  # noqa: E402
 from cosyvoice_fast.kernels.estimator_fused import pack_inputs  # noqa: E402
 from cosyvoice_fast.kernels.estimator_linear import (ACT_GELU, ACT_MISH, ACT_NONE, ACT_SILU, PRO_LN,  # noqa: E402
                                                      PRO_MISH, PRO_SINUS, ffn, linear)
+from cosyvoice_fast.kernels.pdl import pdl_options  # noqa: E402
 from cosyvoice_fast.models.flow_decoder import attention_allowed, sinusoidal_embedding  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -51,6 +53,31 @@ def test_linear_matches_torch(prologue, act, residual):
     a = {PRO_LN: lambda z: F.layer_norm(z, (k,), g, beta, 1e-5), PRO_MISH: F.mish}.get(prologue, lambda z: z)(x)
     ref = ACTS[act](F.linear(a, w, b)) + (r if residual else 0)
     assert (out - ref).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("prologue", [PRO_LN, PRO_MISH, 0])
+def test_linear_early_weight_tile_gives_the_same_bits(monkeypatch, prologue):
+    """``LAUNCH['early_weights']`` loads the first weight tile before the PDL wait (the K loop's first step is
+    peeled off); K spans three tiles with a ragged tail, and both orders must give the same bits."""
+    m, k, n = 19, 150, 40
+    x, w, b = rnd(m, k), rnd(n, k) / 8, rnd(n)
+    g, beta = rnd(k), rnd(k)
+    outs = []
+    for early in (False, True):
+        monkeypatch.setitem(LAUNCH, "early_weights", early)
+        outs.append(linear(x, w, b, prologue=prologue, ln=(g, beta, 1e-5), act=ACT_GELU, out=nan(m, n)))
+    assert torch.equal(outs[0], outs[1])
+    a = {PRO_LN: lambda z: F.layer_norm(z, (k,), g, beta, 1e-5), PRO_MISH: F.mish}.get(prologue, lambda z: z)(x)
+    assert (outs[1] - F.gelu(F.linear(a, w, b))).abs().max().item() <= TOL
+
+
+def test_pdl_is_asked_for_only_on_cuda_tensors():
+    cpu = torch.zeros(1)
+    assert pdl_options(True, cpu) == {"PDL": False}
+    assert pdl_options(False, cpu) == {"PDL": False}
+    if torch.cuda.is_available():
+        assert pdl_options(True, cpu.cuda()) == {"PDL": True, "launch_pdl": True}
+        assert pdl_options(False, cpu.cuda()) == {"PDL": False}
 
 
 def test_linear_sinusoidal_prologue_is_the_time_embedding():

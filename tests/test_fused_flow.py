@@ -35,7 +35,7 @@ def small():
     return CausalConditionalDecoder(cfg).eval()
 
 
-@pytest.mark.parametrize("streaming,options", [(True, {}), (False, {}),
+@pytest.mark.parametrize("streaming,options", [(True, {}), (False, {"resnet_split_ln": False}),
                                                (True, {"ffn_one_kernel": True, "attention_out_fused": True,
                                                        "resnet_split_ln": True})])
 def test_fused_equals_eager_on_padded_batched_rows(small, streaming, options):
@@ -241,7 +241,8 @@ def test_gpu_full_size_bf16_solve_mel_is_no_worse_than_eager_bf16(full, no_tf32,
 
 
 @_gpu
-@pytest.mark.parametrize("options", [{"attention_out_fused": True, "resnet_split_ln": True}, {"ffn_one_kernel": True}])
+@pytest.mark.parametrize("options", [{"attention_out_fused": True, "resnet_split_ln": True}, {"ffn_one_kernel": True},
+                                     {"resnet_split_ln": False}])
 def test_gpu_full_size_fp32_kernel_options(full, no_tf32, options):
     est32, _ = full
     args = estimator_inputs(est32.cfg, 2, 206, torch.float32, seed=7)
@@ -273,6 +274,36 @@ def test_gpu_full_size_many_rows_take_cublas_within_the_bf16_bounds(full, no_tf3
         e_triton = (FusedEstimator(est16)(*a16, True).float() - ref).abs()
     assert e_cublas.max().item() <= 1.5 * max(e_eager.max().item(), e_triton.max().item())
     assert e_cublas.mean().item() <= 1.5 * max(e_eager.mean().item(), e_triton.mean().item())
+
+
+@_gpu
+def test_gpu_pdl_and_early_weight_tiles_change_no_bit(full, monkeypatch):
+    """Programmatic dependent launch only moves when a kernel's programs start, and an early weight tile only
+    when a load is issued: CUDA-graph replays of the full-size bf16 forward with both off, PDL alone, and both
+    on give identical bits, replay after replay (a read before a kernel's wait would show up here as a race)."""
+    from cosyvoice_fast.kernels.estimator_common import LAUNCH
+
+    _, est16 = full
+    args = estimator_inputs(est16.cfg, 2, 206, torch.bfloat16, seed=3)
+    results = []
+    for pdl, early in ((False, False), (True, False), (True, True)):
+        monkeypatch.setitem(LAUNCH, "pdl", pdl)
+        monkeypatch.setitem(LAUNCH, "early_weights", early)
+        fused = FusedEstimator(est16)
+        with torch.inference_mode():
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fused(*args, True)  # compile and pack outside the capture
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = fused(*args, True)
+            for _ in range(3):
+                graph.replay()
+                results.append(out.clone())
+    assert all(torch.equal(results[0], r) for r in results[1:])
+    assert torch.isfinite(results[0]).all()
 
 
 @_gpu

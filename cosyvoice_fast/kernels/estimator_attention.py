@@ -26,6 +26,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .estimator_common import interpreting, pdl_kwargs
+from .pdl import pdl_start
+
 
 #: Query/key tile rows and warps of :func:`attention` when a row has more than 32 frames.
 ATTN_TUNING = {"bm": 64, "bn": 64, "warps": 4}
@@ -33,7 +36,8 @@ ATTN_TUNING = {"bm": 64, "bn": 64, "warps": 4}
 
 @triton.jit
 def _attn_kernel(qkv_ptr, mask_ptr, o_ptr, T, chunk, qk_scale,
-                 H: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                 H: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 PDL: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -43,6 +47,7 @@ def _attn_kernel(qkv_ptr, mask_ptr, o_ptr, T, chunk, qk_scale,
     rd = tl.arange(0, D)
     i_ok = ri < T
     base = qkv_ptr + b * T * stride
+    pdl_start(PDL)
     q = tl.load(base + ri[:, None] * stride + h * D + rd[None, :], mask=i_ok[:, None], other=0.0)
     dt = q.dtype
     if chunk > 0:
@@ -100,7 +105,7 @@ def attention(qkv: Tensor, mask: Tensor, batch: int, heads: int, head_dim: int, 
     grid = (triton.cdiv(t, tiles["bm"]), batch * heads)
     _attn_kernel[grid](qkv, mask, out, t, int(chunk), (1.0 / math.sqrt(head_dim)) * 1.4426950408889634,
                        H=heads, D=head_dim, IEEE=qkv.dtype == torch.float32, BM=tiles["bm"], BN=tiles["bn"],
-                       num_warps=tiles["warps"])
+                       num_warps=tiles["warps"], **pdl_kwargs(qkv, rows))
     return out
 
 
@@ -147,7 +152,7 @@ def _attn_head(base, q_off, k_off, v_off, mask_row, ri, i_ok, rd, T, chunk, hi, 
 @triton.jit
 def _attn_out_kernel(qkv_ptr, mask_ptr, wo_ptr, bo_ptr, res_ptr, y_ptr, T, C, chunk, qk_scale,
                      H: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BC: tl.constexpr):
+                     BC: tl.constexpr, PDL: tl.constexpr):
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     stride = 3 * H * D
@@ -162,6 +167,7 @@ def _attn_out_kernel(qkv_ptr, mask_ptr, wo_ptr, bo_ptr, res_ptr, y_ptr, T, C, ch
         hi = tl.minimum((last // chunk + 1) * chunk, T)
     else:
         hi = T
+    pdl_start(PDL)
     out = tl.zeros([BM, BC], dtype=tl.float32)
     for h in range(H):
         o = _attn_head(base, h * D, (H + h) * D, (2 * H + h) * D, mask_ptr + b * T, ri, i_ok, rd, T, chunk, hi,
@@ -193,16 +199,10 @@ def attention_out(qkv: Tensor, mask: Tensor, batch: int, heads: int, head_dim: i
         raise ValueError(f"attention_out: head_dim must be a power of two >= 16, got {head_dim}")
     t = rows // batch
     out = torch.empty_like(residual) if out is None else out
-    bm = 64 if _interpreting() else 16
+    bm = 64 if interpreting() else 16
     bn = 64 if t > 32 else 16
     _attn_out_kernel[(triton.cdiv(t, bm), batch)](
         qkv, mask, wo, bo, residual, out, t, c, int(chunk), (1.0 / math.sqrt(head_dim)) * 1.4426950408889634,
         H=heads, D=head_dim, IEEE=qkv.dtype == torch.float32, BM=bm, BN=bn,
-        BC=max(16, triton.next_power_of_2(c)), num_warps=4)
+        BC=max(16, triton.next_power_of_2(c)), num_warps=4, **pdl_kwargs(qkv, rows))
     return out
-
-
-def _interpreting() -> bool:
-    from .estimator_linear import interpreting
-
-    return interpreting()

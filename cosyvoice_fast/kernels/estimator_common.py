@@ -12,11 +12,29 @@ import os
 
 import triton
 import triton.language as tl
+from torch import Tensor
+
+from .pdl import pdl_options
 
 # activation codes shared by the estimator kernels
 ACT_NONE, ACT_GELU, ACT_SILU, ACT_MISH = 0, 1, 2, 3
 # prologue codes of :func:`~cosyvoice_fast.kernels.estimator_linear.linear`
 PRO_NONE, PRO_LN, PRO_MISH, PRO_SINUS = 0, 1, 2, 3
+
+
+#: Launch settings of every estimator kernel, read at each launch (a benchmark flips them before a capture):
+#: ``pdl`` -- programmatic dependent launch on CUDA (:mod:`.pdl`): a kernel's programs start while the previous
+#: kernel drains and wait before their first activation read; only for launches over at most ``pdl_max_rows``
+#: rows (one request's CFG pair is a few hundred; with several waves of programs the parked programs of the
+#: next kernel cost more than the hidden gap, see BENCHMARKS.md); ``early_weights`` -- the row-tiled GEMMs
+#: (:func:`~cosyvoice_fast.kernels.estimator_linear.linear`) load their first weight tile before that wait.
+LAUNCH = {"pdl": True, "pdl_max_rows": 1024, "early_weights": True}
+
+
+def pdl_kwargs(t: Tensor, rows: int) -> dict:
+    """The ``PDL`` constexpr and launch flag of an estimator kernel over ``rows`` rows whose operands live where
+    ``t`` does."""
+    return pdl_options(LAUNCH["pdl"] and rows <= LAUNCH["pdl_max_rows"], t)
 
 
 def interpreting() -> bool:

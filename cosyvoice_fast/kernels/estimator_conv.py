@@ -24,7 +24,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .estimator_common import pdl_kwargs
 from .estimator_linear import _act, _mm, _pow2, interpreting, pick_tiles
+from .pdl import pdl_start
 
 #: Tile sizes and launch settings for 16-bit operands (see ``estimator_linear.TUNING``); ``ln_*`` apply to
 #: the LayerNorm-epilogue variant, whose programs hold whole rows.  fp32 uses :data:`FP32_TILES`.
@@ -68,7 +70,7 @@ def _conv_kernel(x1_ptr, x2_ptr, mask_ptr, w_ptr, b_ptr, lnw_ptr, lnb_ptr, vec_p
                  rout_ptr, y_ptr, M, T, N, C1, C2, stride_vec, eps,
                  TAPS: tl.constexpr, HAS_X2: tl.constexpr, HAS_LN: tl.constexpr, ACT: tl.constexpr,
                  OUT_MASK: tl.constexpr, HAS_VEC: tl.constexpr, HAS_RES: tl.constexpr, HAS_RW: tl.constexpr,
-                 IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -80,6 +82,7 @@ def _conv_kernel(x1_ptr, x2_ptr, mask_ptr, w_ptr, b_ptr, lnw_ptr, lnb_ptr, vec_p
     t_in = rm - b * T
     C_all = C1 + C2
     K_total = TAPS * C_all
+    pdl_start(PDL)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     racc = tl.zeros([BM, BN], dtype=tl.float32)
     acc, racc = _conv_src(acc, racc, x1_ptr, C1, 0, w_ptr, rw_ptr, mask_ptr, rm, t_in, m_ok, rn, n_ok, rk,
@@ -151,19 +154,20 @@ def causal_conv(x1: Tensor, mask: Tensor, weight: Tensor, bias: Tensor, frames: 
         TAPS=taps, HAS_X2=x2 is not None, HAS_LN=ln is not None, ACT=act, OUT_MASK=out_mask,
         HAS_VEC=vec is not None, HAS_RES=residual is not None, HAS_RW=res_weight is not None,
         IEEE=fp32, BM=bm, BN=bn, BK=bk, num_warps=tiles["ln_warps"] if ln is not None else tiles["warps"],
-        num_stages=tiles["stages"])
+        num_stages=tiles["stages"], **pdl_kwargs(x1, m))
     return y
 
 
 @triton.jit
 def _row_kernel(x_ptr, mask_ptr, lnw_ptr, lnb_ptr, vec_ptr, res_ptr, y_ptr, M, T, N, stride_vec, eps,
                 ACT: tl.constexpr, HAS_VEC: tl.constexpr, HAS_RES: tl.constexpr, BM: tl.constexpr,
-                BN: tl.constexpr):
+                BN: tl.constexpr, PDL: tl.constexpr):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.arange(0, BN)
     m_ok = rm < M
     n_ok = rn < N
     ok = m_ok[:, None] & n_ok[None, :]
+    pdl_start(PDL)
     x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=ok, other=0.0).to(tl.float32)
     mean = tl.sum(x, axis=1) / N
     xc = tl.where(ok, x - mean[:, None], 0.0)
@@ -193,5 +197,5 @@ def row_epilogue(x: Tensor, mask: Tensor, ln: tuple[Tensor, Tensor, float], fram
                                       residual if residual is not None else x, y, m, frames, n,
                                       vec.stride(0) if vec is not None else 0, float(ln[2]), ACT=act,
                                       HAS_VEC=vec is not None, HAS_RES=residual is not None, BM=bm,
-                                      BN=_pow2(n), num_warps=4)
+                                      BN=_pow2(n), num_warps=4, **pdl_kwargs(x, m))
     return y

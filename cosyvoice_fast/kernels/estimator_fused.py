@@ -33,20 +33,23 @@ from torch import Tensor, nn
 
 from ..models.flow_decoder import _GELU_APPROXIMATION, CausalConditionalDecoder, SelfAttention
 from .estimator_attention import attention, attention_out
+from .estimator_common import pdl_kwargs
 from .estimator_conv import causal_conv, pack_conv_weight, row_epilogue
 from .estimator_cublas import use_cublas
 from .estimator_linear import ACT_GELU, ACT_MISH, ACT_SILU, PRO_LN, PRO_MISH, PRO_NONE, PRO_SINUS, ffn, linear
+from .pdl import pdl_start
 
 
 @triton.jit
 def _pack_kernel(x_ptr, mu_ptr, spk_ptr, cond_ptr, out_ptr, T, C, sxb, sxc, smb, smc, ssb, scb, scc,
-                 BT: tl.constexpr, BC: tl.constexpr):
+                 BT: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr):
     """(B, C, T) x, mu, cond and (B, C) speaker -> rows ``b·T + t`` of ``[x | mu | spk | cond]`` (4·C wide)."""
     b = tl.program_id(1)
     rt = tl.program_id(0) * BT + tl.arange(0, BT)
     rc = tl.arange(0, BC)
     ok = (rt[:, None] < T) & (rc[None, :] < C)
     row = out_ptr + (b * T + rt[:, None]) * (4 * C)
+    pdl_start(PDL)
     x = tl.load(x_ptr + b * sxb + rc[None, :] * sxc + rt[:, None], mask=ok, other=0.0)
     tl.store(row + rc[None, :], x, mask=ok)
     mu = tl.load(mu_ptr + b * smb + rc[None, :] * smc + rt[:, None], mask=ok, other=0.0)
@@ -71,7 +74,8 @@ def pack_inputs(x: Tensor, mu: Tensor, spks: Tensor, cond: Tensor) -> Tensor:
     bt = 32
     _pack_kernel[(triton.cdiv(t, bt), b)](x, mu, spks, cond, out, t, c, x.stride(0), x.stride(1), mu.stride(0),
                                          mu.stride(1), spks.stride(0), cond.stride(0), cond.stride(1),
-                                         BT=bt, BC=max(16, triton.next_power_of_2(c)), num_warps=4)
+                                         BT=bt, BC=max(16, triton.next_power_of_2(c)), num_warps=4,
+                                         **pdl_kwargs(x, b * t))
     return out
 
 
@@ -80,6 +84,11 @@ def _frequencies(dim: int, device: torch.device) -> Tensor:
     expression (so the fused time features are bit-identical before the sin/cos)."""
     half = dim // 2
     return torch.exp(torch.arange(half, device=device, dtype=torch.float32) * -(math.log(10000) / (half - 1)))
+
+
+#: Rows (frames x batch rows) up to which the ResNet convs run split from their LayerNorm by default (one
+#: request's CFG pair is a few hundred rows; at 8 rows x 206 frames the whole-row kernel was as fast).
+SPLIT_LN_MAX_ROWS = 1024
 
 
 def _ln(norm: nn.LayerNorm) -> tuple[Tensor, Tensor, float]:
@@ -92,14 +101,16 @@ class FusedEstimator(nn.Module):
     interpreter on CPU)."""
 
     def __init__(self, estimator: CausalConditionalDecoder, ffn_one_kernel: bool = False,
-                 attention_out_fused: bool = False, resnet_split_ln: bool = False):
+                 attention_out_fused: bool = False, resnet_split_ln: bool | None = None):
         """``ffn_one_kernel=True`` runs each feed-forward as one kernel (:func:`ffn`, 4 launches per transformer
         block instead of 5); the default two GEMMs (LN+FF1+GELU, FF2+residual) spread the weights over many
         more programs and measured faster on an H100 (BENCHMARKS.md).  ``attention_out_fused=True`` folds the
         out-projection and residual into the attention kernel (:func:`attention_out`; one launch fewer per
-        block; not yet timed on a GPU, hence off).  ``resnet_split_ln=True`` runs each ResNet conv as a GEMM
-        spread over output channels plus a row-wise LayerNorm pass (:func:`row_epilogue`) instead of one
-        whole-row kernel (two launches more per ResNet block; not yet timed, hence off)."""
+        block, but each program walks every head in turn: slower on an H100, hence off).
+        ``resnet_split_ln=True`` runs each ResNet conv as a GEMM spread over output channels plus a row-wise
+        LayerNorm pass (:func:`row_epilogue`) instead of one whole-row kernel that streams the whole weight
+        from few programs (two launches more per ResNet block); ``None`` (default) splits for forwards of at
+        most :data:`SPLIT_LN_MAX_ROWS` rows, where the whole-row kernel has too few programs to fill the GPU."""
         super().__init__()
         self.resnet_split_ln = resnet_split_ln
         self.ffn_one_kernel = ffn_one_kernel
@@ -163,7 +174,8 @@ class FusedEstimator(nn.Module):
         n = r.block1.block[0].weight.shape[0]
         res = torch.empty(h.shape[0], n, device=h.device, dtype=h.dtype)
         vec = tall[:, i * n:(i + 1) * n]
-        if self.resnet_split_ln:
+        split = self.resnet_split_ln if self.resnet_split_ln is not None else h.shape[0] <= SPLIT_LN_MAX_ROWS
+        if split:
             y1 = causal_conv(h, mask, w["w1"], r.block1.block[0].bias, frames, x2=skip, res_weight=w["wr"],
                              res_bias=r.res_conv.bias, res_out=res)
             h1 = row_epilogue(y1, mask, _ln(r.block1.block[2]), frames, act=ACT_MISH, vec=vec)

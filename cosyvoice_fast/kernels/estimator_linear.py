@@ -25,9 +25,10 @@ import triton.language as tl
 from torch import Tensor
 
 # re-exported: the codes and helpers are imported from here by the other estimator modules and the tests
-from .estimator_common import (ACT_GELU, ACT_MISH, ACT_NONE, ACT_SILU, PRO_LN, PRO_MISH, PRO_NONE,  # noqa: F401
-                               PRO_SINUS, _act, _epilogue_store, _pow2, interpreting)
+from .estimator_common import (ACT_GELU, ACT_MISH, ACT_NONE, ACT_SILU, LAUNCH, PRO_LN, PRO_MISH,  # noqa: F401
+                               PRO_NONE, PRO_SINUS, _act, _epilogue_store, _pow2, interpreting, pdl_kwargs)
 from .estimator_cublas import linear_cublas, use_cublas
+from .pdl import pdl_start
 
 #: Tile sizes and launch settings for 16-bit operands (the fastest of the few named variants that
 #: ``benchmarks/fused_flow_check.py`` times on an H100, see BENCHMARKS.md; the script changes these before
@@ -63,12 +64,35 @@ def _mm(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _a_tile(x_ptr, rm, m_ok, kk, K, stride_xm, lnw_ptr, lnb_ptr, mean, rstd, tval, wdt, PRO: tl.constexpr):
+    """The (BM, BK) left operand at K columns ``kk``: x itself, LayerNorm(x), Mish(x), or the sinusoidal time
+    features of ``tval``."""
+    k_ok = kk < K
+    if PRO == 3:
+        half = K // 2
+        idx = tl.where(kk < half, kk, kk - half)
+        freq = tl.load(lnw_ptr + idx, mask=k_ok, other=0.0).to(tl.float32)
+        arg = tval[:, None] * freq[None, :]
+        a = tl.where(kk[None, :] < half, tl.sin(arg), tl.cos(arg))
+        a = tl.where(m_ok[:, None] & k_ok[None, :], a, 0.0).to(wdt)
+    else:
+        a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if PRO == 1:
+            g = tl.load(lnw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+            bb = tl.load(lnb_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+            a = ((a.to(tl.float32) - mean[:, None]) * rstd[:, None] * g[None, :] + bb[None, :]).to(wdt)
+        elif PRO == 2:
+            a = _act(a.to(tl.float32), 3).to(wdt)
+    return a
+
+
+@triton.jit
 def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, lnw_ptr, lnb_ptr, rowmask_ptr,
                    M, N, K, stride_xm, stride_rm, rows_per_b, stride_yb, stride_yt, stride_yn,
                    eps, sinus_scale,
                    PRO: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
                    ROWMASK: tl.constexpr, IEEE: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -77,6 +101,16 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, lnw_ptr, lnb_ptr, rowmask_
     m_ok = rm < M
     n_ok = rn < N
     wdt = w_ptr.dtype.element_ty
+    if not EARLY:
+        pdl_start(PDL)
+    # the first K tile of the weight: weights never depend on the previous kernel, so with EARLY its load is in
+    # flight while the previous kernel drains
+    w = tl.load(w_ptr + rn[None, :] * K + rk[:, None], mask=n_ok[None, :] & (rk[:, None] < K), other=0.0)
+    if EARLY:
+        pdl_start(PDL)
+    mean = tl.zeros([BM], dtype=tl.float32)
+    rstd = mean
+    tval = mean
     if PRO == 1:  # LayerNorm statistics of each row, fp32
         s1 = tl.zeros([BM], dtype=tl.float32)
         s2 = tl.zeros([BM], dtype=tl.float32)
@@ -90,27 +124,11 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, lnw_ptr, lnb_ptr, rowmask_
         rstd = 1.0 / tl.sqrt(tl.maximum(s2 / K - mean * mean, 0.0) + eps)
     if PRO == 3:  # sinusoidal flow-time features from t (one scalar per row)
         tval = tl.load(x_ptr + rm * stride_xm, mask=m_ok, other=0.0).to(tl.float32) * sinus_scale
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    acc = _mm(_a_tile(x_ptr, rm, m_ok, rk, K, stride_xm, lnw_ptr, lnb_ptr, mean, rstd, tval, wdt, PRO), w, IEEE)
+    for k0 in range(BK, K, BK):
         kk = k0 + rk
-        k_ok = kk < K
-        if PRO == 3:
-            half = K // 2
-            idx = tl.where(kk < half, kk, kk - half)
-            freq = tl.load(lnw_ptr + idx, mask=k_ok, other=0.0).to(tl.float32)
-            arg = tval[:, None] * freq[None, :]
-            a = tl.where(kk[None, :] < half, tl.sin(arg), tl.cos(arg))
-            a = tl.where(m_ok[:, None] & k_ok[None, :], a, 0.0).to(wdt)
-        else:
-            a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            if PRO == 1:
-                g = tl.load(lnw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-                bb = tl.load(lnb_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-                a = ((a.to(tl.float32) - mean[:, None]) * rstd[:, None] * g[None, :] + bb[None, :]).to(wdt)
-            elif PRO == 2:
-                a = _act(a.to(tl.float32), 3).to(wdt)
-        w = tl.load(w_ptr + rn[None, :] * K + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        a = _a_tile(x_ptr, rm, m_ok, kk, K, stride_xm, lnw_ptr, lnb_ptr, mean, rstd, tval, wdt, PRO)
+        w = tl.load(w_ptr + rn[None, :] * K + kk[:, None], mask=n_ok[None, :] & (kk[:, None] < K), other=0.0)
         acc += _mm(a, w, IEEE)
     _epilogue_store(acc, rm, rn, m_ok, n_ok, b_ptr, r_ptr, rowmask_ptr, y_ptr, stride_rm, rows_per_b, stride_yb,
                     stride_yt, stride_yn, HAS_BIAS, ACT, HAS_RES, ROWMASK)
@@ -179,7 +197,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: i
         rows_per_b, syb, syt, syn, float(eps), float(sinus_scale),
         PRO=prologue, HAS_BIAS=bias is not None, ACT=act, HAS_RES=residual is not None,
         ROWMASK=rowmask is not None, IEEE=weight.dtype == torch.float32, BM=bm, BN=bn, BK=bk,
-        num_warps=tiles["warps"], num_stages=tiles["stages"])
+        EARLY=LAUNCH["early_weights"], num_warps=tiles["warps"], num_stages=tiles["stages"], **pdl_kwargs(x, m))
     if norm_out is not None:
         dst, (g, beta, norm_eps) = norm_out
         dst.copy_(F.layer_norm(out, (n,), g, beta, norm_eps))
@@ -202,7 +220,7 @@ def _check_norm_out(norm_out: tuple[Tensor, tuple[Tensor, Tensor, float]], m: in
 
 @triton.jit
 def _ffn_kernel(x_ptr, y_ptr, lnw_ptr, lnb_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, M, C, H, eps,
-                IEEE: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, BH: tl.constexpr):
+                IEEE: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     rm = pid * BM + tl.arange(0, BM)
     rc = tl.arange(0, BC)
@@ -211,6 +229,7 @@ def _ffn_kernel(x_ptr, y_ptr, lnw_ptr, lnb_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, 
     c_ok = rc < C
     ok = m_ok[:, None] & c_ok[None, :]
     wdt = w1_ptr.dtype.element_ty
+    pdl_start(PDL)
     x = tl.load(x_ptr + rm[:, None] * C + rc[None, :], mask=ok, other=0.0).to(tl.float32)
     mean = tl.sum(x, axis=1) / C
     xc = tl.where(ok, x - mean[:, None], 0.0)
@@ -244,5 +263,6 @@ def ffn(x: Tensor, ln: tuple[Tensor, Tensor, float], w1: Tensor, b1: Tensor, w2:
     fp32 = w1.dtype == torch.float32
     _ffn_kernel[(triton.cdiv(m, bm),)](x, out, ln[0], ln[1], w1, b1, w2, b2, m, c, h, float(ln[2]),
                                       IEEE=fp32, BM=bm, BC=_pow2(c), BH=_pow2(h, 16, 32 if fp32 else TUNING["ffn_bh"]),
-                                      num_warps=8 if c > 128 else 4, num_stages=2 if fp32 else TUNING["stages"])
+                                      num_warps=8 if c > 128 else 4, num_stages=2 if fp32 else TUNING["stages"],
+                                      **pdl_kwargs(x, m))
     return out

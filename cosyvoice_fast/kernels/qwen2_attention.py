@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from . import qwen2_proj
-from .qwen2_proj import pdl_start, dot_precision, launch_options
+from .pdl import pdl_start
+from .qwen2_proj import dot_precision, launch_options
 
 
 @triton.jit

@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 from . import qwen2_proj
-from .qwen2_proj import launch_options, pdl_start, rope_store, split_add
+from .pdl import pdl_start
+from .qwen2_proj import launch_options, rope_store, split_add
 
 
 @triton.jit

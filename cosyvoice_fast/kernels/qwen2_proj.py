@@ -36,10 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-try:  # programmatic dependent launch (Hopper+): not in every Triton build, and never in the interpreter
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - depends on the Triton build
-    gdc_launch_dependents = gdc_wait = None
+from .pdl import pdl_options, pdl_start
 
 MAX_ROW_BLOCK = 64
 
@@ -81,15 +78,6 @@ TILES = Tiles()  # what the launchers use (read at each launch, so a benchmark c
 
 
 # ------------------------------------------------------------------------------------------ shared pieces
-
-
-@triton.jit
-def pdl_start(PDL: tl.constexpr):
-    """With programmatic dependent launch: wait until the previous kernel's writes are visible (nothing is read
-    before this), then let the next kernel launch and park at its own wait while this one runs."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
 
 
 @triton.jit
@@ -313,13 +301,7 @@ def looped_options(t: torch.Tensor) -> dict:
 
 def launch_options(t: torch.Tensor, stages: int) -> dict:
     """Launch keywords shared by the fused kernels: PDL only on CUDA tensors (the interpreter has none)."""
-    pdl = TILES.pdl and t.is_cuda
-    if pdl and gdc_wait is None:
-        raise RuntimeError("Tiles.pdl needs a Triton build with triton.language.extra.cuda.gdc_wait (>= 3.3)")
-    opts: dict = {"PDL": pdl, "num_warps": 4, "num_stages": stages}
-    if pdl:
-        opts["launch_pdl"] = True
-    return opts
+    return {**pdl_options(TILES.pdl, t), "num_warps": 4, "num_stages": stages}
 
 
 def _k_block(k: int, dtype: torch.dtype, block_m: int = 16) -> int:
