@@ -32,12 +32,15 @@ from cosyvoice_fast.kernels import estimator_common, estimator_conv, estimator_l
 from cosyvoice_fast.kernels.estimator_profile import (count_kernels, estimator_inputs,  # noqa: E402
                                                       graph_replay_ms, kernel_times)
 
-# Named tile settings timed in step 5 (a handful, not a sweep): (linear TUNING, conv TUNING) overrides.
-# ("base" was the default in run 2; "bk128_warps8", the fastest there, is the default since.)
+# Named tile settings timed in the variants step (a handful, not a sweep): (linear TUNING, conv TUNING)
+# overrides of the defaults (4 warps, BK 128, tiles narrowed to >= 132 programs; BENCHMARKS.md, session 9).
 VARIANTS = {
     "default": ({}, {}),
-    "base": ({"bk": 64, "warps": 4}, {"bk": 64, "warps": 4}),
-    "bk128_warps4": ({"warps": 4}, {"warps": 4}),
+    "base": ({"bk": 64, "min_programs": 0}, {"bk": 64, "min_programs": 0}),  # run 2's tiles
+    "no_spread": ({"min_programs": 0}, {"min_programs": 0}),
+    "warps8_no_spread": ({"warps": 8, "min_programs": 0}, {"warps": 8, "min_programs": 0}),  # sessions 3-8
+    "bk64": ({"bk": 64}, {"bk": 64}),
+    "spread100": ({"min_programs": 100}, {"min_programs": 100}),
     "conv_ln_bm32": ({}, {"ln_bm": 32}),
     "bk256": ({"bk": 256}, {"bk": 256}),  # K <= 256 GEMMs (q/k/v, FF1) in one K step: fewer serial loads
 }
@@ -206,10 +209,10 @@ def main() -> int:
                 estimator_linear.TUNING.update(lin)
                 estimator_conv.TUNING.update(conv)
                 try:
-                    for rows, frames, streaming in shapes[:2]:
+                    for rows, frames, streaming in shapes:
                         a = estimator_inputs(cfg, rows, frames, torch.bfloat16)
                         ms = graph_replay_ms(lambda: fused16(*a, streaming), iters=args.iters)  # noqa: B023
-                        r[f"{vname}_rows{rows}_{frames}"] = round(ms, 4)
+                        r[f"{vname}_rows{rows}_{frames}_{'chunk' if streaming else 'full'}"] = round(ms, 4)
                 except Exception as e:  # noqa: BLE001 - one variant failing must not hide the others
                     r[vname] = f"{type(e).__name__}: {e}"[:200]
                 finally:

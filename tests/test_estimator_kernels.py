@@ -21,8 +21,9 @@ from cosyvoice_fast.kernels.estimator_attention import attention  # noqa: E402
 from cosyvoice_fast.kernels.estimator_common import LAUNCH  # noqa: E402
 from cosyvoice_fast.kernels.estimator_conv import causal_conv, pack_conv_weight  # noqa: E402
 from cosyvoice_fast.kernels.estimator_fused import pack_inputs  # noqa: E402
+from cosyvoice_fast.kernels import estimator_conv, estimator_linear  # noqa: E402
 from cosyvoice_fast.kernels.estimator_linear import (ACT_GELU, ACT_MISH, ACT_NONE, ACT_SILU, PRO_LN,  # noqa: E402
-                                                     PRO_MISH, PRO_SINUS, ffn, linear)
+                                                     PRO_MISH, PRO_SINUS, ffn, linear, spread_tiles)
 from cosyvoice_fast.kernels.pdl import pdl_options  # noqa: E402
 from cosyvoice_fast.models.flow_decoder import attention_allowed, sinusoidal_embedding  # noqa: E402
 
@@ -69,6 +70,31 @@ def test_linear_early_weight_tile_gives_the_same_bits(monkeypatch, prologue):
     assert torch.equal(outs[0], outs[1])
     a = {PRO_LN: lambda z: F.layer_norm(z, (k,), g, beta, 1e-5), PRO_MISH: F.mish}.get(prologue, lambda z: z)(x)
     assert (outs[1] - F.gelu(F.linear(a, w, b))).abs().max().item() <= TOL
+
+
+def test_spread_tiles_narrows_columns_then_rows_until_the_launch_fills():
+    # one CFG pair of 206 frames, N = 256: 13 x 4 = 52 programs -> 13 x 8 = 104 -> 26 x 8 = 208
+    assert spread_tiles(412, 256, 32, 64, 132) == (16, 32)
+    assert spread_tiles(412, 256, 32, 64, 100) == (32, 32)
+    assert spread_tiles(412, 256, 32, 64, 0) == (32, 64)
+    assert spread_tiles(412, 1024, 32, 64, 132) == (32, 64)  # 208 programs already
+    assert spread_tiles(16, 32, 16, 32, 10**6) == (16, 32)  # never below 16 x 32
+
+
+def test_narrowed_tiles_compute_the_same_gemm_and_conv(monkeypatch):
+    """With ``min_programs`` the GEMM and the plain causal conv run on 16 x 32 tiles: same results."""
+    for mod in (estimator_linear, estimator_conv):
+        monkeypatch.setitem(mod.INTERPRETER_TILES, "min_programs", 10**6)
+    m, k, n = 40, 48, 72
+    x, w, b, r = rnd(m, k), rnd(n, k) / 8, rnd(n), rnd(m, n)
+    out = linear(x, w, b, act=ACT_GELU, residual=r, out=nan(m, n))
+    assert (out - (F.gelu(F.linear(x, w, b)) + r)).abs().max().item() <= TOL
+    frames, c = 20, 24
+    xc, wc, bc = rnd(2 * frames, c), rnd(n, c, 3) / 8, rnd(n)
+    mask = torch.ones(2 * frames, device=DEV)
+    y = causal_conv(xc, mask, pack_conv_weight(wc), bc, frames)
+    ref = F.conv1d(F.pad(xc.view(2, frames, c).transpose(1, 2), (2, 0)), wc, bc).transpose(1, 2).reshape(2 * frames, n)
+    assert (y - ref).abs().max().item() <= TOL
 
 
 def test_pdl_is_asked_for_only_on_cuda_tensors():

@@ -25,12 +25,12 @@ import triton.language as tl
 from torch import Tensor
 
 from .estimator_common import pdl_kwargs
-from .estimator_linear import _act, _mm, _pow2, interpreting, pick_tiles
+from .estimator_linear import _act, _mm, _pow2, interpreting, pick_tiles, spread_tiles
 from .pdl import pdl_start
 
 #: Tile sizes and launch settings for 16-bit operands (see ``estimator_linear.TUNING``); ``ln_*`` apply to
 #: the LayerNorm-epilogue variant, whose programs hold whole rows.  fp32 uses :data:`FP32_TILES`.
-TUNING = {"bm": 32, "bn": 64, "bk": 128, "warps": 8, "ln_bm": 16, "ln_warps": 8, "stages": 3}
+TUNING = {"bm": 32, "bn": 64, "bk": 128, "warps": 4, "ln_bm": 16, "ln_warps": 8, "stages": 3, "min_programs": 132}
 #: Tiles from ``estimator_linear.LARGE_M`` rows on: taller row tiles and wider output tiles, so each weight
 #: tile is read once per 32-64 rows instead of 16-32 (picked by ``benchmarks/estimator_rows_sweep.py``; the
 #: timings are in BENCHMARKS.md).
@@ -140,8 +140,10 @@ def causal_conv(x1: Tensor, mask: Tensor, weight: Tensor, bias: Tensor, frames: 
     y = torch.empty(m, n, device=x1.device, dtype=x1.dtype)
     fp32 = weight.dtype == torch.float32
     tiles = pick_tiles(fp32, TUNING, FP32_TILES, INTERPRETER_TILES, m, TUNING_LARGE)
-    bm = _pow2(m, 16, tiles["ln_bm"] if ln is not None else tiles["bm"])
-    bn = _pow2(n) if ln is not None else _pow2(n, 16, tiles["bn"])
+    if ln is not None:  # whole rows per program
+        bm, bn = _pow2(m, 16, tiles["ln_bm"]), _pow2(n)
+    else:
+        bm, bn = spread_tiles(m, n, _pow2(m, 16, tiles["bm"]), _pow2(n, 16, tiles["bn"]), tiles.get("min_programs", 0))
     # row-wide tiles (and a second weight) must still fit in shared memory
     bk = _pow2(max(c1, c2), 16, (32 if fp32 else 64) if ln is not None else tiles["bk"])
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))

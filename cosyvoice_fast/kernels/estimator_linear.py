@@ -33,7 +33,7 @@ from .pdl import pdl_start
 #: Tile sizes and launch settings for 16-bit operands (the fastest of the few named variants that
 #: ``benchmarks/fused_flow_check.py`` times on an H100, see BENCHMARKS.md; the script changes these before
 #: the kernels compile).  fp32 operands use :data:`FP32_TILES` (IEEE fp32 dots need smaller tiles).
-TUNING = {"bm": 32, "bn": 64, "bk": 128, "warps": 8, "stages": 3, "ffn_bm": 16, "ffn_bh": 64}
+TUNING = {"bm": 32, "bn": 64, "bk": 128, "warps": 4, "stages": 3, "ffn_bm": 16, "ffn_bh": 64, "min_programs": 132}
 FP32_TILES = {"bm": 32, "bn": 64, "bk": 64, "warps": 4, "stages": 3}
 #: Under the CPU interpreter every program is a Python loop iteration: fewer, taller tiles run much faster.
 INTERPRETER_TILES = {"bm": 128, "bn": 64, "bk": 64, "warps": 4, "stages": 1}
@@ -54,6 +54,20 @@ def pick_tiles(fp32: bool, tuning: dict, fp32_tiles: dict, interp_tiles: dict, m
     if fp32:
         return fp32_tiles
     return large if large is not None and m >= LARGE_M else tuning
+
+
+def spread_tiles(m: int, n: int, bm: int, bn: int, min_programs: int) -> tuple[int, int]:
+    """Narrow the (bm, bn) tile -- columns first, down to 32, then rows, down to 16 -- until the launch has at
+    least ``min_programs`` programs: a 2-row forward's N = 256 GEMMs (out-projection, FF2, the ResNet convs)
+    otherwise run on ~50 programs of an H100's 132 SMs, each walking all of K alone."""
+    while min_programs and triton.cdiv(m, bm) * triton.cdiv(n, bn) < min_programs:
+        if bn > 32:
+            bn //= 2
+        elif bm > 16:
+            bm //= 2
+        else:
+            break
+    return bm, bn
 
 
 @triton.jit
@@ -186,8 +200,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: i
         return linear_cublas(x, weight, bias, prologue=prologue, ln=ln, act=act, residual=residual, rowmask=rowmask,
                              out=out, rows_per_b=rows_per_b, out_strides=(syb, syt, syn), norm_out=norm_out)
     tiles = pick_tiles(weight.dtype == torch.float32, TUNING, FP32_TILES, INTERPRETER_TILES)
-    bm = _pow2(m, 16, tiles["bm"])
-    bn = _pow2(n, 16, tiles["bn"])
+    bm, bn = spread_tiles(m, n, _pow2(m, 16, tiles["bm"]), _pow2(n, 16, tiles["bn"]), tiles.get("min_programs", 0))
     bk = _pow2(k, 16, tiles["bk"])
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _linear_kernel[grid](
