@@ -102,17 +102,6 @@ def graph_rows(lm16: torch.nn.Module, label: str, results: dict, save, profile_r
         save()
 
 
-def _replay_ms(graph: torch.cuda.CUDAGraph, iters: int = 50) -> float:
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True, help="directory; results go to OUT/decode_step_check.json")
@@ -191,7 +180,7 @@ def main() -> int:
             row[f"ms_per_token_rows{rows}"] = round(profile_llm.backend_ms_per_token(stage, inputs, text, rows, 150), 4)
             row[f"replay_host_ms_rows{rows}"] = round(host[0] * 1e3 / 149, 4)
             for b in stage.buckets:  # the whole decode graph (embedding, decoder, head, nucleus draw) alone
-                row[f"graph_ms_rows{rows}_kv{b}"] = round(_replay_ms(stage._batch_graphs[b, rows]), 4)
+                row[f"graph_ms_rows{rows}_kv{b}"] = round(profile_llm.replay_ms(stage._batch_graphs[b, rows], 50), 4)
         results["backend"].append(row)
         print(row, flush=True)
 

@@ -135,22 +135,29 @@ def test_projection_adds_into_the_residual_whole_or_from_k_split_partials(split)
         proj_k.proj_residual(a, w, resid, _nan(3, 4, n), counters)
 
 
-@torch.inference_mode()
-def test_one_row_gemv_projections_equal_the_math_with_and_without_k_pieces(monkeypatch):
-    rows = 1
-    dec = _decoder(6).fuse_projections()
-    layer = dec.layers[0]
+def _mlp_through(kernels, layer, rows: int) -> tuple[torch.Tensor, ...]:
+    """``kernels``' gate/up and down projection (+ residual) over ``rows`` random rows, checked against the
+    layer's modules; returns (h, its reference, the residual after the kernel, its reference)."""
     x = torch.randn(rows, CFG.hidden_size, device=DEV)
     h = _nan(rows, CFG.intermediate_size)
-    gemv_k.gate_up(x, layer.post_attention_layernorm.weight, layer.mlp.gate_up_weight, h,
-                   layer.post_attention_layernorm.eps)
+    kernels.gate_up(x, layer.post_attention_layernorm.weight, layer.mlp.gate_up_weight, h,
+                    layer.post_attention_layernorm.eps)
     xn = layer.post_attention_layernorm(x)
     h_ref = F.silu(layer.mlp.gate_proj(xn)) * layer.mlp.up_proj(xn)
     assert _err(h, h_ref) <= TOL
     resid = torch.randn(rows, CFG.hidden_size, device=DEV)
     ref = resid + layer.mlp.down_proj(h_ref)
-    gemv_k.proj_residual(h, layer.mlp.down_proj.weight, resid)  # all of K in one piece
+    kernels.proj_residual(h, layer.mlp.down_proj.weight, resid)  # all of K in one piece
     assert _err(resid, ref) <= TOL
+    return h, h_ref, resid, ref
+
+
+@torch.inference_mode()
+def test_one_row_gemv_projections_equal_the_math_with_and_without_k_pieces(monkeypatch):
+    rows = 1
+    dec = _decoder(6).fuse_projections()
+    layer = dec.layers[0]
+    h, h_ref, resid, ref = _mlp_through(gemv_k, layer, rows)
     monkeypatch.setattr(proj_k, "TILES", proj_k.Tiles(down_chunk=32))
     split = gemv_k.split_count(CFG.intermediate_size)
     assert split == 3  # 96 = 3 pieces of 32
@@ -166,19 +173,7 @@ def test_one_row_gemv_projections_equal_the_math_with_and_without_k_pieces(monke
 @torch.inference_mode()
 def test_gate_up_silu_and_projection_over_more_than_one_row_block():
     dec = _decoder(2).fuse_projections()
-    layer = dec.layers[1]
-    rows = proj_k.MAX_ROW_BLOCK + 3  # two row blocks: the second one mostly masked
-    x = torch.randn(rows, CFG.hidden_size, device=DEV)
-    h = _nan(rows, CFG.intermediate_size)
-    proj_k.gate_up(x, layer.post_attention_layernorm.weight, layer.mlp.gate_up_weight, h,
-                   layer.post_attention_layernorm.eps)
-    xn = layer.post_attention_layernorm(x)
-    h_ref = F.silu(layer.mlp.gate_proj(xn)) * layer.mlp.up_proj(xn)
-    assert _err(h, h_ref) <= TOL
-    resid = torch.randn(rows, CFG.hidden_size, device=DEV)
-    ref = resid + layer.mlp.down_proj(h_ref)
-    proj_k.proj_residual(h, layer.mlp.down_proj.weight, resid)
-    assert _err(resid, ref) <= TOL
+    _mlp_through(proj_k, dec.layers[1], proj_k.MAX_ROW_BLOCK + 3)  # two row blocks: the second mostly masked
 
 
 @torch.inference_mode()

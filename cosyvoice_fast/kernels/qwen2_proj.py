@@ -168,6 +168,35 @@ def _w_tile(w_ptr, cols, cmask, k, K, k_end):
     return tl.load(w_ptr + cols[None, :] * K + k[:, None], mask=cmask[None, :] & (k[:, None] < k_end), other=0.0)
 
 
+@triton.jit
+def _normed_pair_gemm(x_ptr, nw_ptr, w_ptr, cols_a, cols_b, cmask, B, K: tl.constexpr, eps,
+                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
+                      EARLY: tl.constexpr):
+    """``RMSNorm(x) @ W[cols_a]^T`` and ``@ W[cols_b]^T`` for this program's row block (``program_id(1)``):
+    the q/k/v kernel's rotation pair and the gate/up kernel's two halves.  With ``EARLY`` the first K tile of
+    both weights is loaded before the PDL wait (weights never depend on the previous kernel).  Returns
+    ``(rows, row mask, acc_a, acc_b)`` with fp32 accumulators."""
+    k = tl.arange(0, BLOCK_K)
+    if not EARLY:
+        pdl_start(PDL)
+    wa = _w_tile(w_ptr, cols_a, cmask, k, K, K)
+    wb = _w_tile(w_ptr, cols_b, cmask, k, K, K)
+    if EARLY:
+        pdl_start(PDL)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < B
+    rstd = _row_rstd(x_ptr, rows, rmask, K, eps, BLOCK_M, BLOCK_K)
+    xn = _normed_tile(x_ptr, rows, rmask, k, K, rstd, nw_ptr)
+    acc_a = tl.dot(xn, wa, input_precision=PREC)
+    acc_b = tl.dot(xn, wb, input_precision=PREC)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        xn = _normed_tile(x_ptr, rows, rmask, k, K, rstd, nw_ptr)
+        acc_a = tl.dot(xn, _w_tile(w_ptr, cols_a, cmask, k, K, K), acc_a, input_precision=PREC)
+        acc_b = tl.dot(xn, _w_tile(w_ptr, cols_b, cmask, k, K, K), acc_b, input_precision=PREC)
+    return rows, rmask, acc_a, acc_b
+
+
 # ------------------------------------------------------------------------------------------ kernels
 
 
@@ -186,24 +215,8 @@ def _qkv_rope_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_p
     dmask = d < HALF  # all true unless head_dim / 2 < 16 (test-sized models): tl.dot needs 16 columns
     col1 = head * D + d
     col2 = col1 + HALF
-    k = tl.arange(0, BLOCK_K)
-    if not EARLY:
-        pdl_start(PDL)
-    w1 = _w_tile(w_ptr, col1, dmask, k, K, K)  # the first K tile: weights never depend on the previous kernel
-    w2 = _w_tile(w_ptr, col2, dmask, k, K, K)
-    if EARLY:
-        pdl_start(PDL)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < B
-    rstd = _row_rstd(x_ptr, rows, rmask, K, eps, BLOCK_M, BLOCK_K)
-    xn = _normed_tile(x_ptr, rows, rmask, k, K, rstd, nw_ptr)
-    acc1 = tl.dot(xn, w1, input_precision=PREC)
-    acc2 = tl.dot(xn, w2, input_precision=PREC)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        xn = _normed_tile(x_ptr, rows, rmask, k, K, rstd, nw_ptr)
-        acc1 = tl.dot(xn, _w_tile(w_ptr, col1, dmask, k, K, K), acc1, input_precision=PREC)
-        acc2 = tl.dot(xn, _w_tile(w_ptr, col2, dmask, k, K, K), acc2, input_precision=PREC)
+    rows, rmask, acc1, acc2 = _normed_pair_gemm(x_ptr, nw_ptr, w_ptr, col1, col2, dmask, B, K, eps, BLOCK_M,
+                                                BLOCK_K, PREC, PDL, EARLY)
     rope_store(acc1, acc2, head, d, dmask, rows, rmask, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
                stride_cb, stride_ch, stride_cp, HQ, HKV, D)
 
@@ -215,24 +228,8 @@ def _gate_up_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, B, K: tl.constexpr, N, eps,
     """``h = silu(gate(norm(x))) * up(norm(x))`` for columns ``n`` (gate rows n, up rows N + n of the fused weight)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
-    k = tl.arange(0, BLOCK_K)
-    if not EARLY:
-        pdl_start(PDL)
-    wg = _w_tile(w_ptr, cols, cmask, k, K, K)
-    wu = _w_tile(w_ptr, cols + N, cmask, k, K, K)
-    if EARLY:
-        pdl_start(PDL)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < B
-    rstd = _row_rstd(x_ptr, rows, rmask, K, eps, BLOCK_M, BLOCK_K)
-    xn = _normed_tile(x_ptr, rows, rmask, k, K, rstd, nw_ptr)
-    acc_g = tl.dot(xn, wg, input_precision=PREC)
-    acc_u = tl.dot(xn, wu, input_precision=PREC)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        xn = _normed_tile(x_ptr, rows, rmask, k, K, rstd, nw_ptr)
-        acc_g = tl.dot(xn, _w_tile(w_ptr, cols, cmask, k, K, K), acc_g, input_precision=PREC)
-        acc_u = tl.dot(xn, _w_tile(w_ptr, cols + N, cmask, k, K, K), acc_u, input_precision=PREC)
+    rows, rmask, acc_g, acc_u = _normed_pair_gemm(x_ptr, nw_ptr, w_ptr, cols, cols + N, cmask, B, K, eps, BLOCK_M,
+                                                  BLOCK_K, PREC, PDL, EARLY)
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     tl.store(h_ptr + rows[:, None] * N + cols[None, :], h.to(h_ptr.dtype.element_ty),
              mask=rmask[:, None] & cmask[None, :])
