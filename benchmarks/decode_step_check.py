@@ -54,14 +54,7 @@ def _stats(a: torch.Tensor, ref: torch.Tensor) -> dict:
 
 
 def _step(lm: torch.nn.Module, fused: bool, x: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor) -> tuple:
-    from cosyvoice_fast.kernels.qwen2_decode import decode_step
-
-    cache = lm.new_cache(kv.shape[4], batch=x.shape[0])
-    for i in range(len(cache.k)):
-        cache.k[i].copy_(kv[0, i])
-        cache.v[i].copy_(kv[1, i])
-    with torch.inference_mode():
-        h = decode_step(lm.decoder, x, pos, cache, BUCKET) if fused else lm.decoder(x, pos, cache, kv_len=BUCKET)
+    h, cache = profile_llm.step_over_cache(lm, fused, x, kv, pos, BUCKET)
     rows = torch.arange(x.shape[0], device=x.device)
     written = torch.stack([torch.stack([c[rows, :, pos[:, 0]] for c in cache.k]),
                            torch.stack([c[rows, :, pos[:, 0]] for c in cache.v])])

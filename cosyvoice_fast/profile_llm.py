@@ -71,6 +71,23 @@ def decode_math(lm: torch.nn.Module, backend: str, rows: int, context: int, max_
     raise ValueError(f"unknown backend {backend!r}; choose cudagraph or fused")
 
 
+def step_over_cache(lm: torch.nn.Module, fused: bool, x: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor,
+                    kv_len: int) -> tuple[torch.Tensor, object]:
+    """One decode step of embeddings ``x`` (rows, 1, H) at positions ``pos`` (rows, 1) over a fresh cache filled
+    from ``kv`` (2, layers, rows, kv heads, max_len, head dim), by the fused kernels or the eager decoder;
+    returns the hidden states and the cache (the step's K/V written into it).  The correctness checks of the
+    fused step compare the two on the very same inputs."""
+    from .kernels.qwen2_decode import decode_step
+
+    cache = lm.new_cache(kv.shape[4], batch=x.shape[0])
+    for i in range(len(cache.k)):
+        cache.k[i].copy_(kv[0, i])
+        cache.v[i].copy_(kv[1, i])
+    with torch.inference_mode():
+        h = decode_step(lm.decoder, x, pos, cache, kv_len) if fused else lm.decoder(x, pos, cache, kv_len=kv_len)
+    return h, cache
+
+
 def graph_ms(fn: Callable[[], object], iters: int = 100) -> float:
     """Milliseconds per replay of ``fn`` captured as a CUDA graph (warmed up first: Triton compiles there)."""
     side = torch.cuda.Stream()

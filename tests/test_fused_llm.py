@@ -77,14 +77,9 @@ def _step_inputs(rows: int, context: int, max_len: int, dtype: torch.dtype, cfg)
 
 
 def _run(lm: Qwen2LM, fused: bool, x, kv, pos, kv_len: int) -> tuple[torch.Tensor, list[torch.Tensor]]:  # noqa: ANN001
-    from cosyvoice_fast.kernels.qwen2_decode import decode_step
+    from cosyvoice_fast.profile_llm import step_over_cache
 
-    cache = lm.new_cache(kv.shape[4], batch=x.shape[0])
-    for i in range(len(cache.k)):
-        cache.k[i].copy_(kv[0, i])
-        cache.v[i].copy_(kv[1, i])
-    with torch.inference_mode():
-        h = decode_step(lm.decoder, x, pos, cache, kv_len) if fused else lm.decoder(x, pos, cache, kv_len=kv_len)
+    h, cache = step_over_cache(lm, fused, x, kv, pos, kv_len)
     return h, cache.k + cache.v
 
 
