@@ -31,7 +31,7 @@ from cosyvoice_fast.kernels.estimator_profile import (estimator_flops, estimator
 from cosyvoice_fast.models.cfm import CausalCFM  # noqa: E402
 
 _CONV_SMALL = dict(estimator_conv.TUNING)
-# (conv TUNING_LARGE, ATTN_TUNING, cuBLAS from CUBLAS_M rows) per named setting: a handful, not a sweep
+# (conv TUNING_LARGE, ATTN_TUNING, cuBLAS from MANY_ROWS_M rows) per named setting: a handful, not a sweep
 VARIANTS = {
     "default": ({}, {}, True),
     "no_cublas": ({}, {}, False),
@@ -96,7 +96,7 @@ def main() -> int:
         r = {}
         tables = (estimator_conv.TUNING_LARGE, estimator_attention.ATTN_TUNING)
         saved = [dict(d) for d in tables]
-        cublas_m = estimator_cublas.CUBLAS_M
+        cublas_m = estimator_cublas.MANY_ROWS_M
         refs = {}
         with torch.inference_mode():
             for vname, (conv, attn, cublas) in VARIANTS.items():
@@ -104,7 +104,7 @@ def main() -> int:
                     d.clear()
                     d.update(base)
                     d.update(o)
-                estimator_cublas.CUBLAS_M = cublas_m if cublas else 1 << 40
+                estimator_cublas.MANY_ROWS_M = cublas_m if cublas else 1 << 40
                 try:
                     for rows in (8, 16, 32):
                         a = estimator_inputs(cfg, rows, n, torch.bfloat16)
@@ -120,7 +120,7 @@ def main() -> int:
         for d, base in zip(tables, saved):
             d.clear()
             d.update(base)
-        estimator_cublas.CUBLAS_M = cublas_m
+        estimator_cublas.MANY_ROWS_M = cublas_m
         return r
 
     runner.run("timing_ms", timing)

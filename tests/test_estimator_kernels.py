@@ -236,16 +236,19 @@ def test_row_epilogue_is_the_conv_epilogue():
     assert (split - fused).abs().max().item() <= TOL
 
 
+@pytest.mark.parametrize("product", ["cublas", "triton"])
 @pytest.mark.parametrize("prologue,act,residual,rowmask,btc", [(PRO_LN, 0, False, False, False),
                                                                (PRO_LN, ACT_GELU, False, False, False),
                                                                (0, ACT_NONE, True, False, False),
                                                                (0, ACT_NONE, False, True, True)])
-def test_linear_cublas_path_matches_torch_in_bf16(monkeypatch, prologue, act, residual, rowmask, btc):
-    """From CUBLAS_M rows on, 16-bit GEMMs go to cuBLAS with a Triton epilogue (here forced at 42 rows): the same
-    function as the fused kernel, within one bf16 rounding of the product (bf16 inputs, fp32 reference)."""
+def test_linear_many_rows_path_matches_torch_in_bf16(monkeypatch, product, prologue, act, residual, rowmask, btc):
+    """From MANY_ROWS_M rows on, 16-bit GEMMs take the many-rows path (here forced at 42 rows): cuBLAS with a Triton
+    epilogue, or the tall Triton kernel with the epilogue fused in.  The same function as the fused kernel,
+    within one bf16 rounding of the product (bf16 inputs, fp32 reference)."""
     from cosyvoice_fast.kernels import estimator_cublas
 
-    monkeypatch.setattr(estimator_cublas, "CUBLAS_M", 8)
+    monkeypatch.setattr(estimator_cublas, "MANY_ROWS_M", 8)
+    monkeypatch.setitem(estimator_cublas.MANY_ROWS, "product", product)
     b, t, k, n = 2, 21, 64, 40
     m = b * t
     bf = torch.bfloat16
@@ -264,26 +267,28 @@ def test_linear_cublas_path_matches_torch_in_bf16(monkeypatch, prologue, act, re
         ref = ref.view(b, t, n).transpose(1, 2)
     assert out.shape == ref.shape and out.dtype == bf
     assert (out.float() - ref).abs().max().item() <= 0.02 * ref.abs().max().item()
-    assert estimator_cublas.use_cublas(m, w, prologue) and not estimator_cublas.use_cublas(m, w.float(), prologue)
+    assert estimator_cublas.use_many_rows(m, w, prologue) and not estimator_cublas.use_many_rows(m, w.float(), prologue)
 
 
+@pytest.mark.parametrize("product", ["cublas", "triton"])
 @pytest.mark.parametrize("n,dtype,bias,rowmask", [(32, torch.bfloat16, True, False), (48, torch.bfloat16, False, False),
                                                   (48, torch.bfloat16, True, True), (48, torch.float16, True, True)])
-def test_cublas_epilogue_writes_the_layer_norm_of_its_stored_rows(monkeypatch, n, dtype, bias, rowmask):
-    """``norm_out`` on the cuBLAS path (forced at 42 rows): the epilogue's second output is ``F.layer_norm`` of
-    the rows it returns, within one ulp of the 16-bit type (relative ``finfo.eps``, plus 1e-5 absolute): both
+def test_many_rows_epilogue_writes_the_layer_norm_of_its_stored_rows(monkeypatch, product, n, dtype, bias, rowmask):
+    """``norm_out`` on the many-rows path (forced at 42 rows): the epilogue's second output is ``F.layer_norm``
+    of the rows it returns, within one ulp of the 16-bit type (relative ``finfo.eps``, plus 1e-5 absolute): both
     round nearly the same fp32 value (and the interpreter truncates to bf16 where ``F.layer_norm`` rounds).
     The returned rows are bit-identical to a call without ``norm_out``; N = 48 is not a power of two, so the
     whole-row tile's masked columns are exercised."""
     from cosyvoice_fast.kernels import estimator_cublas
 
-    monkeypatch.setattr(estimator_cublas, "CUBLAS_M", 8)
+    monkeypatch.setattr(estimator_cublas, "MANY_ROWS_M", 8)
+    monkeypatch.setitem(estimator_cublas.MANY_ROWS, "product", product)
     m, k = 42, 64
     x, w, b = rnd(m, k).to(dtype), (rnd(n, k) / 8).to(dtype), rnd(n).to(dtype) if bias else None
     r = rnd(m, n).to(dtype)
     mask = (torch.arange(m, device=DEV) % 21 < 15).to(dtype) if rowmask else None
     g, beta = rnd(n).to(dtype), rnd(n).to(dtype)
-    assert estimator_cublas.use_cublas(m, w, 0)
+    assert estimator_cublas.use_many_rows(m, w, 0)
     normed = nan(m, n).to(dtype)
     out = linear(x, w, b, residual=r, rowmask=mask, norm_out=(normed, (g, beta, 1e-5)))
     assert torch.equal(out, linear(x, w, b, residual=r, rowmask=mask))
@@ -292,8 +297,31 @@ def test_cublas_epilogue_writes_the_layer_norm_of_its_stored_rows(monkeypatch, n
     assert ((normed.float() - ref).abs() <= ulp + 1e-5).all()
 
 
+@pytest.mark.parametrize("m,k,n,tiles", [(70, 72, 40, None), (70, 64, 48, {"bm": 32, "bn": 16, "bk": 16,
+                                                                           "warps": 4, "stages": 1})])
+def test_tall_gemm_matches_torch_in_fp32(m, k, n, tiles):
+    """The tall Triton GEMM on its own in fp32 (IEEE dots): bias, GELU, residual, row mask and the (B, N, T)
+    store, with M, K and N off the tile sizes (a K loop with a masked last step, masked rows and columns), and
+    with several column tiles per row; the next LayerNorm of its rows when asked (a whole-row tile)."""
+    from cosyvoice_fast.kernels.estimator_tall import linear_tall
+
+    b, t = 2, m // 2
+    x, w, bias, r = rnd(m, k), rnd(n, k) / 8, rnd(n), rnd(m, n)
+    mask = (torch.arange(m, device=DEV) % t < t - 4).float()
+    ref = (F.gelu(F.linear(x, w, bias)) + r) * mask[:, None]
+    out = nan(b, n, t)
+    linear_tall(x, w, bias, act=ACT_GELU, residual=r, rowmask=mask, out=out, rows_per_b=t,
+                out_strides=(out.stride(0), out.stride(2), out.stride(1)), tiles=tiles)
+    assert (out - ref.view(b, t, n).transpose(1, 2)).abs().max().item() <= TOL
+    g, beta, normed, rows = rnd(n), rnd(n), nan(m, n), nan(m, n)
+    linear_tall(x, w, bias, act=ACT_NONE, residual=r, rowmask=None, out=rows, rows_per_b=m,
+                out_strides=(0, n, 1), norm_out=(normed, (g, beta, 1e-5)), tiles=tiles)
+    assert (rows - (F.linear(x, w, bias) + r)).abs().max().item() <= TOL
+    assert (normed - F.layer_norm(rows, (n,), g, beta, 1e-5)).abs().max().item() <= TOL
+
+
 def test_norm_out_is_filled_on_the_fused_path_and_checked():
-    """Below CUBLAS_M (the fused Triton kernel) ``norm_out`` is still filled, by a separate LayerNorm pass, so
+    """Below MANY_ROWS_M (the fused Triton kernel) ``norm_out`` is still filled, by a separate LayerNorm pass, so
     a caller that passes it where cuBLAS does not apply gets the right rows; it is refused for the (B, N, T)
     layout and for a wrong shape."""
     m, k, n = 21, 32, 48

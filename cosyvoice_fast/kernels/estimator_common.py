@@ -84,3 +84,18 @@ def _epilogue_store(acc, rm, rn, m_ok, n_ok, b_ptr, r_ptr, rowmask_ptr, y_ptr, s
     stored = acc.to(y_ptr.dtype.element_ty)
     tl.store(dst, stored, mask=ok)
     return stored.to(tl.float32)
+
+
+@triton.jit
+def _norm_rows_store(h, rm, rn, m_ok, n_ok, N, g_ptr, beta_ptr, norm_ptr, stride_nm, eps):
+    """Store ``LayerNorm(h)`` of an fp32 tile whose columns ``rn`` span whole rows of N: fp32 statistics, mean
+    and biased variance (two passes over the registers), eps inside the square root, as ``F.layer_norm``."""
+    ok = m_ok[:, None] & n_ok[None, :]
+    h = tl.where(ok, h, 0.0)
+    mean = tl.sum(h, axis=1) / N
+    hc = tl.where(ok, h - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(hc * hc, axis=1) / N + eps)
+    g = tl.load(g_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    normed = hc * rstd[:, None] * g[None, :] + beta[None, :]
+    tl.store(norm_ptr + rm[:, None] * stride_nm + rn[None, :], normed.to(norm_ptr.dtype.element_ty), mask=ok)

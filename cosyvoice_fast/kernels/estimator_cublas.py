@@ -1,22 +1,26 @@
-"""The estimator's GEMMs at many rows: cuBLAS for the product, one Triton pass for what surrounds it.
+"""The estimator's GEMMs at many rows: cuBLAS or the tall Triton kernel for the product, the epilogue around it.
 
-A batched solve stacks thousands of frames (16 requests x the CFG pair x 250 frames is 8000 rows).  There the
-fused Triton GEMMs of :mod:`~cosyvoice_fast.kernels.estimator_linear` are far from the tensor cores' rate while
-cuBLAS's Hopper kernels reach several times more on the same (8000 x 256) @ (256 x 1536) shapes, so from
-:data:`CUBLAS_M` rows on (16-bit weights) :func:`linear_cublas` computes ``act(prologue(X) @ W^T + bias)
-(+ residual) (* rowmask)`` as: the LayerNorm prologue (``F.layer_norm``, fp32 statistics), the product
-(``torch.mm``, fp32 accumulation, 16-bit result), and one elementwise Triton pass for bias, activation,
-residual, row mask and the strided (B, N, T) store.  At few rows the single fused kernel stays faster (it is
-launch-bound there), which is why the switch is by row count.
+A batched solve stacks thousands of frames (16 requests x the CFG pair x 250 frames is 8000 rows), and even
+one request's later chunks have several hundred (the CFG pair x 450 frames of a final chunk is 900).  There the
+row-tiled GEMMs of :mod:`~cosyvoice_fast.kernels.estimator_linear` (thin tiles that re-read every weight tile per
+32 rows, right for a launch-bound forward of a few hundred rows) fall far behind the tensor cores, so from
+:data:`MANY_ROWS_M` rows on (16-bit weights) :func:`linear_cublas` computes ``act(prologue(X) @ W^T + bias)
+(+ residual) (* rowmask)`` as: the LayerNorm prologue (``F.layer_norm``, fp32 statistics), then either
 
-The LayerNorm prologue is a separate pass here (cuBLAS takes no prologue), but in a transformer block every
-residual-producing GEMM (attention out-projection, second feed-forward GEMM) is followed by a LayerNorm + GEMM.
-So the epilogue can also write the next LayerNorm of the row it stores (``norm_out``): its tile then spans the
-whole row (N = channels), and the next GEMM reads the normed rows with no prologue, which saves the LayerNorm
-launch and a read of the residual stream.
+* the product on cuBLAS (``torch.mm``, fp32 accumulation, 16-bit result) and one elementwise Triton pass for
+  bias, activation, residual, row mask and the strided (B, N, T) store, or
+* the tall Triton kernel (:mod:`~cosyvoice_fast.kernels.estimator_tall`), product and epilogue in one,
 
-Numerics: the product is rounded to 16 bits once before the epilogue adds bias and residual in fp32, where the
-fused kernel rounds once after; the difference is one 16-bit rounding of the product (bf16 noise).
+per GEMM as :func:`tall_product` says.
+
+The LayerNorm prologue is a separate pass here (neither product takes a prologue), but in a transformer block
+every residual-producing GEMM (attention out-projection, second feed-forward GEMM) is followed by a LayerNorm +
+GEMM.  So the epilogue can also write the next LayerNorm of the row it stores (``norm_out``): its tile then
+spans the whole row (N = channels), and the next GEMM reads the normed rows with no prologue, which saves the
+LayerNorm launch and a read of the residual stream.
+
+Numerics: on cuBLAS the product is rounded to 16 bits once before the epilogue adds bias and residual in fp32,
+where the fused kernels round once after; the difference is one 16-bit rounding of the product (bf16 noise).
 """
 
 from __future__ import annotations
@@ -27,16 +31,36 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .estimator_common import PRO_LN, PRO_NONE, _epilogue_store, _pow2, interpreting
+from .estimator_common import PRO_LN, PRO_NONE, _epilogue_store, _norm_rows_store, _pow2, interpreting
+from .estimator_tall import linear_tall
 
-#: Rows from which :func:`~cosyvoice_fast.kernels.estimator_linear.linear` hands 16-bit GEMMs to cuBLAS.
-CUBLAS_M = 2048
+#: Rows from which :func:`~cosyvoice_fast.kernels.estimator_linear.linear` hands 16-bit GEMMs to this path: one
+#: request's 300- and 450-frame chunks (600 and 900 rows) already run faster here; its 206-frame first chunk
+#: (412 rows) is still launch-bound and stays on the row-tiled kernels (``benchmarks/estimator_tall_gemm.py``).
+MANY_ROWS_M = 512
+#: Which kernel computes the product on this path, read at each call: ``"cublas"`` (``torch.mm``, then the
+#: Triton epilogue pass), ``"triton"`` (:func:`~cosyvoice_fast.kernels.estimator_tall.linear_tall`: one
+#: kernel with the epilogue and the next LayerNorm fused in) or ``"auto"`` (:func:`tall_product`).
+MANY_ROWS = {"product": "auto"}
 
 
-def use_cublas(m: int, weight: Tensor, prologue: int) -> bool:
-    """Whether a ``linear`` call of ``m`` rows takes the cuBLAS path: 16-bit weights, a plain or LayerNorm
-    prologue, and at least :data:`CUBLAS_M` rows."""
-    return (m >= CUBLAS_M and weight.dtype in (torch.bfloat16, torch.float16)
+def tall_product(act: int, residual: Tensor | None, norm_out: object | None) -> bool:
+    """Whether a many-rows GEMM runs as the tall Triton kernel rather than cuBLAS + epilogue pass.
+
+    ``"auto"``: where the epilogue has work of its own (an activation, or a residual with no LayerNorm after
+    it) the fused kernel saves the whole write and re-read of the product and wins although its product is
+    slower than cuBLAS's; a plain product (q/k/v) is cuBLAS's alone, and a residual with the whole-row
+    LayerNorm (few, wide tiles) measured no faster fused (``benchmarks/estimator_tall_gemm.py``)."""
+    mode = MANY_ROWS["product"]
+    if mode == "auto":
+        return act != 0 or (residual is not None and norm_out is None)
+    return mode == "triton"
+
+
+def use_many_rows(m: int, weight: Tensor, prologue: int) -> bool:
+    """Whether a ``linear`` call of ``m`` rows takes the many-rows path: 16-bit weights, a plain or LayerNorm
+    prologue, and at least :data:`MANY_ROWS_M` rows."""
+    return (m >= MANY_ROWS_M and weight.dtype in (torch.bfloat16, torch.float16)
             and prologue in (PRO_NONE, PRO_LN))
 
 
@@ -58,8 +82,7 @@ def _epilogue_norm_kernel(y_ptr, b_ptr, r_ptr, rowmask_ptr, out_ptr, g_ptr, beta
                           stride_om, stride_on, stride_nm, eps, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                           HAS_RES: tl.constexpr, ROWMASK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """:func:`_epilogue_kernel` for a row-major output whose rows fit one tile (``BN >= N``), which also stores
-    ``LayerNorm(row as stored)`` to ``norm_ptr``: fp32 statistics, mean and biased variance (two passes over the
-    registers), eps inside the square root, as ``F.layer_norm``."""
+    ``LayerNorm(row as stored)`` to ``norm_ptr`` (:func:`~cosyvoice_fast.kernels.estimator_common._norm_rows_store`)."""
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.arange(0, BN)
     m_ok = rm < M
@@ -68,14 +91,7 @@ def _epilogue_norm_kernel(y_ptr, b_ptr, r_ptr, rowmask_ptr, out_ptr, g_ptr, beta
     y = tl.load(y_ptr + rm[:, None] * N + rn[None, :], mask=ok, other=0.0)
     h = _epilogue_store(y.to(tl.float32), rm, rn, m_ok, n_ok, b_ptr, r_ptr, rowmask_ptr, out_ptr, stride_rm, M,
                         0, stride_om, stride_on, HAS_BIAS, ACT, HAS_RES, ROWMASK)
-    h = tl.where(ok, h, 0.0)
-    mean = tl.sum(h, axis=1) / N
-    hc = tl.where(ok, h - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(hc * hc, axis=1) / N + eps)
-    g = tl.load(g_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-    beta = tl.load(beta_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-    normed = hc * rstd[:, None] * g[None, :] + beta[None, :]
-    tl.store(norm_ptr + rm[:, None] * stride_nm + rn[None, :], normed.to(norm_ptr.dtype.element_ty), mask=ok)
+    _norm_rows_store(h, rm, rn, m_ok, n_ok, N, g_ptr, beta_ptr, norm_ptr, stride_nm, eps)
 
 
 def _launch_epilogue_norm(y: Tensor, bias: Tensor | None, act: int, residual: Tensor | None,
@@ -105,12 +121,15 @@ def linear_cublas(x: Tensor, weight: Tensor, bias: Tensor | None, *, prologue: i
                   ln: tuple[Tensor, Tensor, float] | None, act: int, residual: Tensor | None,
                   rowmask: Tensor | None, out: Tensor, rows_per_b: int, out_strides: tuple[int, int, int],
                   norm_out: tuple[Tensor, tuple[Tensor, Tensor, float]] | None = None) -> Tensor:
-    """``linear``'s contract on the cuBLAS path; ``out`` and its ``(batch, frame, channel)`` strides come from
+    """``linear``'s contract on the many-rows path; ``out`` and its ``(batch, frame, channel)`` strides come from
     :func:`~cosyvoice_fast.kernels.estimator_linear.linear`, which validated the arguments (``norm_out`` only
     with a row-major ``out``)."""
     m, k = x.shape
     n = weight.shape[0]
     a = x if prologue == PRO_NONE else F.layer_norm(x, (k,), ln[0], ln[1], ln[2])
+    if tall_product(act, residual, norm_out):
+        return linear_tall(a, weight, bias, act=act, residual=residual, rowmask=rowmask, out=out,
+                           rows_per_b=rows_per_b, out_strides=out_strides, norm_out=norm_out)
     plain = bias is None and act == 0 and residual is None and rowmask is None and norm_out is None
     if plain and out.dim() == 2 and out.is_contiguous():
         return torch.mm(a, weight.t(), out=out)

@@ -7,9 +7,9 @@ channels-last activations (one row per frame, ``B·T`` rows), so that a transfor
 the residual fused in, or as one kernel) and a ResNet block two (see
 ``estimator_conv``).  The time embedding of every ResNet block is one GEMM for all of them.  The whole
 forward is a fixed sequence of launches with no host synchronisation, so the graph runner of the
-``cudagraph`` flow captures it unchanged.  At many rows (a batched solve of several requests) the GEMMs move to
-cuBLAS with Triton epilogues (:mod:`~cosyvoice_fast.kernels.estimator_cublas`): there arithmetic, not launches,
-sets the time, and cuBLAS's Hopper kernels run it several times faster than these fused tiles.  cuBLAS takes no
+``cudagraph`` flow captures it unchanged.  At many rows (a later chunk, or a batched solve of several
+requests) the GEMMs take the many-rows path (:mod:`~cosyvoice_fast.kernels.estimator_cublas`: cuBLAS, or tall
+Triton tiles with the epilogue fused in): there arithmetic, not launches, sets the time.  That path takes no
 LayerNorm prologue, so there each residual-producing GEMM's epilogue also writes the LayerNorm that the next
 GEMM needs (the block's ``norm3``, the next block's ``norm1``), and only a group's first ``norm1`` is a pass
 of its own.
@@ -35,7 +35,7 @@ from ..models.flow_decoder import _GELU_APPROXIMATION, CausalConditionalDecoder,
 from .estimator_attention import attention, attention_out
 from .estimator_common import pdl_kwargs
 from .estimator_conv import causal_conv, pack_conv_weight, row_epilogue
-from .estimator_cublas import use_cublas
+from .estimator_cublas import use_many_rows
 from .estimator_linear import ACT_GELU, ACT_MISH, ACT_SILU, PRO_LN, PRO_MISH, PRO_NONE, PRO_SINUS, ffn, linear
 from .pdl import pdl_start
 
@@ -190,16 +190,17 @@ class FusedEstimator(nn.Module):
     def _transformer(self, blk: nn.Module, h: Tensor, mask: Tensor, batch: int, chunk: int, p: dict,
                      normed: Tensor | None = None, next_ln: tuple[Tensor, Tensor, float] | None = None
                      ) -> tuple[Tensor, Tensor | None]:
-        """One transformer block over the rows ``h``; returns the new rows and, when this block's last GEMM
-        ran on cuBLAS with ``next_ln`` given, ``LayerNorm_next(new rows)`` written by its epilogue (else None).
+        """One transformer block over the rows ``h``; returns the new rows and, when this block's last GEMM took
+        the many-rows path with ``next_ln`` given, ``LayerNorm_next(new rows)`` written by its epilogue (else
+        None).
 
-        ``normed`` is ``norm1(h)`` when the previous block's epilogue already wrote it.  On the cuBLAS path
-        (:func:`~cosyvoice_fast.kernels.estimator_cublas.use_cublas`, many rows) a LayerNorm is a launch of
+        ``normed`` is ``norm1(h)`` when the previous block's epilogue already wrote it.  On the many-rows path
+        (:func:`~cosyvoice_fast.kernels.estimator_cublas.use_many_rows`) a LayerNorm is a launch of
         its own, so each residual-producing GEMM (out-projection, second feed-forward GEMM) also writes the
         following LayerNorm of its output and the next GEMM runs without a prologue; below that the fused
         GEMMs apply the LayerNorm in their prologue for free, so nothing changes there."""
         a, ff = blk.attn1, blk.ff.net
-        fuse_ln = use_cublas(h.shape[0], ff[2].weight, PRO_NONE)
+        fuse_ln = use_many_rows(h.shape[0], ff[2].weight, PRO_NONE)
         if normed is None:
             qkv = linear(h, p["qkv"][id(a)], prologue=PRO_LN, ln=_ln(blk.norm1))
         else:
@@ -271,7 +272,7 @@ class FusedEstimator(nn.Module):
 
 def kernels_per_forward(n_blocks: int, num_mid_blocks: int, ffn_one_kernel: bool = False,
                         attention_out_fused: bool = False, resnet_split_ln: bool = False) -> int:
-    """Launches of one fused forward of the one-level U-Net below ``estimator_cublas.CUBLAS_M`` rows (above it
+    """Launches of one fused forward of the one-level U-Net below ``estimator_cublas.MANY_ROWS_M`` rows (above it
     an epilogue pass joins most GEMMs, and a LayerNorm pass each group's first transformer block): 3
     time-embedding GEMMs, the input pack, 2 (or 4) per ResNet block, 3 to 5 per transformer block, the
     down/up/final convs and the output projection."""

@@ -4,9 +4,9 @@
   first pass over K, so K is not limited by a tile), or a Mish prologue, or the sinusoidal time features
   computed from the flow time itself; bias, GELU/SiLU, a residual add, a row mask and a strided store (the
   estimator's last projection writes the (B, 80, T) layout directly) in the epilogue; from
-  :data:`~cosyvoice_fast.kernels.estimator_cublas.CUBLAS_M` rows (16-bit weights) the product goes to cuBLAS
-  (:mod:`~cosyvoice_fast.kernels.estimator_cublas`), whose epilogue can also write the next LayerNorm of its
-  output (``norm_out``).
+  :data:`~cosyvoice_fast.kernels.estimator_cublas.MANY_ROWS_M` rows (16-bit weights) the call takes the
+  many-rows path (:mod:`~cosyvoice_fast.kernels.estimator_cublas`: cuBLAS or a tall Triton kernel), whose
+  epilogue can also write the next LayerNorm of its output (``norm_out``).
 * :func:`ffn` — the whole feed-forward half of a transformer block in one kernel:
   ``X + b2 + GELU(LN(X) @ W1^T + b1) @ W2^T``; the 4x-wide hidden activation lives only in registers, chunk
   by chunk.
@@ -27,7 +27,7 @@ from torch import Tensor
 # re-exported: the codes and helpers are imported from here by the other estimator modules and the tests
 from .estimator_common import (ACT_GELU, ACT_MISH, ACT_NONE, ACT_SILU, LAUNCH, PRO_LN, PRO_MISH,  # noqa: F401
                                PRO_NONE, PRO_SINUS, _act, _epilogue_store, _pow2, interpreting, pdl_kwargs)
-from .estimator_cublas import linear_cublas, use_cublas
+from .estimator_cublas import linear_cublas, use_many_rows
 from .pdl import pdl_start
 
 #: Tile sizes and launch settings for 16-bit operands (the fastest of the few named variants that
@@ -163,9 +163,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: i
 
     ``norm_out = (dst, (gamma, beta, eps))`` also fills ``dst`` (M, N), row-major, with
     ``F.layer_norm(out, (N,), gamma, beta, eps)``: the LayerNorm that the next GEMM would otherwise apply as
-    its prologue, so that GEMM can read ``dst`` with no prologue.  On the cuBLAS path (:func:`use_cublas`) it
-    is part of the epilogue pass and costs no launch; on the fused Triton path, whose tiles do not span a row,
-    it is a separate pass, so callers pass it only where :func:`use_cublas` holds (elsewhere the next GEMM's
+    its prologue, so that GEMM can read ``dst`` with no prologue.  On the many-rows path (:func:`use_many_rows`)
+    it is part of the epilogue and costs no launch; on the row-tiled path, whose tiles do not span a row, it
+    is a separate pass, so callers pass it only where :func:`use_many_rows` holds (elsewhere the next GEMM's
     LayerNorm prologue is free) -- it is filled on either path so that a wrong guess costs time, not results.
     """
     n, k = weight.shape
@@ -196,7 +196,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: i
         lnw = freqs
     if norm_out is not None:
         _check_norm_out(norm_out, m, n, out_btc)
-    if use_cublas(m, weight, prologue):
+    if use_many_rows(m, weight, prologue):
         return linear_cublas(x, weight, bias, prologue=prologue, ln=ln, act=act, residual=residual, rowmask=rowmask,
                              out=out, rows_per_b=rows_per_b, out_strides=(syb, syt, syn), norm_out=norm_out)
     tiles = pick_tiles(weight.dtype == torch.float32, TUNING, FP32_TILES, INTERPRETER_TILES)
