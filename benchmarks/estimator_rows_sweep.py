@@ -31,7 +31,7 @@ from cosyvoice_fast.kernels.estimator_profile import (estimator_flops, estimator
 from cosyvoice_fast.models.cfm import CausalCFM  # noqa: E402
 
 _CONV_SMALL = dict(estimator_conv.TUNING)
-# (conv TUNING_LARGE, ATTN_TUNING, cuBLAS from MANY_ROWS_M rows) per named setting: a handful, not a sweep
+# (conv TUNING_LARGE, ATTN_TUNING, the many-rows GEMM path from MANY_ROWS_M rows) per named setting: a handful
 VARIANTS = {
     "default": ({}, {}, True),
     "no_cublas": ({}, {}, False),

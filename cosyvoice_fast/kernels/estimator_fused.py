@@ -273,7 +273,7 @@ class FusedEstimator(nn.Module):
 def kernels_per_forward(n_blocks: int, num_mid_blocks: int, ffn_one_kernel: bool = False,
                         attention_out_fused: bool = False, resnet_split_ln: bool = False) -> int:
     """Launches of one fused forward of the one-level U-Net below ``estimator_cublas.MANY_ROWS_M`` rows (above it
-    an epilogue pass joins most GEMMs, and a LayerNorm pass each group's first transformer block): 3
+    an epilogue pass joins each GEMM left on cuBLAS, and a LayerNorm pass each group's first transformer block): 3
     time-embedding GEMMs, the input pack, 2 (or 4) per ResNet block, 3 to 5 per transformer block, the
     down/up/final convs and the output projection."""
     resnets = 2 + num_mid_blocks

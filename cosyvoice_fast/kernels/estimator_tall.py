@@ -4,10 +4,12 @@ A batched solve stacks thousands of frames (16 requests x the CFG pair x 250 fra
 cuBLAS path (:mod:`~cosyvoice_fast.kernels.estimator_cublas`) computes the product fast but stores it in 16
 bits, and a second Triton pass reads it back to add bias, activation, residual and the next LayerNorm: at
 (8000 x 1024) that is 16 MB written and read again per GEMM, as much memory traffic as the product itself.
-Here the product and all of that run in one kernel: tall tiles (128 x 128 by default, tensor-core shaped on
-an H100), a plain K loop the compiler pipelines, and :func:`~cosyvoice_fast.kernels.estimator_common.
+Here the product and all of that run in one kernel: tensor-core tiles (64 rows x 128 columns by default), a
+plain K loop the compiler pipelines, and :func:`~cosyvoice_fast.kernels.estimator_common.
 _epilogue_store` on the fp32 accumulator.  With ``norm_out`` the tile spans the whole output row (N is the
 channel count, 256 in released models), so the row LayerNorm of the stored row is computed in registers too.
+Its product alone is slower than cuBLAS's, so it runs only where the saved pass is worth more
+(:func:`~cosyvoice_fast.kernels.estimator_cublas.tall_product`).
 
 Numerics: fp32 accumulation and one rounding of the result, like the fused row-tiled kernel (the cuBLAS path
 rounds the product once more before its epilogue).  Only the tile order of the fp32 sums differs.
@@ -70,12 +72,12 @@ def _tall_kernel(x_ptr, w_ptr, b_ptr, r_ptr, rowmask_ptr, y_ptr, g_ptr, beta_ptr
         _norm_rows_store(stored, rm, rn, m_ok, n_ok, N, g_ptr, beta_ptr, norm_ptr, stride_nm, eps)
 
 
-def tall_tiles(n: int, norm: bool, tiles: dict | None = None, norm_tiles: dict | None = None) -> dict:
+def tall_tiles(n: int, norm: bool) -> dict:
     """The tile settings of one launch over N = ``n`` output columns (``norm``: the tile spans the row)."""
     if interpreting():
         t = dict(INTERPRETER_TILES)
     else:
-        t = dict(norm_tiles or NORM_TILES) if norm else dict(tiles or TILES)
+        t = dict(NORM_TILES) if norm else dict(TILES)
     if norm:
         t["bn"] = _pow2(n, 16)
     return t
