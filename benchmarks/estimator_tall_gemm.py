@@ -61,6 +61,31 @@ SHAPES = "2x206,4x206,4x300,8x206,8x300,16x250,32x250,32x450f"
 REPS = 10  # launches per captured graph: the per-call time is replay / REPS
 
 
+def tile_settings(name: str, norm: bool) -> dict:
+    """The ``linear_tall`` tiles named ``bm x bn x bk x warps x stages`` (:data:`PLAIN`) or, for the launches
+    that write the next LayerNorm, ``bm x bk x warps x stages`` (:data:`NORM`; the column tile is the row)."""
+    keys = ("bm", "bk", "warps", "stages") if norm else ("bm", "bn", "bk", "warps", "stages")
+    return dict(zip(keys, map(int, name.split("x"))))
+
+
+def pick_tiles(table: dict) -> dict:
+    """Per tile family (plain, norm): each setting's µs summed over the GEMM kinds of that family at the batched
+    row counts, weighted by calls per forward (NaN where a kind lacks a time: the tile failed to compile or
+    run), and the setting with the least."""
+    best = {}
+    for norm, cfgs in ((False, PLAIN), (True, NORM)):
+        totals = {}
+        for cfg in cfgs:
+            name = "x".join(map(str, cfg))
+            times = [(spec[6], table.get(f"{kind}@{label}", {}).get(name))
+                     for kind, spec in KINDS.items() if spec[5] == norm for label in ("16x250", "32x250", "32x450")]
+            ok = all(isinstance(v, float) for _, v in times)
+            totals[name] = round(sum(c * v for c, v in times), 1) if ok else float("nan")
+        timed = {k: v for k, v in totals.items() if v == v}
+        best["norm" if norm else "plain"] = {"totals_us": totals, "best": min(timed, key=timed.get) if timed else None}
+    return best
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -103,9 +128,8 @@ def main() -> int:
                          "mm_only": per_call_us(lambda: torch.mm(x, w.t(), out=out))}  # noqa: B023
                     nrm = (normed, (gam, beta, 1e-5)) if norm else None
                     for cfg in (NORM if norm else PLAIN):
-                        tiles = ({"bm": cfg[0], "bn": n, "bk": cfg[1], "warps": cfg[2], "stages": cfg[3]} if norm
-                                 else dict(zip(("bm", "bn", "bk", "warps", "stages"), cfg)))
                         name = "x".join(map(str, cfg))
+                        tiles = tile_settings(name, norm)
                         try:
                             e[name] = per_call_us(lambda: estimator_tall.linear_tall(  # noqa: B023
                                 x, w, bias, act=act, residual=resid, rowmask=None, out=out, rows_per_b=m,  # noqa: B023
@@ -123,31 +147,13 @@ def main() -> int:
         return r
 
     def pick() -> dict:
-        table = res.get("gemms") or {}
-        best = {}
-        for norm, cfgs in ((False, PLAIN), (True, NORM)):
-            totals = {}
-            for cfg in cfgs:
-                name, tot = "x".join(map(str, cfg)), 0.0
-                for kind, spec in KINDS.items():
-                    if spec[5] != norm:
-                        continue
-                    for label in ("16x250", "32x250", "32x450"):
-                        v = table.get(f"{kind}@{label}", {}).get(name)
-                        tot = tot + spec[6] * v if isinstance(v, float) and tot == tot else float("nan")
-                totals[name] = round(tot, 1)
-            ok = {k: v for k, v in totals.items() if v == v}
-            best["norm" if norm else "plain"] = {"totals_us": totals, "best": min(ok, key=ok.get) if ok else None}
-        return best
+        return pick_tiles(res.get("gemms") or {})
 
     def apply_pick() -> None:
-        p = res.get("pick") or {}
-        if p.get("plain", {}).get("best"):
-            bm, bn, bk, w, s = map(int, p["plain"]["best"].split("x"))
-            estimator_tall.TILES.update(bm=bm, bn=bn, bk=bk, warps=w, stages=s)
-        if p.get("norm", {}).get("best"):
-            bm, bk, w, s = map(int, p["norm"]["best"].split("x"))
-            estimator_tall.NORM_TILES.update(bm=bm, bk=bk, warps=w, stages=s)
+        for key, tiles in (("plain", estimator_tall.TILES), ("norm", estimator_tall.NORM_TILES)):
+            best = (res.get("pick") or {}).get(key, {}).get("best")
+            if best:
+                tiles.update(tile_settings(best, norm=key == "norm"))
 
     torch.manual_seed(0)
     est = CausalCFM(CFMConfig(), DecoderConfig()).cuda().eval().to(bf).estimator
@@ -167,8 +173,8 @@ def main() -> int:
                     a = estimator_inputs(cfg, rows, frames, bf)
                     gflop = estimator_flops(cfg, rows, frames, streaming) / 1e9
                     ref = None
-                    for name in args.settings.split(","):
-                        product, threshold, conv_large = SETTINGS[name.strip()]
+                    for name in (n.strip() for n in args.settings.split(",")):
+                        product, threshold, conv_large = SETTINGS[name]
                         estimator_cublas.MANY_ROWS["product"] = product
                         estimator_cublas.MANY_ROWS_M = threshold
                         estimator_linear.LARGE_M = conv_large

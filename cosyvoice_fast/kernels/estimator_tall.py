@@ -72,15 +72,12 @@ def _tall_kernel(x_ptr, w_ptr, b_ptr, r_ptr, rowmask_ptr, y_ptr, g_ptr, beta_ptr
         _norm_rows_store(stored, rm, rn, m_ok, n_ok, N, g_ptr, beta_ptr, norm_ptr, stride_nm, eps)
 
 
-def tall_tiles(n: int, norm: bool) -> dict:
-    """The tile settings of one launch over N = ``n`` output columns (``norm``: the tile spans the row)."""
+def tall_tiles(norm: bool) -> dict:
+    """The tile settings of one launch (``norm``: it writes the next LayerNorm, so its column tile is the whole
+    row, whatever ``bn`` says)."""
     if interpreting():
-        t = dict(INTERPRETER_TILES)
-    else:
-        t = dict(NORM_TILES) if norm else dict(TILES)
-    if norm:
-        t["bn"] = _pow2(n, 16)
-    return t
+        return INTERPRETER_TILES
+    return NORM_TILES if norm else TILES
 
 
 def linear_tall(x: Tensor, weight: Tensor, bias: Tensor | None, *, act: int, residual: Tensor | None,
@@ -93,7 +90,7 @@ def linear_tall(x: Tensor, weight: Tensor, bias: Tensor | None, *, act: int, res
     contiguous.  ``tiles`` overrides the settings :func:`tall_tiles` picks (benchmarks)."""
     m, k = x.shape
     n = weight.shape[0]
-    t = tiles if tiles is not None else tall_tiles(n, norm_out is not None)
+    t = tiles if tiles is not None else tall_tiles(norm_out is not None)
     bm, bk = _pow2(m, 16, t["bm"]), _pow2(k, 16, t["bk"])
     bn = _pow2(n, 16, t["bn"]) if norm_out is None else _pow2(n, 16)
     if norm_out is not None:
