@@ -8,11 +8,14 @@ Full-size estimator (CosyVoice2 DecoderConfig), seeded random weights, bf16.
    (8 x 206, 16 x 250, 32 x 250, 32 x 450 frames): µs per call of the path ``linear`` takes with the shipped
    settings, of ``torch.mm`` alone (the product without its epilogue), and of
    :func:`~cosyvoice_fast.kernels.estimator_tall.linear_tall` for a handful of tile settings.
-2. ``pick``: the tile settings with the least time summed over the kinds (weighted by calls per forward).
-3. ``forward``: graph-replay ms of one fused forward from 2 x 206 to 32 x 450 frames under each of
+2. ``ffn``: the feed-forward half of a block with the next LayerNorm as one kernel
+   (:func:`~cosyvoice_fast.kernels.estimator_linear.ffn`) per tile setting of :data:`FFN`, against the two
+   GEMMs the many-rows path runs without it.
+3. ``pick``: the tile settings with the least time summed over the kinds (weighted by calls per forward).
+4. ``forward``: graph-replay ms of one fused forward from 2 x 206 to 32 x 450 frames under each of
    :data:`SETTINGS` (which kernel computes the many-rows products, from how many rows, the convs' large tiles
    from how many rows), and the bf16 output's largest difference from the first setting's.
-4. ``kernels``: the GPU time of one forward at 32 x 250 and 8 x 206 by kernel name, shipped settings.
+5. ``kernels``: the GPU time of one forward at 32 x 250 and 8 x 206 by kernel name, shipped settings.
 Every step runs under a time limit; the JSON is rewritten after each step (:mod:`benchmarks.steps`).
 """
 
@@ -49,13 +52,17 @@ KINDS = {"qkv": (256, 768, False, ACT_NONE, False, False, 56),
          "ff1_gelu": (256, 1024, True, ACT_GELU, False, False, 56),
          "ff2_norm": (1024, 256, True, ACT_NONE, True, True, 42),
          "ff2": (1024, 256, True, ACT_NONE, True, False, 14)}
-#: forward settings: (product on the many-rows path, its first row count, the convs' LARGE_M); "cublas_2048" is
-#: how the code ran before the tall kernel (session 9)
-SETTINGS = {"cublas_2048": ("cublas", 2048, 2048), "cublas_1024": ("cublas", 1024, 2048),
-            "auto_2048": ("auto", 2048, 2048), "auto_1024": ("auto", 1024, 2048),
-            "auto_1024_conv": ("auto", 1024, 1024), "auto_768": ("auto", 768, 2048), "auto_512": ("auto", 512, 2048),
-            "auto_512_conv": ("auto", 512, 512), "auto_384": ("auto", 384, 2048), "auto_256": ("auto", 256, 2048),
-            "tall_1024": ("triton", 1024, 2048)}
+#: forward settings: (product on the many-rows path, its first row count, the convs' LARGE_M, whether the
+#: estimator runs ``ffn_one_kernel``); "cublas_2048" is how the code ran before the tall kernel (session 9)
+SETTINGS = {"cublas_2048": ("cublas", 2048, 2048, False), "cublas_1024": ("cublas", 1024, 2048, False),
+            "auto_2048": ("auto", 2048, 2048, False), "auto_1024": ("auto", 1024, 2048, False),
+            "auto_1024_conv": ("auto", 1024, 1024, False), "auto_768": ("auto", 768, 2048, False),
+            "auto_512": ("auto", 512, 2048, False), "auto_512_conv": ("auto", 512, 512, False),
+            "auto_384": ("auto", 384, 2048, False), "auto_256": ("auto", 256, 2048, False),
+            "tall_1024": ("triton", 1024, 2048, False), "auto_512_ffn": ("auto", 512, 2048, True)}
+#: (bm, bh, warps, stages) of the one-kernel feed-forward (:func:`~cosyvoice_fast.kernels.estimator_linear.ffn`)
+FFN = [(64, 64, 8, 2), (64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (32, 64, 4, 2),
+       (64, 32, 4, 3), (64, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 2)]
 #: forward shapes: rows x frames, "f" for full attention (the final chunk), else chunk-causal
 SHAPES = "2x206,4x206,4x300,8x206,8x300,16x250,32x250,32x450f"
 REPS = 10  # launches per captured graph: the per-call time is replay / REPS
@@ -146,6 +153,44 @@ def main() -> int:
                     runner.save()
         return r
 
+    def ffn_step() -> dict:
+        """The feed-forward half (+ the next LayerNorm) as one kernel per tile setting, against the two GEMMs
+        the many-rows path runs today (FF1 + GELU, then FF2 + residual + next LayerNorm)."""
+        r: dict = {}
+        k, hdim = 256, 1024
+        w1, b1, w2, b2 = rnd(hdim, k, scale=k ** -0.5), rnd(hdim), rnd(k, hdim, scale=hdim ** -0.5), rnd(k)
+        g1, be1, g2, be2 = rnd(k), rnd(k), rnd(k), rnd(k)
+        with torch.inference_mode():
+            for label, m in ROWS.items():
+                x = rnd(m, k)
+                n3, hid = torch.empty(m, k, device=dev, dtype=bf), torch.empty(m, hdim, device=dev, dtype=bf)
+                out, normed = torch.empty(m, k, device=dev, dtype=bf), torch.empty(m, k, device=dev, dtype=bf)
+
+                n3.copy_(torch.nn.functional.layer_norm(x, (k,), g1, be1, 1e-5))
+
+                def two_gemms() -> None:  # n3 = norm3(x) comes from the out-projection's epilogue
+                    linear(n3, w1, b1, act=ACT_GELU, out=hid)  # noqa: B023
+                    linear(hid, w2, b2, residual=x, out=out, norm_out=(normed, (g2, be2, 1e-5)))  # noqa: B023
+
+                e: dict = {"two_gemms": per_call_us(two_gemms)}
+                for cfg in FFN:
+                    name = "x".join(map(str, cfg))
+                    tiles = dict(zip(("bm", "bh", "warps", "stages"), cfg))
+                    try:
+                        e[name] = per_call_us(lambda: estimator_linear.ffn(  # noqa: B023
+                            x, (g1, be1, 1e-5), w1, b1, w2, b2, out=out,  # noqa: B023
+                            norm_out=(normed, (g2, be2, 1e-5)), tiles=tiles))  # noqa: B023
+                    except Exception as ex:  # noqa: BLE001 - a tile that does not fit must not hide the rest
+                        e[name] = f"{type(ex).__name__}: {ex}"[:160]
+                ln = torch.nn.functional.layer_norm(x.float(), (k,), g1.float(), be1.float(), 1e-5).to(bf).float()
+                ref = x.float() + torch.nn.functional.linear(torch.nn.functional.gelu(
+                    torch.nn.functional.linear(ln, w1.float(), b1.float())).to(bf).float(), w2.float(), b2.float())
+                e["max_err_vs_fp32"] = round((out.float() - ref).abs().max().item(), 4)
+                r[label] = e
+                print("ffn", label, e, flush=True)
+                runner.save()
+        return r
+
     def pick() -> dict:
         return pick_tiles(res.get("gemms") or {})
 
@@ -159,6 +204,7 @@ def main() -> int:
     est = CausalCFM(CFMConfig(), DecoderConfig()).cuda().eval().to(bf).estimator
     est.fuse_projections()
     fused = FusedEstimator(est)
+    fused_ffn = FusedEstimator(est, ffn_one_kernel=True)
     cfg = est.cfg
 
     def forward() -> dict:
@@ -174,13 +220,14 @@ def main() -> int:
                     gflop = estimator_flops(cfg, rows, frames, streaming) / 1e9
                     ref = None
                     for name in (n.strip() for n in args.settings.split(",")):
-                        product, threshold, conv_large = SETTINGS[name]
+                        product, threshold, conv_large, one_ffn = SETTINGS[name]
                         estimator_cublas.MANY_ROWS["product"] = product
                         estimator_cublas.MANY_ROWS_M = threshold
                         estimator_linear.LARGE_M = conv_large
-                        y = fused(*a, streaming).float()
+                        f = fused_ffn if one_ffn else fused
+                        y = f(*a, streaming).float()
                         ref = y if ref is None else ref
-                        ms = graph_replay_ms(lambda: fused(*a, streaming), iters=args.iters)  # noqa: B023
+                        ms = graph_replay_ms(lambda: f(*a, streaming), iters=args.iters)  # noqa: B023
                         r[f"{name}_{rows}x{frames}{'' if streaming else '_full'}"] = {
                             "ms": round(ms, 3), "tflops": round(gflop / ms, 1),
                             "max_diff_vs_first": round((y - ref).abs().max().item(), 4)}
@@ -201,6 +248,7 @@ def main() -> int:
         return r
 
     steps = {"gemms": lambda: runner.run("gemms", gemms, timeout=max(args.step_timeout, 300)),
+             "ffn": lambda: runner.run("ffn", ffn_step),
              "pick": lambda: runner.run("pick", pick), "forward": lambda: runner.run("forward", forward),
              "kernels": lambda: runner.run("kernels", kernels)}
     for name in args.steps.split(","):

@@ -134,23 +134,39 @@ def test_linear_row_mask_and_channel_first_store():
     assert (out - ref).abs().max().item() <= TOL
 
 
-def test_ffn_is_the_transformer_feed_forward():
+@pytest.mark.parametrize("next_norm", [False, True])
+def test_ffn_is_the_transformer_feed_forward(next_norm):
     m, c, h = 19, 48, 192
     x, g, beta = rnd(m, c), rnd(c), rnd(c)
     w1, b1, w2, b2 = rnd(h, c) / 7, rnd(h), rnd(c, h) / 14, rnd(c)
-    out = ffn(x, (g, beta, 1e-5), w1, b1, w2, b2, out=nan(m, c))
+    g2, beta2, normed = rnd(c), rnd(c), nan(m, c)
+    out = ffn(x, (g, beta, 1e-5), w1, b1, w2, b2, out=nan(m, c),
+              norm_out=(normed, (g2, beta2, 1e-6)) if next_norm else None)
     ref = x + F.linear(F.gelu(F.linear(F.layer_norm(x, (c,), g, beta, 1e-5), w1, b1)), w2, b2)
     assert (out - ref).abs().max().item() <= TOL
+    if next_norm:  # the next block's LayerNorm of the stored rows, written by the same kernel
+        assert (normed - F.layer_norm(out, (c,), g2, beta2, 1e-6)).abs().max().item() <= TOL
+    else:
+        assert normed.isnan().all()
 
 
-@pytest.mark.parametrize("chunk", [0, 10])
-def test_attention_with_the_chunk_rule_as_an_index(chunk):
-    bsz, heads, d, frames = 3, 2, 16, 37
+_TILE_VARIANTS = {  # tiles that split a 70-frame row into several query and key blocks, and a 20-frame chunk
+    "16x16": {"bm": 16, "bn": 16, "warps": 4, "stages": 3},
+    "32x16": {"bm": 32, "bn": 16, "warps": 4, "stages": 2},
+    "16x32": {"bm": 16, "bn": 32, "warps": 4, "stages": 3},
+}
+
+
+@pytest.mark.parametrize("chunk,frames,tiles", [(0, 37, None), (10, 37, None)]
+                         + [(c, 70, v) for c in (0, 20) for v in _TILE_VARIANTS])
+def test_attention_with_the_chunk_rule_as_an_index(chunk, frames, tiles):
+    bsz, heads, d = 3, 2, 16
     qkv = rnd(bsz * frames, 3 * heads * d)
     mask = torch.ones(bsz, 1, frames, device=DEV)
     mask[1, :, 25:] = 0  # right padding
     mask[2] = 0  # an all-padding row
-    out = attention(qkv, mask.reshape(-1), bsz, heads, d, chunk, out=nan(bsz * frames, heads * d))
+    out = attention(qkv, mask.reshape(-1), bsz, heads, d, chunk, out=nan(bsz * frames, heads * d),
+                    tiles=None if tiles is None else _TILE_VARIANTS[tiles])
     q, k, v = qkv.view(bsz, frames, 3, heads, d).permute(2, 0, 3, 1, 4)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_allowed(mask, chunk).unsqueeze(1))
     ref = ref.transpose(1, 2).reshape(bsz * frames, heads * d)

@@ -30,8 +30,38 @@ from .estimator_common import interpreting, pdl_kwargs
 from .pdl import pdl_start
 
 
-#: Query/key tile rows and warps of :func:`attention` when a row has more than 32 frames.
-ATTN_TUNING = {"bm": 64, "bn": 64, "warps": 4}
+#: Tiles of :func:`attention` when a row has more than 32 frames: query rows ``bm``, key rows ``bn``, ``warps``,
+#: pipeline ``stages`` (``benchmarks/estimator_attention_sweep.py`` times others; none was faster across the
+#: shapes solves produce, BENCHMARKS.md).
+ATTN_TUNING = {"bm": 64, "bn": 64, "warps": 4, "stages": 3}
+_ATTN_SMALL = {"bm": 16, "bn": 16, "warps": 4, "stages": 3}
+
+
+@triton.jit
+def _attn_step(q, base, k_off, v_off, mask_row, rj, rd, T, limit, qk_scale, stride, m_i, l_i, acc,
+               IEEE: tl.constexpr):
+    """One key block ``rj`` of the online softmax for the queries ``q`` whose keys end at ``limit``: returns the
+    updated (running max, running sum, accumulator)."""
+    j_ok = rj < T
+    kt = tl.load(base + rj[None, :] * stride + k_off + rd[:, None], mask=j_ok[None, :], other=0.0)
+    if IEEE:
+        s = tl.dot(q, kt, input_precision="ieee")
+    else:
+        s = tl.dot(q, kt)
+    keep = tl.load(mask_row + rj, mask=j_ok, other=0.0) != 0
+    allowed = keep[None, :] & (rj[None, :] < limit[:, None])
+    s = tl.where(allowed, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(base + rj[:, None] * stride + v_off + rd[None, :], mask=j_ok[:, None], other=0.0)
+    if IEEE:
+        pv = tl.dot(p.to(q.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(q.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
 
 
 @triton.jit
@@ -49,7 +79,6 @@ def _attn_kernel(qkv_ptr, mask_ptr, o_ptr, T, chunk, qk_scale,
     base = qkv_ptr + b * T * stride
     pdl_start(PDL)
     q = tl.load(base + ri[:, None] * stride + h * D + rd[None, :], mask=i_ok[:, None], other=0.0)
-    dt = q.dtype
     if chunk > 0:
         limit = (ri // chunk + 1) * chunk
         last = tl.minimum(pid_m * BM + BM, T) - 1
@@ -61,37 +90,22 @@ def _attn_kernel(qkv_ptr, mask_ptr, o_ptr, T, chunk, qk_scale,
     l_i = tl.zeros([BM], dtype=tl.float32)
     acc = tl.zeros([BM, D], dtype=tl.float32)
     for n0 in range(0, hi, BN):
-        rj = n0 + tl.arange(0, BN)
-        j_ok = rj < T
-        kt = tl.load(base + rj[None, :] * stride + (H + h) * D + rd[:, None], mask=j_ok[None, :], other=0.0)
-        if IEEE:
-            s = tl.dot(q, kt, input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)
-        keep = tl.load(mask_ptr + b * T + rj, mask=j_ok, other=0.0) != 0
-        allowed = keep[None, :] & (rj[None, :] < limit[:, None])
-        s = tl.where(allowed, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(base + rj[:, None] * stride + (2 * H + h) * D + rd[None, :], mask=j_ok[:, None], other=0.0)
-        if IEEE:
-            pv = tl.dot(p.to(dt), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(dt), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _attn_step(q, base, (H + h) * D, (2 * H + h) * D, mask_ptr + b * T, n0 + tl.arange(0, BN),
+                                   rd, T, limit, qk_scale, stride, m_i, l_i, acc, IEEE)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + (b * T + ri[:, None]) * (H * D) + h * D + rd[None, :], o.to(o_ptr.dtype.element_ty),
              mask=i_ok[:, None])
 
 
+def attention_tiles(frames: int) -> dict:
+    """The tile table :func:`attention` launches with for rows of ``frames`` frames."""
+    return ATTN_TUNING if frames > 32 else _ATTN_SMALL
+
+
 def attention(qkv: Tensor, mask: Tensor, batch: int, heads: int, head_dim: int, chunk: int,
-              out: Tensor | None = None) -> Tensor:
+              out: Tensor | None = None, tiles: dict | None = None) -> Tensor:
     """Multi-head attention over ``qkv`` (B·T, 3·H·D) with the key ``mask`` (B·T,) and chunk rule ``chunk``
-    (0 = full attention); returns (B·T, H·D)."""
+    (0 = full attention); returns (B·T, H·D).  ``tiles`` overrides :func:`attention_tiles` (benchmarks)."""
     rows = qkv.shape[0]
     if qkv.dim() != 2 or qkv.shape[1] != 3 * heads * head_dim or not qkv.is_contiguous():
         raise ValueError(f"attention: qkv must be contiguous (B*T, {3 * heads * head_dim}), got {tuple(qkv.shape)}")
@@ -101,11 +115,11 @@ def attention(qkv: Tensor, mask: Tensor, batch: int, heads: int, head_dim: int, 
         raise ValueError(f"attention: head_dim must be a power of two >= 16, got {head_dim}")
     t = rows // batch
     out = torch.empty(rows, heads * head_dim, device=qkv.device, dtype=qkv.dtype) if out is None else out
-    tiles = ATTN_TUNING if t > 32 else {"bm": 16, "bn": 16, "warps": 4}
+    tiles = attention_tiles(t) if tiles is None else tiles
     grid = (triton.cdiv(t, tiles["bm"]), batch * heads)
     _attn_kernel[grid](qkv, mask, out, t, int(chunk), (1.0 / math.sqrt(head_dim)) * 1.4426950408889634,
                        H=heads, D=head_dim, IEEE=qkv.dtype == torch.float32, BM=tiles["bm"], BN=tiles["bn"],
-                       num_warps=tiles["warps"], **pdl_kwargs(qkv, rows))
+                       num_warps=tiles["warps"], num_stages=tiles["stages"], **pdl_kwargs(qkv, rows))
     return out
 
 
@@ -115,7 +129,6 @@ def _attn_head(base, q_off, k_off, v_off, mask_row, ri, i_ok, rd, T, chunk, hi, 
     """One head's normalised attention output (BM, D) in fp32 for query rows ``ri`` (0 where no key is
     visible)."""
     q = tl.load(base + ri[:, None] * stride + q_off + rd[None, :], mask=i_ok[:, None], other=0.0)
-    dt = q.dtype
     if chunk > 0:
         limit = (ri // chunk + 1) * chunk
     else:
@@ -124,28 +137,8 @@ def _attn_head(base, q_off, k_off, v_off, mask_row, ri, i_ok, rd, T, chunk, hi, 
     l_i = tl.zeros([BM], dtype=tl.float32)
     acc = tl.zeros([BM, D], dtype=tl.float32)
     for n0 in range(0, hi, BN):
-        rj = n0 + tl.arange(0, BN)
-        j_ok = rj < T
-        kt = tl.load(base + rj[None, :] * stride + k_off + rd[:, None], mask=j_ok[None, :], other=0.0)
-        if IEEE:
-            s = tl.dot(q, kt, input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)
-        keep = tl.load(mask_row + rj, mask=j_ok, other=0.0) != 0
-        allowed = keep[None, :] & (rj[None, :] < limit[:, None])
-        s = tl.where(allowed, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(base + rj[:, None] * stride + v_off + rd[None, :], mask=j_ok[:, None], other=0.0)
-        if IEEE:
-            pv = tl.dot(p.to(dt), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(dt), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _attn_step(q, base, k_off, v_off, mask_row, n0 + tl.arange(0, BN), rd, T, limit, qk_scale,
+                                   stride, m_i, l_i, acc, IEEE)
     return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
 
 

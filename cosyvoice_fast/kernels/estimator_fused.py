@@ -213,8 +213,11 @@ class FusedEstimator(nn.Module):
             n3 = torch.empty_like(h) if fuse_ln and not self.ffn_one_kernel else None
             h = linear(o, a.to_out[0].weight, a.to_out[0].bias, residual=h,
                        norm_out=None if n3 is None else (n3, _ln(blk.norm3)))
-        if self.ffn_one_kernel:
-            return ffn(h, _ln(blk.norm3), ff[0].proj.weight, ff[0].proj.bias, ff[2].weight, ff[2].bias), None
+        if self.ffn_one_kernel:  # on the many-rows path it also writes the next block's norm1
+            n1 = torch.empty_like(h) if fuse_ln and next_ln is not None else None
+            h = ffn(h, _ln(blk.norm3), ff[0].proj.weight, ff[0].proj.bias, ff[2].weight, ff[2].bias,
+                    norm_out=None if n1 is None else (n1, next_ln))
+            return h, n1
         if n3 is not None:
             hid = linear(n3, ff[0].proj.weight, ff[0].proj.bias, act=ACT_GELU)
         else:

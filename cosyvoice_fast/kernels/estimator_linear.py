@@ -26,7 +26,8 @@ from torch import Tensor
 
 # re-exported: the codes and helpers are imported from here by the other estimator modules and the tests
 from .estimator_common import (ACT_GELU, ACT_MISH, ACT_NONE, ACT_SILU, LAUNCH, PRO_LN, PRO_MISH,  # noqa: F401
-                               PRO_NONE, PRO_SINUS, _act, _epilogue_store, _pow2, interpreting, pdl_kwargs)
+                               PRO_NONE, PRO_SINUS, _act, _epilogue_store, _norm_rows_store, _pow2, interpreting,
+                               pdl_kwargs)
 from .estimator_cublas import linear_cublas, use_many_rows
 from .pdl import pdl_start
 
@@ -232,8 +233,9 @@ def _check_norm_out(norm_out: tuple[Tensor, tuple[Tensor, Tensor, float]], m: in
 
 
 @triton.jit
-def _ffn_kernel(x_ptr, y_ptr, lnw_ptr, lnb_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, M, C, H, eps,
-                IEEE: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr):
+def _ffn_kernel(x_ptr, y_ptr, lnw_ptr, lnb_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, ng_ptr, nb_ptr, norm_ptr, M, C, H,
+                eps, eps_next, IEEE: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, BH: tl.constexpr,
+                NORM: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     rm = pid * BM + tl.arange(0, BM)
     rc = tl.arange(0, BC)
@@ -260,22 +262,46 @@ def _ffn_kernel(x_ptr, y_ptr, lnw_ptr, lnb_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, 
         w2 = tl.load(w2_ptr + rc[None, :] * H + hh[:, None], mask=c_ok[None, :] & h_ok[:, None], other=0.0)
         acc += _mm(hid, w2, IEEE)
     acc += tl.load(b2_ptr + rc, mask=c_ok, other=0.0).to(tl.float32)[None, :] + x
-    tl.store(y_ptr + rm[:, None] * C + rc[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok)
+    y = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rm[:, None] * C + rc[None, :], y, mask=ok)
+    if NORM:  # the next block's LayerNorm of the row as stored (the tile spans whole rows)
+        _norm_rows_store(y.to(tl.float32), rm, rc, m_ok, c_ok, C, ng_ptr, nb_ptr, norm_ptr, C, eps_next)
+
+
+#: Tiles of :func:`ffn` from :data:`LARGE_M` rows (16-bit): query rows ``bm``, hidden columns per step ``bh``.
+FFN_LARGE = {"bm": 64, "bh": 64, "warps": 8, "stages": 2}
 
 
 def ffn(x: Tensor, ln: tuple[Tensor, Tensor, float], w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,
-        out: Tensor | None = None) -> Tensor:
-    """``x + b2 + GELU(LN(x) @ w1.T + b1) @ w2.T`` for contiguous x (M, C), w1 (H, C), w2 (C, H), one kernel."""
+        out: Tensor | None = None, norm_out: tuple[Tensor, tuple[Tensor, Tensor, float]] | None = None,
+        tiles: dict | None = None) -> Tensor:
+    """``x + b2 + GELU(LN(x) @ w1.T + b1) @ w2.T`` for contiguous x (M, C), w1 (H, C), w2 (C, H), one kernel;
+    with ``norm_out=(dst, (gamma, beta, eps))`` it also writes the next LayerNorm of the result into ``dst``.
+    ``tiles`` (``bm``, ``bh``, ``warps``, ``stages``) overrides the table (benchmarks)."""
     m, c = x.shape
     h = w1.shape[0]
     if not x.is_contiguous() or w1.shape != (h, c) or w2.shape != (c, h):
         raise ValueError(f"ffn: need contiguous x (M, C), w1 (H, C), w2 (C, H); got {tuple(x.shape)}, "
                          f"{tuple(w1.shape)}, {tuple(w2.shape)}")
     out = torch.empty_like(x) if out is None else out
-    bm = 64 if interpreting() else TUNING["ffn_bm"]
     fp32 = w1.dtype == torch.float32
-    _ffn_kernel[(triton.cdiv(m, bm),)](x, out, ln[0], ln[1], w1, b1, w2, b2, m, c, h, float(ln[2]),
-                                      IEEE=fp32, BM=bm, BC=_pow2(c), BH=_pow2(h, 16, 32 if fp32 else TUNING["ffn_bh"]),
-                                      num_warps=8 if c > 128 else 4, num_stages=2 if fp32 else TUNING["stages"],
-                                      **pdl_kwargs(x, m))
+    if tiles is None:
+        if interpreting() or fp32:
+            tiles = {"bm": 64 if interpreting() else TUNING["ffn_bm"], "bh": 32 if fp32 else TUNING["ffn_bh"],
+                     "warps": 8 if c > 128 else 4, "stages": 2 if fp32 else TUNING["stages"]}
+        elif m >= LARGE_M:
+            tiles = FFN_LARGE
+        else:
+            tiles = {"bm": TUNING["ffn_bm"], "bh": TUNING["ffn_bh"], "warps": 8 if c > 128 else 4,
+                     "stages": TUNING["stages"]}
+    if norm_out is None:
+        dst, (ng, nb, eps_next) = out, (b2, b2, 0.0)  # placeholders, never read (NORM off)
+    else:
+        dst, (ng, nb, eps_next) = norm_out
+        if dst.shape != (m, c) or not dst.is_contiguous() or ng.shape != (c,) or nb.shape != (c,):
+            raise ValueError(f"ffn: norm_out must be a contiguous ({m}, {c}) buffer with ({c},) gamma and beta")
+    _ffn_kernel[(triton.cdiv(m, tiles["bm"]),)](
+        x, out, ln[0], ln[1], w1, b1, w2, b2, ng, nb, dst, m, c, h, float(ln[2]), float(eps_next),
+        IEEE=fp32, BM=tiles["bm"], BC=_pow2(c), BH=_pow2(h, 16, tiles["bh"]), NORM=norm_out is not None,
+        num_warps=tiles["warps"], num_stages=tiles["stages"], **pdl_kwargs(x, m))
     return out
