@@ -219,22 +219,22 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: i
 
 
 def _check_norm_out(norm_out: tuple[Tensor, tuple[Tensor, Tensor, float]], m: int, n: int,
-                    out_btc: tuple[int, int] | None) -> None:
-    """``linear``'s ``norm_out`` must be a row-major (M, N) tensor with N-long gamma and beta: the normed rows
-    feed the next GEMM as its ``x``, and a whole-row epilogue tile stores them with one row stride."""
+                    out_btc: tuple[int, int] | None, who: str = "linear") -> None:
+    """``norm_out`` (of ``linear`` or ``ffn``) must be a row-major (M, N) tensor with N-long gamma and beta: the
+    normed rows feed the next GEMM as its ``x``, and a whole-row epilogue tile stores them with one row stride."""
     dst, (g, beta, _) = norm_out
     if out_btc is not None:
-        raise ValueError("linear: norm_out is for row-major (M, N) outputs, not the (B, N, T) out_btc layout")
+        raise ValueError(f"{who}: norm_out is for row-major (M, N) outputs, not the (B, N, T) out_btc layout")
     if dst.shape != (m, n) or dst.stride(1) != 1:
-        raise ValueError(f"linear: norm_out must be ({m}, {n}) row-major, got {tuple(dst.shape)}")
+        raise ValueError(f"{who}: norm_out must be ({m}, {n}) row-major, got {tuple(dst.shape)}")
     if g.shape != (n,) or beta.shape != (n,):
-        raise ValueError(f"linear: norm_out's gamma and beta must be ({n},), got {tuple(g.shape)}, "
+        raise ValueError(f"{who}: norm_out's gamma and beta must be ({n},), got {tuple(g.shape)}, "
                          f"{tuple(beta.shape)}")
 
 
 @triton.jit
 def _ffn_kernel(x_ptr, y_ptr, lnw_ptr, lnb_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, ng_ptr, nb_ptr, norm_ptr, M, C, H,
-                eps, eps_next, IEEE: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, BH: tl.constexpr,
+                eps, eps_next, stride_nm, IEEE: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, BH: tl.constexpr,
                 NORM: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     rm = pid * BM + tl.arange(0, BM)
@@ -265,11 +265,7 @@ def _ffn_kernel(x_ptr, y_ptr, lnw_ptr, lnb_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, 
     y = acc.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + rm[:, None] * C + rc[None, :], y, mask=ok)
     if NORM:  # the next block's LayerNorm of the row as stored (the tile spans whole rows)
-        _norm_rows_store(y.to(tl.float32), rm, rc, m_ok, c_ok, C, ng_ptr, nb_ptr, norm_ptr, C, eps_next)
-
-
-#: Tiles of :func:`ffn` from :data:`LARGE_M` rows (16-bit): query rows ``bm``, hidden columns per step ``bh``.
-FFN_LARGE = {"bm": 64, "bh": 64, "warps": 8, "stages": 2}
+        _norm_rows_store(y.to(tl.float32), rm, rc, m_ok, c_ok, C, ng_ptr, nb_ptr, norm_ptr, stride_nm, eps_next)
 
 
 def ffn(x: Tensor, ln: tuple[Tensor, Tensor, float], w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,
@@ -286,22 +282,15 @@ def ffn(x: Tensor, ln: tuple[Tensor, Tensor, float], w1: Tensor, b1: Tensor, w2:
     out = torch.empty_like(x) if out is None else out
     fp32 = w1.dtype == torch.float32
     if tiles is None:
-        if interpreting() or fp32:
-            tiles = {"bm": 64 if interpreting() else TUNING["ffn_bm"], "bh": 32 if fp32 else TUNING["ffn_bh"],
-                     "warps": 8 if c > 128 else 4, "stages": 2 if fp32 else TUNING["stages"]}
-        elif m >= LARGE_M:
-            tiles = FFN_LARGE
-        else:
-            tiles = {"bm": TUNING["ffn_bm"], "bh": TUNING["ffn_bh"], "warps": 8 if c > 128 else 4,
-                     "stages": TUNING["stages"]}
+        tiles = {"bm": 64 if interpreting() else TUNING["ffn_bm"], "bh": 32 if fp32 else TUNING["ffn_bh"],
+                 "warps": 8 if c > 128 else 4, "stages": 2 if fp32 else TUNING["stages"]}
     if norm_out is None:
         dst, (ng, nb, eps_next) = out, (b2, b2, 0.0)  # placeholders, never read (NORM off)
     else:
+        _check_norm_out(norm_out, m, c, None, who="ffn")
         dst, (ng, nb, eps_next) = norm_out
-        if dst.shape != (m, c) or not dst.is_contiguous() or ng.shape != (c,) or nb.shape != (c,):
-            raise ValueError(f"ffn: norm_out must be a contiguous ({m}, {c}) buffer with ({c},) gamma and beta")
     _ffn_kernel[(triton.cdiv(m, tiles["bm"]),)](
-        x, out, ln[0], ln[1], w1, b1, w2, b2, ng, nb, dst, m, c, h, float(ln[2]), float(eps_next),
+        x, out, ln[0], ln[1], w1, b1, w2, b2, ng, nb, dst, m, c, h, float(ln[2]), float(eps_next), dst.stride(0),
         IEEE=fp32, BM=tiles["bm"], BC=_pow2(c), BH=_pow2(h, 16, tiles["bh"]), NORM=norm_out is not None,
         num_warps=tiles["warps"], num_stages=tiles["stages"], **pdl_kwargs(x, m))
     return out
