@@ -146,6 +146,8 @@ def test_ffn_is_the_transformer_feed_forward(next_norm):
     assert (out - ref).abs().max().item() <= TOL
     if next_norm:  # the next block's LayerNorm of the stored rows, written by the same kernel
         assert (normed - F.layer_norm(out, (c,), g2, beta2, 1e-6)).abs().max().item() <= TOL
+        with pytest.raises(ValueError, match=r"ffn: norm_out must be \(19, 48\) row-major"):
+            ffn(x, (g, beta, 1e-5), w1, b1, w2, b2, norm_out=(nan(m, c + 1), (g2, beta2, 1e-6)))
     else:
         assert normed.isnan().all()
 
