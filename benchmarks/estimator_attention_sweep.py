@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.estimator_tall_gemm import forward_shapes  # noqa: E402
 from benchmarks.steps import StepRunner, require_cuda  # noqa: E402
 from cosyvoice_fast.config import CFMConfig, DecoderConfig  # noqa: E402
 from cosyvoice_fast.kernels import estimator_attention as ea  # noqa: E402
@@ -201,8 +202,7 @@ def main() -> int:
     def forward() -> dict:
         chosen = args.apply or (res.get("pick") or {}).get("all", {}).get("best") or "shipped"
         r: dict = {"applied": chosen}
-        shapes = [(int(a), int(f.rstrip("f")), not f.endswith("f"))
-                  for a, f in (s.strip().split("x") for s in args.shapes.split(","))]
+        shapes = forward_shapes(args.shapes)
         try:
             with torch.inference_mode():
                 for rows, frames, streaming in shapes:

@@ -68,6 +68,12 @@ SHAPES = "2x206,4x206,4x300,8x206,8x300,16x250,32x250,32x450f"
 REPS = 10  # launches per captured graph: the per-call time is replay / REPS
 
 
+def forward_shapes(spec: str) -> list[tuple[int, int, bool]]:
+    """``"2x206,32x450f"`` -> [(rows, frames, chunk-causal?)]: a trailing ``f`` marks full attention."""
+    return [(int(r), int(f.rstrip("f")), not f.endswith("f"))
+            for r, f in (s.strip().split("x") for s in spec.split(","))]
+
+
 def tile_settings(name: str, norm: bool) -> dict:
     """The ``linear_tall`` tiles named ``bm x bn x bk x warps x stages`` (:data:`PLAIN`) or, for the launches
     that write the next LayerNorm, ``bm x bk x warps x stages`` (:data:`NORM`; the column tile is the row)."""
@@ -211,8 +217,7 @@ def main() -> int:
         apply_pick()
         r = {"tiles": dict(estimator_tall.TILES), "norm_tiles": dict(estimator_tall.NORM_TILES)}
         saved = estimator_cublas.MANY_ROWS["product"], estimator_cublas.MANY_ROWS_M, estimator_linear.LARGE_M
-        shapes = [(int(r), int(f.rstrip("f")), not f.endswith("f"))
-                  for r, f in (s.strip().split("x") for s in args.shapes.split(","))]
+        shapes = forward_shapes(args.shapes)
         try:
             with torch.inference_mode():
                 for rows, frames, streaming in shapes:
