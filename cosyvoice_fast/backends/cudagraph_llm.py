@@ -12,11 +12,15 @@ token embedding -> decoder -> fp32 log-probs (+ the step's eos mask) -> softmax 
 model is called through its public methods and does not know it is being captured.
 
 Sampling is the eager RAS sampler's, draw for draw (same seed -> same tokens in fp32): the nucleus draw is
-graph-side tensor math (:mod:`.nucleus`), its exponential variates drawn eagerly from each request's own
-generator into a static buffer just before the replay (graphs must not own per-request generators).  The
-repetition check needs the token on the host, which streaming needs anyway: one read of the drawn tokens per
-step is the only sync.  When the window check fires (the fallback full-distribution draw), :func:`random_sample`
-runs eagerly, as in eager mode, with its own syncs.  A CPU generator falls back to the eager sampler entirely.
+graph-side tensor math (:mod:`.nucleus`).  In batched decode steps with CUDA generators (``device_ras``, on
+where Triton is) the whole RAS rule runs in the graph too: each row's exponential variates are recomputed from
+its generator's seed and offset (:mod:`..kernels.philox`), both the nucleus draw's and the fallback draw's, the
+repetition check reads the row's last history tokens, and the host only advances each generator by one draw
+(two after a fallback).  A step then costs one input copy, one replay and one read of the tokens, whatever the
+row count and however many rows fall back.  Otherwise (prefill, per-slot graphs, no Triton) the variates are
+drawn eagerly from each request's generator into a static buffer just before the replay, the repetition check
+runs on the host and a fallback draw runs eagerly (:func:`random_sample`, with its own syncs).  A CPU generator
+falls back to the eager sampler entirely.
 
 Batched decoding (``batched=True``, the default).  A decode step is GPU-bound by ~600 small kernels, so stepping
 16 requests one after another costs 16x one step.  Instead all slots share one KV allocation of shape
@@ -49,7 +53,9 @@ masked), a rounding-level difference.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -60,13 +66,13 @@ import torch
 
 from ..config import ModelConfig
 from ..models.qwen2 import KVCache
-from ..models.sampling import random_sample
+from ..models.sampling import RasSampler, random_sample
 from .base import BackendUnavailable, LLMState, StepResult, accept_token, new_llm_state
 from .graphs import capture
 from .kv_pool import SlotPool
 from .llm_buckets import bucket_for, choose_kv_buckets, token_budget
 from .llm_prefill import PREFILL_TOKENS, BatchedPrefill, PrefillItem, SlotRows
-from .nucleus import nucleus_pick, nucleus_pick_rows
+from .nucleus import nucleus_pick, nucleus_pick_rows, ras_pick_rows
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +80,11 @@ _NEG_INF = -float("inf")
 
 
 # ------------------------------------------------------------------------------------------ pure helpers
+
+
+def _int64(seed: int) -> int:
+    """A uint64 seed as the int64 with the same bits (how it travels in the graph's input buffer)."""
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
 def why_unavailable(llm: torch.nn.Module) -> str | None:
@@ -123,13 +134,16 @@ class CudaGraphLLM:
 
     ``batched=True`` (default) steps all states of a :meth:`decode` call in one graph replay (see the module
     docstring); ``batched=False`` keeps per-slot decode graphs, one replay per state per token.
+    ``device_ras`` (batched only; default: where Triton is installed and the sampler is the RAS one) runs
+    the repetition-aware sampling inside the batched decode graphs; off, it runs on the host.
     ``batched_steps`` / ``batched_rows`` count batched replays and the request-steps they carried.  Every
     per-request value (slot, position, history, generator, limits) lives on the :class:`LLMState`.
     """
 
     def __init__(self, llm: torch.nn.Module, config: ModelConfig, *, slots: int = 16, max_len: int = 2048,
                  kv_buckets: Sequence[int] | None = None, prefill_buckets: Sequence[int] = (64, 128, 256, 512),
-                 progress: bool = True, batched: bool = True, prefill_tokens: int = PREFILL_TOKENS):
+                 progress: bool = True, batched: bool = True, prefill_tokens: int = PREFILL_TOKENS,
+                 device_ras: bool | None = None):
         reason = why_unavailable(llm)
         if reason is not None:
             raise BackendUnavailable(reason)
@@ -150,6 +164,15 @@ class CudaGraphLLM:
         self.batched_rows = 0  # request-steps they carried (batched_rows / batched_steps = mean batch)
         vocab = llm.cfg.vocab_out
         self._k = min(self.sampler.top_k, vocab)
+        if device_ras is None:
+            device_ras = batched and self.device.type == "cuda" and self._device_ras_possible(vocab)
+        self.device_ras = device_ras
+        if self.device_ras and not (batched and self._device_ras_possible(vocab)):
+            raise ValueError("device_ras=True needs batched=True, the RAS sampler, Triton and a vocabulary of at "
+                             "most 8192 ids")
+        win = self.sampler.win_size if self.device_ras else 0
+        # the eager rule is ``count >= win * tau`` on a whole count: the same as ``count >= ceil(win * tau)``
+        self._repeats = math.ceil(win * self.sampler.tau_r) if self.device_ras else 0
         on_cuda = self.device.type == "cuda"
         t0, mem0 = time.perf_counter(), torch.cuda.memory_allocated(self.device) if on_cuda else 0
         with torch.inference_mode():
@@ -160,14 +183,18 @@ class CudaGraphLLM:
             self._bias = torch.zeros(slots + 1, vocab, dtype=f32, device=dev)
             self._q = torch.ones(slots + 1, self._k, dtype=f32, device=dev)
             self._logp = torch.zeros(slots + 1, vocab, dtype=f32, device=dev)
-            self._token = torch.zeros(slots + 1, dtype=torch.long, device=dev)
+            self._drawn = torch.zeros(2, slots + 1, dtype=torch.long, device=dev)  # tokens; fallback flags
+            self._token = self._drawn[0]
+            self._q_again = torch.ones(slots, vocab, dtype=f32, device=dev) if self.device_ras else None
             self.prefiller = BatchedPrefill(
                 llm, SlotRows(self._cache, self._bias, self._q, self._logp, self._token, self._limit),
                 buckets=[b for b in prefill_buckets if 0 < b <= max_len], slots=slots, max_tokens=prefill_tokens)
-            # batched step inputs: row 0 = fed tokens, row 1 = positions; idle rows sit at max_len - 1
-            self._step_in = torch.zeros(2, slots, dtype=torch.long, device=dev)
+            # batched step inputs: row 0 = fed tokens, row 1 = positions (idle rows sit at max_len - 1); with
+            # device_ras also row 2 = generator seeds, row 3 = offsets, rows 4.. = the last history tokens
+            rows_in = 2 + (2 + win if self.device_ras else 0)
+            self._step_in = torch.zeros(rows_in, slots, dtype=torch.long, device=dev)
             self._step_in[1].fill_(max_len - 1)
-            self._host_in = torch.zeros(2, slots, dtype=torch.long, pin_memory=on_cuda)
+            self._host_in = torch.zeros(rows_in, slots, dtype=torch.long, pin_memory=on_cuda)
             self._host_np = self._host_in.numpy()
             self._copied = torch.cuda.Event() if on_cuda else None  # the last host -> device input copy
             self._batch_graphs: dict[tuple[int, int], Any] = {}
@@ -177,6 +204,13 @@ class CudaGraphLLM:
                  "%.0f MiB for caches and graphs", n, "batched" if batched else f"{slots} slots", list(self.buckets),
                  self.prefiller.row_counts, time.perf_counter() - t0,
                  ((torch.cuda.memory_allocated(self.device) if on_cuda else 0) - mem0) / 2**20)
+
+    def _device_ras_possible(self, vocab: int) -> bool:
+        if not isinstance(self.sampler, RasSampler) or importlib.util.find_spec("triton") is None:
+            return False
+        from ..kernels.philox import MAX_ELEMENTS
+
+        return vocab <= MAX_ELEMENTS
 
     def _new_slot(self, i: int, vocab: int) -> _Slot:
         dev = self.device
@@ -205,8 +239,18 @@ class CudaGraphLLM:
         ``n`` active requests usually sit in rows ``0 .. n-1`` and a lone request pays for one row, not all."""
         tok, pos = self._step_in[0, :n].view(-1, 1), self._step_in[1, :n].view(-1, 1)
         hidden = self.llm.decoder(self.llm.speech_embedding(tok), pos, self._cache.head(n), kv_len=bucket)
-        logp, token = nucleus_pick_rows(self.llm.log_probs(hidden[:, -1]), self._bias[:n], self._q[:n],
-                                        self._limit)
+        logp = self.llm.log_probs(hidden[:, -1])
+        if self.device_ras:
+            from ..kernels.philox import DRAW_OFFSET, exponential_rows
+
+            gens = self._step_in[2:4, :n]
+            exponential_rows(gens, self._q[:n])
+            exponential_rows(gens, self._q_again[:n], DRAW_OFFSET)
+            logp, token, fallback = ras_pick_rows(logp, self._bias[:n], self._q[:n], self._q_again[:n],
+                                                  self._step_in[4:, :n].t(), self._limit, self._repeats)
+            self._drawn[1, :n].copy_(fallback)
+        else:
+            logp, token = nucleus_pick_rows(logp, self._bias[:n], self._q[:n], self._limit)
         self._logp[:n].copy_(logp)
         self._token[:n].copy_(token)
 
@@ -270,13 +314,21 @@ class CudaGraphLLM:
             s.q.exponential_(1.0, generator=gen)
         s.graphs[bucket_for(self.buckets, pos)].replay()
 
-    def _take(self, s: _Slot, history: list[int], gen: torch.Generator, token: int | None = None) -> int:
+    def _take(self, s: _Slot, history: list[int], gen: torch.Generator, token: int | None = None,
+              fallback: int | None = None) -> int:
         """The step's token on the host, with the RAS repetition rule applied exactly as the eager sampler does.
 
         ``token``: the graph's draw when the caller already has it on the host (batched steps read all rows at
-        once); otherwise it is read from the slot."""
+        once); otherwise it is read from the slot.  ``fallback`` (device RAS): the graph applied the rule
+        already and says whether it redrew; the generator is advanced past the draws it made."""
         if gen.device.type != "cuda":  # a CPU generator draws on the CPU: let the eager sampler do all of it
             return int(self.sampler(s.logp, history, gen))
+        if fallback is not None:
+            from ..kernels.philox import DRAW_OFFSET
+
+            gen.set_offset(gen.get_offset() + DRAW_OFFSET * (1 + fallback))
+            self.fallback_draws += fallback
+            return token
         if token is None:
             token = int(s.token.item())  # the one sync per token
         win, tau = self.sampler.win_size, self.sampler.tau_r
@@ -297,19 +349,39 @@ class CudaGraphLLM:
         host[0, :] = 0
         host[1, :] = self.max_len - 1
         slots = [self.pool.item(r.slot) for r in rows]
+        win = host.shape[0] - 4
         for r, s in zip(rows, slots):
             s.cache.check_room(r.pos, 1)
             host[0, s.index] = r.history[-1]
             host[1, s.index] = r.pos
+            if self.device_ras and r.generator.device.type == "cuda":
+                host[2, s.index] = _int64(r.generator.initial_seed())
+                host[3, s.index] = r.generator.get_offset()
+                recent = r.history[-win:]
+                host[4:4 + len(recent), s.index] = recent
+                host[4 + len(recent):, s.index] = -1
         self._step_in.copy_(self._host_in, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
         for r, s in zip(rows, slots):
             self._set_mask(s, r.step, r.min_len, r.ignore_eos)
-            if r.generator.device.type == "cuda":  # each row's draw from its own generator, in its own order
-                s.q.exponential_(1.0, generator=r.generator)
+            if r.generator.device.type == "cuda" and not self.device_ras:  # each row's draw from its own
+                s.q.exponential_(1.0, generator=r.generator)  # generator, in its own order
         n = next(c for c in self.row_counts if c > max(s.index for s in slots))
         self._batch_graphs[bucket_for(self.buckets, max(r.pos for r in rows)), n].replay()
+
+    def _draw_q(self, s: _Slot, gen: torch.Generator) -> None:
+        """The nucleus variates of a prefill draw into the slot's buffer: ``exponential_`` of the request's
+        generator, or with device RAS the same bits from its seed and offset (and the offset advanced)."""
+        if not self.device_ras:
+            s.q.exponential_(1.0, generator=gen)
+            return
+        from ..kernels.philox import DRAW_OFFSET, exponential_rows
+
+        offset = gen.get_offset()
+        state = torch.tensor([[_int64(gen.initial_seed())], [offset]], dtype=torch.long)
+        exponential_rows(state.to(self.device, non_blocking=True), s.q.view(1, -1))
+        gen.set_offset(offset + DRAW_OFFSET)
 
     def _check_generator(self, gen: torch.Generator) -> None:
         if gen.device.type == "cuda" and (gen.device.index or 0) != (self.device.index or 0):
@@ -359,7 +431,7 @@ class CudaGraphLLM:
                     st.pos = lm_input.shape[1]  # the next cache position to write
                     st.max_len = token_budget(st.pos, st.max_len, self.max_len, st.ignore_eos)
                     if st.generator.device.type == "cuda":
-                        s.q.exponential_(1.0, generator=st.generator)
+                        self._draw_q(s, st.generator)
                     items.append(PrefillItem(i, st, s, lm_input))
                 except Exception as e:  # noqa: BLE001 - a row's failure is that row's own
                     self.release(st)
@@ -390,7 +462,7 @@ class CudaGraphLLM:
             try:
                 if self.batched:
                     self._replay_rows(states)
-                    drawn = self._token.tolist()  # the one sync per batched step
+                    drawn, redrawn = self._drawn.tolist()  # the one sync per batched step
                     self.batched_steps += 1
                     self.batched_rows += len(states)
                 else:
@@ -407,7 +479,11 @@ class CudaGraphLLM:
                         self._set_mask(s, st.step, st.min_len, st.ignore_eos)
                         self._decode(s, st.history[-1], st.pos, st.generator)
                     st.pos += 1
-                    tok = self._take(s, st.history, st.generator, None if drawn is None else drawn[s.index])
+                    if drawn is None:
+                        tok = self._take(s, st.history, st.generator)
+                    else:
+                        tok = self._take(s, st.history, st.generator, drawn[s.index],
+                                         redrawn[s.index] if self.device_ras else None)
                     out.append(self._accept(st, tok))
                 except Exception as e:  # noqa: BLE001
                     self.release(st)

@@ -72,3 +72,23 @@ def nucleus_pick_rows(logp: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, l
     return logp, head_i.gather(1, score.argmax(dim=1, keepdim=True))[:, 0]
 
 
+
+
+def ras_pick_rows(logp: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, q_again: torch.Tensor,
+                  window: torch.Tensor, limit: torch.Tensor, repeats: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The eager RAS sampler for every row, fallback included, as graph-capturable math.
+
+    ``q`` (B, top_k) are the variates of the nucleus draw; ``q_again`` (B, V) those the fallback draw would
+    use (the same generator one ``exponential_`` later).  ``window`` (B, W) int64 holds each row's last W
+    history tokens (-1 where the history is shorter).  A row whose nucleus token occurs at least ``repeats``
+    times in its window redraws from the full distribution with that token banned: ``multinomial(softmax,
+    1)``, i.e. ``argmax(softmax / q_again)``, exactly the eager ``random_sample``.
+    Returns ``(masked log-probs (B, V), tokens (B,), fallback (B,) bool)``: the host advances each row's
+    generator by one draw, or two where ``fallback`` is set.
+    """
+    logp, token = nucleus_pick_rows(logp, bias, q, limit)
+    fallback = (window == token[:, None]).sum(dim=1) >= repeats
+    banned = logp.scatter(1, token[:, None], _NEG_INF)
+    again = (banned.softmax(dim=-1) / q_again).argmax(dim=1)
+    return logp, torch.where(fallback, again, token), fallback

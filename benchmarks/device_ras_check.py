@@ -1,0 +1,110 @@
+"""One GPU call for sampling inside the decode graph (``CudaGraphLLM(device_ras=True)``, :mod:`cosyvoice_fast.
+kernels.philox`): are the recomputed variates ``exponential_``'s bits, and what does it buy per token?
+
+    PYTHONUNBUFFERED=1 python benchmarks/device_ras_check.py --out $OUT [--budget S] [--rows 1,16,64]
+
+1. ``bits``: the kernel against ``exponential_`` of real CUDA generators (256 seeds and offsets, 25 and 6564
+   elements): how many variates differ; where any do, how many equal ``-log(u)`` computed in torch instead;
+2. ``backend``: the ``fused`` LLM at CosyVoice2-0.5B shapes (seeded random weights, bf16), built once with the
+   RAS rule in the graph and once on the host: wall ms per decode round at each row count (150 forced tokens,
+   sampling and the per-step sync included), host ms per ``decode`` call, and RAS fallbacks per token.
+
+Results: ``OUT/device_ras_check.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.steps import StepRunner, require_cuda  # noqa: E402
+
+TOKENS, MAX_LEN = 150, 1024
+
+
+def bits() -> dict:
+    from cosyvoice_fast.backends.cudagraph_llm import _int64
+    from cosyvoice_fast.kernels.philox import exponential_rows
+
+    out: dict = {}
+    for n in (25, 6564):
+        pairs, refs = [], []
+        for i in range(256):
+            seed = (i * 0x9E3779B97F4A7C15 + 12345) % (1 << 64)
+            g = torch.Generator(device="cuda").manual_seed(seed)
+            g.set_offset(4 * (i * 977 % 5000))
+            pairs.append((seed, g.get_offset()))
+            refs.append(torch.empty(n, device="cuda").exponential_(generator=g))
+        state = torch.tensor([[_int64(s) for s, _ in pairs], [o for _, o in pairs]], dtype=torch.long,
+                             device="cuda")
+        ref = torch.stack(refs)
+        got = exponential_rows(state, torch.empty_like(ref))
+        words = exponential_rows(state, torch.empty(ref.shape, dtype=torch.long, device="cuda"), raw=True)
+        u = (words & 0xFFFFFFFF).float() * 2.0 ** -32 + 2.0 ** -33
+        out[f"n{n}"] = {"variates": ref.numel(), "differ": int((got != ref).sum()),
+                        "differ_precise_log": int((-torch.log(u) != ref).sum()),
+                        "max_abs_diff": float((got - ref).abs().max())}
+    return out
+
+
+def backend(rows_list: list[int], results: dict, save) -> None:  # noqa: ANN001
+    from cosyvoice_fast.backends.fused_llm import FusedLLM
+    from cosyvoice_fast.config import full_config
+    from cosyvoice_fast.request import ModelInputs
+    from cosyvoice_fast.synthetic import random_full_size_lm
+
+    lm = random_full_size_lm(torch.bfloat16)
+    text = torch.arange(100, 130, dtype=torch.int32)[None]
+    inputs = ModelInputs(text_segments=[text], prompt_text=torch.arange(200, 220)[None],
+                         llm_prompt_speech_token=torch.arange(75)[None] * 37 % 6561)
+    for device_ras in (True, False):
+        t = time.perf_counter()
+        stage = FusedLLM(lm, full_config(), slots=max(rows_list), max_len=MAX_LEN, progress=False,
+                         device_ras=device_ras)
+        row: dict = {"device_ras": stage.device_ras, "build_s": round(time.perf_counter() - t, 1)}
+        for rows in rows_list:
+            states = [stage.new_state(inputs, text, torch.Generator(device="cuda").manual_seed(i), TOKENS, True)
+                      for i in range(rows)]
+            stage.prefill(states)
+            torch.cuda.synchronize()
+            fb0, host, steps = stage.fallback_draws, 0.0, 0
+            t0 = time.perf_counter()
+            while not all(st.done for st in states):
+                h0 = time.perf_counter()
+                stage.decode([st for st in states if not st.done])
+                host += time.perf_counter() - h0
+                steps += 1
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) * 1e3 / steps
+            row[f"rows{rows}"] = {"ms_per_round": round(wall, 4), "steps": steps,
+                                  "fallbacks_per_token": round((stage.fallback_draws - fb0) / (rows * steps), 3)}
+            print(device_ras, rows, row[f"rows{rows}"], flush=True)
+        results["backend"].append(row)
+        save()
+        del stage
+        torch.cuda.empty_cache()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="directory; results go to OUT/device_ras_check.json")
+    ap.add_argument("--budget", type=float, default=None, help="seconds for the whole script")
+    ap.add_argument("--rows", default="1,16,64", help="row counts of the backend step (comma-separated)")
+    a = ap.parse_args()
+    require_cuda("device_ras_check.py")
+    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "backend": []}
+    runner = StepRunner(Path(a.out) / "device_ras_check.json", results, step_timeout=300, budget_s=a.budget)
+    runner.run("bits", bits)
+    runner.run("backend", lambda: backend([int(r) for r in a.rows.split(",")], results, runner.save),
+               store=False)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,295 @@
+"""Repetition-aware sampling inside the batched decode graph: the Philox kernel that recomputes a CUDA
+generator's ``exponential_`` draws, the graph-side RAS rule, and the ``cudagraph`` LLM driven with it.
+
+On CPU the kernel runs through Triton's interpreter and is checked against a plain-Python Philox4x32-10
+(itself checked against the Random123 known-answer vectors); the backend runs with stand-in CUDA generators
+(seed and offset only) against the eager model's loop with the same draws.  The GPU tests check what the CPU
+cannot: that the kernel's variates are ``exponential_``'s bit for bit, and the backend's tokens and generator
+offsets equal the eager sampler's with real generators.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from cosyvoice_fast.backends import cudagraph_llm  # noqa: E402
+from cosyvoice_fast.backends.base import generate_alone  # noqa: E402
+from cosyvoice_fast.backends.nucleus import nucleus_pick_rows, ras_pick_rows  # noqa: E402
+from cosyvoice_fast.kernels.philox import DRAW_OFFSET, MAX_ELEMENTS, exponential_rows  # noqa: E402
+from cosyvoice_fast.models.sampling import _nucleus_size  # noqa: E402
+from test_batched_decode import _CpuGraphLLM, _drive, _inputs, case  # noqa: E402,F401 (case: a fixture)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+_M0, _M1, _W0, _W1 = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85
+_MASK = 0xFFFFFFFF
+
+
+def philox4x32_10(ctr: list[int], key: list[int]) -> list[int]:
+    """Philox4x32 with ten rounds in plain integers (Salmon et al. 2011), the reference for the kernel."""
+    c, k = list(ctr), list(key)
+    for _ in range(10):
+        p0, p1 = _M0 * c[0], _M1 * c[2]
+        c = [(p1 >> 32) ^ c[1] ^ k[0], p1 & _MASK, (p0 >> 32) ^ c[3] ^ k[1], p0 & _MASK]
+        k = [(k[0] + _W0) & _MASK, (k[1] + _W1) & _MASK]
+    return c
+
+
+def words(seed: int, offset: int, n: int) -> list[int]:
+    """The 32-bit words a CUDA ``exponential_`` of ``n`` elements turns into variates at this generator state."""
+    quad = offset >> 2
+    key = [seed & _MASK, seed >> 32 & _MASK]
+    return [philox4x32_10([quad & _MASK, quad >> 32 & _MASK, i, 0], key)[0] for i in range(n)]
+
+
+def _state(pairs: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.tensor([[cudagraph_llm._int64(s) for s, _ in pairs], [o for _, o in pairs]],
+                        dtype=torch.long, device=DEV)
+
+
+PAIRS = [(0, 0), (1234, 8), ((1 << 40) + 7, 4 * (1 << 33) + 4), ((1 << 64) - 3, 4)]
+
+
+def test_reference_philox_reproduces_the_random123_known_answers():
+    assert philox4x32_10([0, 0, 0, 0], [0, 0]) == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+    assert philox4x32_10([_MASK] * 4, [_MASK] * 2) == [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
+    assert philox4x32_10([0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344],
+                         [0xA4093822, 0x299F31D0]) == [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
+
+
+@pytest.mark.parametrize("n", [1, 25, 1030])
+@pytest.mark.parametrize("delta", [0, DRAW_OFFSET])
+def test_kernel_words_are_philox_of_seed_offset_and_element(n, delta):
+    """Seeds past 2**32 and 2**63 (the key's high word, the sign bit of the int64 carrier), offsets past 2**34
+    (the counter's high word), several blocks per row."""
+    out = torch.full((len(PAIRS), n), -1, dtype=torch.long, device=DEV)
+    exponential_rows(_state(PAIRS), out, delta, raw=True)
+    for row, (seed, offset) in enumerate(PAIRS):
+        assert [w & _MASK for w in out[row].tolist()] == words(seed, offset + delta, n), row
+
+
+def test_kernel_variates_are_minus_log_of_the_curand_uniform():
+    out = torch.empty(len(PAIRS), 300, device=DEV)
+    exponential_rows(_state(PAIRS), out)
+    x = np.array([words(s, o, 300) for s, o in PAIRS], dtype=np.uint32)
+    u = x.astype(np.float32) * np.float32(2.0 ** -32) + np.float32(2.0 ** -33)
+    want = -np.log(u.astype(np.float64))
+    np.testing.assert_allclose(out.cpu().numpy(), want, rtol=2e-6, atol=5e-7)  # lg2.approx / log2: not exact
+    assert (out > 0).all()
+
+
+def test_kernel_refuses_what_it_cannot_draw():
+    state = _state(PAIRS[:2])
+    with pytest.raises(ValueError, match=f"1 to {MAX_ELEMENTS} elements per row, got {MAX_ELEMENTS + 1}"):
+        exponential_rows(state, torch.empty(2, MAX_ELEMENTS + 1, device=DEV))
+    with pytest.raises(ValueError, match=r"state must be \(2, >= 3\) int64"):
+        exponential_rows(state, torch.empty(3, 8, device=DEV))
+    with pytest.raises(ValueError, match="int64"):
+        exponential_rows(state.float(), torch.empty(2, 8, device=DEV))
+
+
+def test_ras_pick_rows_is_the_nucleus_pick_then_the_repetition_rule():
+    """Rows whose nucleus token is (not) in their window keep it (redraw from the rest with the second set of
+    variates); a fallback never returns the banned token."""
+    torch.manual_seed(0)
+    b, v, k = 6, 40, 5
+    logp = torch.randn(b, v).mul(2.0).log_softmax(-1)
+    bias = torch.zeros(b, v)
+    bias[:, -2:] = -float("inf")
+    q, q_again = torch.empty(b, k).exponential_(), torch.empty(b, v).exponential_()
+    limit = torch.tensor(0.8)
+    _, nucleus = nucleus_pick_rows(logp, bias, q, limit)
+    window = torch.full((b, 4), -1, dtype=torch.long)
+    window[0:3, 1] = nucleus[0:3]  # rows 0-2 repeat their token once
+    window[1, 2] = nucleus[1]  # row 1 twice
+    for repeats, want_fb in ((1, [1, 1, 1, 0, 0, 0]), (2, [0, 1, 0, 0, 0, 0])):
+        masked, token, fallback = ras_pick_rows(logp, bias, q, q_again, window, limit, repeats)
+        assert fallback.tolist() == [bool(f) for f in want_fb]
+        for r in range(b):
+            if want_fb[r]:
+                banned = masked[r].clone()
+                banned[nucleus[r]] = -float("inf")
+                assert token[r] == (banned.softmax(0) / q_again[r]).argmax() != nucleus[r]
+            else:
+                assert token[r] == nucleus[r]
+        assert torch.equal(masked, logp + bias)
+
+
+# ------------------------------------------------------------------------------------------ the backend
+
+
+class PhiloxGen:
+    """A stand-in CUDA generator: only the state device RAS reads and advances (seed and offset)."""
+
+    device = torch.device("cuda")
+
+    def __init__(self, seed: int, offset: int = 0):
+        self.seed, self.offset = seed, offset
+
+    def initial_seed(self) -> int:
+        return self.seed
+
+    def get_offset(self) -> int:
+        return self.offset
+
+    def set_offset(self, offset: int) -> None:
+        self.offset = offset
+
+
+def _draw(gen: PhiloxGen, n: int) -> torch.Tensor:
+    """``exponential_`` of ``n`` elements from ``gen``, as the kernel computes it, advancing ``gen``."""
+    out = torch.empty(1, n)
+    exponential_rows(_state([(gen.seed, gen.offset)]).cpu(), out)
+    gen.offset += DRAW_OFFSET
+    return out[0]
+
+
+class PhiloxRas:
+    """The eager RAS sampler (:func:`~cosyvoice_fast.models.sampling.ras_sample`) with every multinomial
+    written as torch computes it on a CUDA generator (``argmax(p / exponential_)``): the reference."""
+
+    def __init__(self, sampler):
+        self.s = sampler
+
+    def __call__(self, logp: torch.Tensor, history: list[int], gen: PhiloxGen) -> int:
+        s = self.s
+        p, idx = logp.float().softmax(0).sort(descending=True, stable=True)
+        head_p, head_i = p[:s.top_k], idx[:s.top_k]
+        keep = _nucleus_size(head_p.numpy(), s.top_p)
+        token = int(head_i[(head_p[:keep] / _draw(gen, s.top_k)[:keep]).argmax()])
+        if history[-s.win_size:].count(token) >= s.win_size * s.tau_r:
+            banned = logp.float().clone()
+            banned[token] = -float("inf")
+            token = int((banned.softmax(0) / _draw(gen, banned.numel())).argmax())
+        return token
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="drives CPU graph maths through the Triton interpreter; "
+                    "on a GPU the gpu tests below use real generators")
+def test_cpu_backend_with_device_ras_equals_the_eager_loop_with_the_same_draws(tiny_models, case, monkeypatch):
+    """Stand-in CUDA generators through the CPU graph maths (interpreter kernel): every token of solo and
+    staggered interleaved requests equals the model's own loop sampling with the same Philox draws, fallbacks
+    happen, and each generator ends at the offset the eager draws leave it at."""
+    monkeypatch.setattr(cudagraph_llm, "why_unavailable", lambda llm: None)
+    llm = tiny_models.llm
+    stage = _CpuGraphLLM(llm, tiny_models.config, progress=False, slots=4, max_len=512, kv_buckets=(128, 256),
+                         prefill_buckets=(64,), device_ras=True)
+    assert stage.device_ras
+    inputs, text = _inputs(case), case["text"]
+    seeds, n = (3, (1 << 63) + 5, 11), (40, 25, 33)
+    ref, ref_offsets = [], []
+    for s, m in zip(seeds, n):
+        gen = PhiloxGen(s)
+        ref.append(list(llm.generate(text, inputs.prompt_text, inputs.llm_prompt_speech_token, generator=gen,
+                                     sampler=PhiloxRas(llm.default_sampler()), max_tokens=m, ignore_eos=True)))
+        ref_offsets.append(gen.offset)
+    gen = PhiloxGen(seeds[0])
+    assert generate_alone(stage, inputs, text, gen, n[0], True) == ref[0]
+    assert gen.offset == ref_offsets[0]
+    gens = [PhiloxGen(s) for s in seeds]
+    before = stage.fallback_draws
+    got = _drive(stage, [(inputs, text, g, m, True) for g, m in zip(gens, n)], [0, 3, 1])
+    assert got == ref
+    assert [g.offset for g in gens] == ref_offsets
+    fallbacks = sum((o // DRAW_OFFSET) - m for o, m in zip(ref_offsets, n))
+    assert stage.fallback_draws - before == fallbacks > 0
+    assert stage.slots_in_use == 0
+
+
+def test_device_ras_is_off_on_cpu_by_default_and_refused_where_it_cannot_run(tiny_models, monkeypatch):
+    monkeypatch.setattr(cudagraph_llm, "why_unavailable", lambda llm: None)
+    kw = dict(progress=False, slots=2, max_len=256, kv_buckets=(256,), prefill_buckets=())
+    assert not _CpuGraphLLM(tiny_models.llm, tiny_models.config, **kw).device_ras
+    with pytest.raises(ValueError, match="device_ras=True needs batched=True"):
+        _CpuGraphLLM(tiny_models.llm, tiny_models.config, batched=False, device_ras=True, **kw)
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+_gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
+
+
+def _cuda_draws(n: int, count: int) -> tuple[list[tuple[int, int]], torch.Tensor]:
+    """``count`` generators at assorted seeds and offsets (big ones too): their states, then each one's
+    ``exponential_`` of ``n`` elements (checking that it advanced the offset by :data:`DRAW_OFFSET`)."""
+    rng = np.random.default_rng(n)
+    seeds = [0, 1, (1 << 32) + 5, (1 << 63) + 11, (1 << 64) - 1] + [int(s) for s in rng.integers(0, 1 << 62, count)]
+    pairs, refs = [], []
+    for i, seed in enumerate(seeds[:count]):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        if i % 3 == 1:
+            g.set_offset(4 * ((1 << 33) + i))
+        for _ in range(i % 4):
+            torch.empty(7, device="cuda").exponential_(generator=g)
+        pairs.append((seed, g.get_offset()))
+        refs.append(torch.empty(n, device="cuda").exponential_(generator=g))
+        assert g.get_offset() == pairs[-1][1] + DRAW_OFFSET
+    return pairs, torch.stack(refs)
+
+
+@_gpu
+@pytest.mark.parametrize("n", [1, 25, 6564, MAX_ELEMENTS])
+def test_gpu_kernel_is_exponential_bit_for_bit(n):
+    pairs, ref = _cuda_draws(n, 40)
+    out = torch.empty_like(ref)
+    exponential_rows(_state(pairs), out)
+    bad = out != ref
+    assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} variates differ, e.g. {out[bad][:4].tolist()} " \
+                          f"against {ref[bad][:4].tolist()}"
+
+
+@_gpu
+def test_gpu_multinomial_is_argmax_of_p_over_the_kernels_variates():
+    """The fallback draw: ``multinomial(p, 1)`` on a CUDA generator equals ``argmax(p / q)`` with the kernel's
+    ``q`` at the generator's state, over the whole speech vocabulary."""
+    torch.manual_seed(0)
+    p = torch.randn(30, 6564, device="cuda").mul(3.0).softmax(-1)
+    pairs, got = [], []
+    for i in range(30):
+        g = torch.Generator(device="cuda").manual_seed(1000 + i)
+        pairs.append((1000 + i, g.get_offset()))
+        got.append(int(torch.multinomial(p[i], 1, replacement=True, generator=g)))
+    q = exponential_rows(_state(pairs), torch.empty(30, 6564, device="cuda"))
+    assert (p / q).argmax(-1).tolist() == got
+
+
+@pytest.fixture(scope="module")
+def llm_gpu(tiny_models):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import copy
+
+    return copy.deepcopy(tiny_models.llm).cuda()
+
+
+@_gpu
+def test_gpu_device_ras_equals_eager_tokens_and_generator_offsets(llm_gpu, tiny_models, case):
+    """Real CUDA generators, staggered interleaved requests (one seed past 2**63): the same tokens as the eager
+    backend with fallbacks exercised, and every generator left where the eager draws leave it."""
+    from cosyvoice_fast.backends.cudagraph_llm import CudaGraphLLM
+    from cosyvoice_fast.backends.eager import EagerLLM
+
+    stage = CudaGraphLLM(llm_gpu, tiny_models.config, slots=4, max_len=512, kv_buckets=(128, 256),
+                         progress=False)
+    assert stage.device_ras
+    eager = EagerLLM(llm_gpu, tiny_models.config)
+    inputs, text = _inputs(case), case["text"]
+    seeds, n = (5, (1 << 63) + 9, 7), (200, 120, 160)
+
+    def gens():
+        return [torch.Generator(device="cuda").manual_seed(s) for s in seeds]
+
+    ref_g, got_g = gens(), gens()
+    ref = [generate_alone(eager, inputs, text, g, m, True) for g, m in zip(ref_g, n)]
+    got = _drive(stage, [(inputs, text, g, m, True) for g, m in zip(got_g, n)], [0, 2, 9])
+    assert got == ref
+    assert [g.get_offset() for g in got_g] == [g.get_offset() for g in ref_g]
+    assert stage.fallback_draws > 0 and stage.slots_in_use == 0
