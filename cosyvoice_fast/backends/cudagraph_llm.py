@@ -357,7 +357,7 @@ class CudaGraphLLM:
             if self.device_ras and r.generator.device.type == "cuda":
                 host[2, s.index] = _int64(r.generator.initial_seed())
                 host[3, s.index] = r.generator.get_offset()
-                recent = r.history[-win:]
+                recent = r.history[-win:] if win > 0 else []
                 host[4:4 + len(recent), s.index] = recent
                 host[4 + len(recent):, s.index] = -1
         self._step_in.copy_(self._host_in, non_blocking=True)
