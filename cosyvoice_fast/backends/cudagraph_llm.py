@@ -53,6 +53,7 @@ masked), a rounding-level difference.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 import math
@@ -170,6 +171,8 @@ class CudaGraphLLM:
         if self.device_ras and not (batched and self._device_ras_possible(vocab)):
             raise ValueError("device_ras=True needs batched=True, the RAS sampler, Triton and a vocabulary of at "
                              "most 8192 ids")
+        # imported here, once, not at module level: the plain cudagraph backend must not need Triton
+        self._philox = importlib.import_module("..kernels.philox", __package__) if self.device_ras else None
         win = self.sampler.win_size if self.device_ras else 0
         # the eager rule is ``count >= win * tau`` on a whole count: the same as ``count >= ceil(win * tau)``
         self._repeats = math.ceil(win * self.sampler.tau_r) if self.device_ras else 0
@@ -241,11 +244,9 @@ class CudaGraphLLM:
         hidden = self.llm.decoder(self.llm.speech_embedding(tok), pos, self._cache.head(n), kv_len=bucket)
         logp = self.llm.log_probs(hidden[:, -1])
         if self.device_ras:
-            from ..kernels.philox import DRAW_OFFSET, exponential_rows
-
             gens = self._step_in[2:4, :n]
-            exponential_rows(gens, self._q[:n])
-            exponential_rows(gens, self._q_again[:n], DRAW_OFFSET)
+            self._philox.exponential_rows(gens, self._q[:n])
+            self._philox.exponential_rows(gens, self._q_again[:n], self._philox.DRAW_OFFSET)
             logp, token, fallback = ras_pick_rows(logp, self._bias[:n], self._q[:n], self._q_again[:n],
                                                   self._step_in[4:, :n].t(), self._limit, self._repeats)
             self._drawn[1, :n].copy_(fallback)
@@ -324,9 +325,7 @@ class CudaGraphLLM:
         if gen.device.type != "cuda":  # a CPU generator draws on the CPU: let the eager sampler do all of it
             return int(self.sampler(s.logp, history, gen))
         if fallback is not None:
-            from ..kernels.philox import DRAW_OFFSET
-
-            gen.set_offset(gen.get_offset() + DRAW_OFFSET * (1 + fallback))
+            gen.set_offset(gen.get_offset() + self._philox.DRAW_OFFSET * (1 + fallback))
             self.fallback_draws += fallback
             return token
         if token is None:
@@ -376,12 +375,10 @@ class CudaGraphLLM:
         if not self.device_ras:
             s.q.exponential_(1.0, generator=gen)
             return
-        from ..kernels.philox import DRAW_OFFSET, exponential_rows
-
         offset = gen.get_offset()
         state = torch.tensor([[_int64(gen.initial_seed())], [offset]], dtype=torch.long)
-        exponential_rows(state.to(self.device, non_blocking=True), s.q.view(1, -1))
-        gen.set_offset(offset + DRAW_OFFSET)
+        self._philox.exponential_rows(state.to(self.device, non_blocking=True), s.q.view(1, -1))
+        gen.set_offset(offset + self._philox.DRAW_OFFSET)
 
     def _check_generator(self, gen: torch.Generator) -> None:
         if gen.device.type == "cuda" and (gen.device.index or 0) != (self.device.index or 0):
