@@ -158,15 +158,16 @@ def main() -> int:
         t = time.perf_counter()
         stage = FusedLLM(lm16, full_config(), slots=16, max_len=MAX_LEN, progress=False)
         row: dict = {"build_s": round(time.perf_counter() - t, 1), "buckets": list(stage.buckets)}
-        replay = stage._replay_rows
+        name = "_launch" if stage.device_ras else "_replay_rows"  # the step's launch: inputs, draws, replay
+        replay = getattr(stage, name)
         host = [0.0]
 
-        def timed_replay(rows):  # noqa: ANN001, ANN202 - host time of the step's launches (inputs, draws, replay)
+        def timed_replay(*args):  # noqa: ANN002, ANN202 - host time of the step's launches
             t0 = time.perf_counter()
-            replay(rows)
+            replay(*args)
             host[0] += time.perf_counter() - t0
 
-        stage._replay_rows = timed_replay
+        setattr(stage, name, timed_replay)
         for rows in (1, 16):
             profile_llm.backend_ms_per_token(stage, inputs, text, rows, 20)  # warm
             host[0] = 0.0

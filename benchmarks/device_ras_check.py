@@ -5,9 +5,10 @@ kernels.philox`): are the recomputed variates ``exponential_``'s bits, and what 
 
 1. ``bits``: the kernel against ``exponential_`` of real CUDA generators (256 seeds and offsets, 25 and 6564
    elements): how many variates differ; where any do, how many equal ``-log(u)`` computed in torch instead;
-2. ``backend``: the ``fused`` LLM at CosyVoice2-0.5B shapes (seeded random weights, bf16), built once with the
-   RAS rule in the graph and once on the host: wall ms per decode round at each row count (150 forced tokens,
-   sampling and the per-step sync included), host ms per ``decode`` call, and RAS fallbacks per token.
+2. ``backend``: the ``fused`` LLM at CosyVoice2-0.5B shapes (seeded random weights, bf16), built three ways:
+   the RAS rule in the graph with each call's next step launched ahead (``ahead``, the default), the rule in
+   the graph without it (``graph``), the rule on the host (``host``): wall ms per decode round at each row
+   count (150 forced tokens, sampling and the per-step sync included) and RAS fallbacks per token.
 
 Results: ``OUT/device_ras_check.json``.
 """
@@ -29,7 +30,7 @@ TOKENS, MAX_LEN = 150, 1024
 
 
 def bits() -> dict:
-    from cosyvoice_fast.backends.cudagraph_llm import _int64
+    from cosyvoice_fast.backends.decode_feed import int64 as _int64
     from cosyvoice_fast.kernels.philox import exponential_rows
 
     out: dict = {}
@@ -63,28 +64,28 @@ def backend(rows_list: list[int], results: dict, save) -> None:  # noqa: ANN001
     text = torch.arange(100, 130, dtype=torch.int32)[None]
     inputs = ModelInputs(text_segments=[text], prompt_text=torch.arange(200, 220)[None],
                          llm_prompt_speech_token=torch.arange(75)[None] * 37 % 6561)
-    for device_ras in (True, False):
+    ways = {"ahead": {"device_ras": True, "decode_ahead": True}, "graph": {"device_ras": True, "decode_ahead": False},
+            "host": {"device_ras": False}}
+    for way, kwargs in ways.items():
         t = time.perf_counter()
-        stage = FusedLLM(lm, full_config(), slots=max(rows_list), max_len=MAX_LEN, progress=False,
-                         device_ras=device_ras)
-        row: dict = {"device_ras": stage.device_ras, "build_s": round(time.perf_counter() - t, 1)}
+        stage = FusedLLM(lm, full_config(), slots=max(rows_list), max_len=MAX_LEN, progress=False, **kwargs)
+        row: dict = {"way": way, "device_ras": stage.device_ras, "decode_ahead": stage.decode_ahead,
+                     "build_s": round(time.perf_counter() - t, 1)}
         for rows in rows_list:
             states = [stage.new_state(inputs, text, torch.Generator(device="cuda").manual_seed(i), TOKENS, True)
                       for i in range(rows)]
             stage.prefill(states)
             torch.cuda.synchronize()
-            fb0, host, steps = stage.fallback_draws, 0.0, 0
+            fb0, steps = stage.fallback_draws, 0
             t0 = time.perf_counter()
             while not all(st.done for st in states):
-                h0 = time.perf_counter()
                 stage.decode([st for st in states if not st.done])
-                host += time.perf_counter() - h0
                 steps += 1
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) * 1e3 / steps
             row[f"rows{rows}"] = {"ms_per_round": round(wall, 4), "steps": steps,
                                   "fallbacks_per_token": round((stage.fallback_draws - fb0) / (rows * steps), 3)}
-            print(device_ras, rows, row[f"rows{rows}"], flush=True)
+            print(way, rows, row[f"rows{rows}"], flush=True)
         results["backend"].append(row)
         save()
         del stage

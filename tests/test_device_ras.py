@@ -23,6 +23,7 @@ pytest.importorskip("triton")
 
 from cosyvoice_fast.backends import cudagraph_llm  # noqa: E402
 from cosyvoice_fast.backends.base import generate_alone  # noqa: E402
+from cosyvoice_fast.backends.decode_feed import int64  # noqa: E402
 from cosyvoice_fast.backends.nucleus import nucleus_pick_rows, ras_pick_rows  # noqa: E402
 from cosyvoice_fast.kernels.philox import DRAW_OFFSET, MAX_ELEMENTS, exponential_rows  # noqa: E402
 from cosyvoice_fast.models.sampling import _nucleus_size  # noqa: E402
@@ -51,7 +52,7 @@ def words(seed: int, offset: int, n: int) -> list[int]:
 
 
 def _state(pairs: list[tuple[int, int]]) -> torch.Tensor:
-    return torch.tensor([[cudagraph_llm._int64(s) for s, _ in pairs], [o for _, o in pairs]],
+    return torch.tensor([[int64(s) for s, _ in pairs], [o for _, o in pairs]],
                         dtype=torch.long, device=DEV)
 
 
@@ -204,6 +205,119 @@ def test_cpu_backend_with_device_ras_equals_the_eager_loop_with_the_same_draws(t
     assert stage.slots_in_use == 0
 
 
+def _philox_reference(llm, inputs, text, seed: int, n: int, ignore_eos: bool = True) -> tuple[list[int], int]:
+    """The model's own loop with the Philox draws: (tokens, the generator's final offset)."""
+    gen = PhiloxGen(seed)
+    tokens = list(llm.generate(text, inputs.prompt_text, inputs.llm_prompt_speech_token, generator=gen,
+                               sampler=PhiloxRas(llm.default_sampler()), max_tokens=n, ignore_eos=ignore_eos))
+    return tokens, gen.offset
+
+
+#: (seed, max tokens, ignore_eos, start turn, turns sat out): requests join at different turns, three sit out
+#: calls (as the engine leaves rows out while a first chunk is solved), request 3 is cancelled at turn 9 and
+#: request 4 starts later in its slot, request 1 runs until its stop token
+SIT_OUT_JOBS = [(3, 60, True, 0, {5, 6, 7}), (8, None, False, 1, set()), (21, 30, True, 2, {12, 13}),
+                (5, 50, True, 3, set()), ((1 << 63) + 1, 25, True, 11, {14})]
+CANCEL, CANCEL_TURN = 3, 9
+
+
+def _eos_prone(llm):
+    """A copy of ``llm`` whose stop token wins once it is allowed (random weights never stop on their own)."""
+    import copy
+
+    llm = copy.deepcopy(llm)
+    with torch.no_grad():
+        llm.llm_decoder.bias[llm.cfg.eos_token] += 30.0
+    return llm
+
+
+def _drive_sitting_out(stage, states, monkeypatch) -> tuple[list[list[int]], int]:  # noqa: ANN001
+    """Drive :data:`SIT_OUT_JOBS` like the engine (a ``prefill`` of the joiners, then one ``decode`` of the
+    running rows per turn): each request's tokens, and how many rows came back from sitting out.  Checks on
+    the way that only rows on their first decode step are launched from the host's state: a row back from
+    sitting out takes the step launched before it left."""
+    jobs = SIT_OUT_JOBS
+    launches: list[tuple[bool, list[int]]] = []
+    launch = stage._launch
+    monkeypatch.setattr(stage, "_launch", lambda rows, ahead: (
+        launches.append((ahead, [st.slot for st in rows])), launch(rows, ahead))[1])
+    got: list[list[int]] = [[] for _ in jobs]
+    returning = 0
+
+    def take(idx: list[int], results: list) -> None:
+        for i, r in zip(idx, results):
+            assert not isinstance(r, BaseException), r
+            if r is not None:
+                got[i].append(r)
+
+    turn = 0
+    while turn <= CANCEL_TURN or not all(st.done for i, st in enumerate(states) if i != CANCEL):
+        if turn == CANCEL_TURN:
+            st = states[CANCEL]
+            assert stage._feed.pending(st.slot, st, st.step)  # its next step is launched already
+            stage.release(st)
+        new = [i for i, job in enumerate(jobs) if job[3] == turn]
+        take(new, stage.prefill([states[i] for i in new]))
+        running = [i for i, job in enumerate(jobs) if job[3] < turn and not states[i].done
+                   and turn not in job[4] and states[i].slot is not None]
+        returning += sum(turn - 1 in jobs[i][4] for i in running)
+        first = {states[i].slot for i in running if jobs[i][3] == turn - 1}
+        n0 = len(launches)
+        take(running, stage.decode([states[i] for i in running]))
+        assert all(set(slots) <= first for ahead, slots in launches[n0:] if not ahead), turn
+        turn += 1
+    return got, returning
+
+
+def _check_sitting_out(stage, states, got, returning, ref, ref_offsets, offsets) -> None:  # noqa: ANN001
+    keep = [i for i in range(len(SIT_OUT_JOBS)) if i != CANCEL]
+    assert [got[i] for i in keep] == [ref[i] for i in keep]
+    assert got[CANCEL] == ref[CANCEL][:len(got[CANCEL])] and 5 < len(got[CANCEL]) < 50
+    assert [offsets[i] for i in keep] == [ref_offsets[i] for i in keep]
+    assert returning == 3
+    assert len(got[1]) == states[1].min_len < 60  # stopped at the first step the stop token was allowed
+    # a row of m tokens (its limit) gets a step ahead in every decode call but its last: m - 2; the stopped and
+    # the cancelled row in every call, and exactly those two steps ahead are thrown away
+    capped = sum(n - 2 for i, (_, n, eos, _, _) in enumerate(SIT_OUT_JOBS) if eos and i != CANCEL)
+    assert stage.ahead_rows == capped + len(got[1]) + len(got[CANCEL]) - 1
+    assert stage._feed.dropped == 2
+    assert stage.slots_in_use == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="drives CPU graph maths through the Triton interpreter")
+def test_cpu_decode_ahead_keeps_every_token_through_joins_sit_outs_and_a_cancel(tiny_models, case, monkeypatch):
+    """With ``decode_ahead`` each call launches the rows' next step before reading this one.  Through joins,
+    rows sitting out, a cancel with a step launched ahead (its slot reused) and a stop token: every token and
+    every generator offset equals the model's own loop with the same draws."""
+    monkeypatch.setattr(cudagraph_llm, "why_unavailable", lambda llm: None)
+    llm = _eos_prone(tiny_models.llm)
+    stage = _CpuGraphLLM(llm, tiny_models.config, progress=False, slots=4, max_len=512, kv_buckets=(128, 256),
+                         prefill_buckets=(64,), device_ras=True)
+    assert stage.decode_ahead
+    inputs, text = _inputs(case), case["text"]
+    ref = [_philox_reference(llm, inputs, text, seed, n, eos) for seed, n, eos, _, _ in SIT_OUT_JOBS]
+    gens = [PhiloxGen(seed) for seed, *_ in SIT_OUT_JOBS]
+    states = [stage.new_state(inputs, text, g, n, eos) for g, (_, n, eos, _, _) in zip(gens, SIT_OUT_JOBS)]
+    got, returning = _drive_sitting_out(stage, states, monkeypatch)
+    _check_sitting_out(stage, states, got, returning, [t for t, _ in ref], [o for _, o in ref],
+                       [g.offset for g in gens])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="drives CPU graph maths through the Triton interpreter")
+def test_cpu_decode_ahead_off_launches_each_step_from_the_host(tiny_models, case, monkeypatch):
+    monkeypatch.setattr(cudagraph_llm, "why_unavailable", lambda llm: None)
+    llm = tiny_models.llm
+    stage = _CpuGraphLLM(llm, tiny_models.config, progress=False, slots=2, max_len=512, kv_buckets=(128, 256),
+                         prefill_buckets=(64,), device_ras=True, decode_ahead=False)
+    inputs, text = _inputs(case), case["text"]
+    gen = PhiloxGen(77)
+    assert generate_alone(stage, inputs, text, gen, 30, True) == _philox_reference(llm, inputs, text, 77, 30)[0]
+    assert stage.replays == 29 and stage.ahead_rows == 0 and stage._feed.dropped == 0
+    with pytest.raises(ValueError, match="decode_ahead=True needs device_ras"):
+        _CpuGraphLLM(llm, tiny_models.config, progress=False, slots=2, max_len=256, kv_buckets=(256,),
+                     prefill_buckets=(), decode_ahead=True)
+
+
 def test_device_ras_is_off_on_cpu_by_default_and_refused_where_it_cannot_run(tiny_models, monkeypatch):
     monkeypatch.setattr(cudagraph_llm, "why_unavailable", lambda llm: None)
     kw = dict(progress=False, slots=2, max_len=256, kv_buckets=(256,), prefill_buckets=())
@@ -293,3 +407,25 @@ def test_gpu_device_ras_equals_eager_tokens_and_generator_offsets(llm_gpu, tiny_
     assert got == ref
     assert [g.get_offset() for g in got_g] == [g.get_offset() for g in ref_g]
     assert stage.fallback_draws > 0 and stage.slots_in_use == 0
+
+
+@_gpu
+def test_gpu_decode_ahead_equals_eager_through_joins_sit_outs_and_a_cancel(llm_gpu, tiny_models, case,
+                                                                          monkeypatch):
+    """Real generators, the step after each call's launched before its tokens are read: tokens and generator
+    offsets equal the eager backend's through joins, rows sitting out, a cancel and a stop token."""
+    from cosyvoice_fast.backends.cudagraph_llm import CudaGraphLLM
+    from cosyvoice_fast.backends.eager import EagerLLM
+
+    llm = _eos_prone(llm_gpu)
+    stage = CudaGraphLLM(llm, tiny_models.config, slots=4, max_len=512, kv_buckets=(128, 256), progress=False)
+    assert stage.decode_ahead
+    eager = EagerLLM(llm, tiny_models.config)
+    inputs, text = _inputs(case), case["text"]
+    ref_g = [torch.Generator(device="cuda").manual_seed(seed) for seed, *_ in SIT_OUT_JOBS]
+    ref = [generate_alone(eager, inputs, text, g, n, eos) for g, (_, n, eos, _, _) in zip(ref_g, SIT_OUT_JOBS)]
+    gens = [torch.Generator(device="cuda").manual_seed(seed) for seed, *_ in SIT_OUT_JOBS]
+    states = [stage.new_state(inputs, text, g, n, eos) for g, (_, n, eos, _, _) in zip(gens, SIT_OUT_JOBS)]
+    got, returning = _drive_sitting_out(stage, states, monkeypatch)
+    _check_sitting_out(stage, states, got, returning, ref, [g.get_offset() for g in ref_g],
+                       [g.get_offset() for g in gens])

@@ -17,10 +17,12 @@ where Triton is) the whole RAS rule runs in the graph too: each row's exponentia
 its generator's seed and offset (:mod:`..kernels.philox`), both the nucleus draw's and the fallback draw's, the
 repetition check reads the row's last history tokens, and the host only advances each generator by one draw
 (two after a fallback).  A step then costs one input copy, one replay and one read of the tokens, whatever the
-row count and however many rows fall back.  Otherwise (prefill, per-slot graphs, no Triton) the variates are
-drawn eagerly from each request's generator into a static buffer just before the replay, the repetition check
-runs on the host and a fallback draw runs eagerly (:func:`random_sample`, with its own syncs).  A CPU generator
-falls back to the eager sampler entirely.
+row count and however many rows fall back.  The graph also writes each row's next inputs back into its own
+input columns (:mod:`.decode_feed`), so with ``decode_ahead`` (on with device RAS) each call launches the step
+after the one it returns before reading anything: the host's per-token work overlaps the GPU's next step.
+Otherwise (prefill, per-slot graphs, no Triton) the variates are drawn eagerly from each request's generator
+into a static buffer just before the replay, the repetition check runs on the host and a fallback draw runs
+eagerly (:func:`random_sample`, with its own syncs).  A CPU generator falls back to the eager sampler entirely.
 
 Batched decoding (``batched=True``, the default).  A decode step is GPU-bound by ~600 small kernels, so stepping
 16 requests one after another costs 16x one step.  Instead all slots share one KV allocation of shape
@@ -69,6 +71,7 @@ from ..config import ModelConfig
 from ..models.qwen2 import KVCache
 from ..models.sampling import RasSampler, random_sample
 from .base import BackendUnavailable, LLMState, StepResult, accept_token, new_llm_state
+from .decode_feed import Row, StepFeed, int64
 from .graphs import capture
 from .kv_pool import SlotPool
 from .llm_buckets import bucket_for, choose_kv_buckets, token_budget
@@ -81,11 +84,6 @@ _NEG_INF = -float("inf")
 
 
 # ------------------------------------------------------------------------------------------ pure helpers
-
-
-def _int64(seed: int) -> int:
-    """A uint64 seed as the int64 with the same bits (how it travels in the graph's input buffer)."""
-    return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
 def why_unavailable(llm: torch.nn.Module) -> str | None:
@@ -136,15 +134,20 @@ class CudaGraphLLM:
     ``batched=True`` (default) steps all states of a :meth:`decode` call in one graph replay (see the module
     docstring); ``batched=False`` keeps per-slot decode graphs, one replay per state per token.
     ``device_ras`` (batched only; default: where Triton is installed and the sampler is the RAS one) runs
-    the repetition-aware sampling inside the batched decode graphs; off, it runs on the host.
-    ``batched_steps`` / ``batched_rows`` count batched replays and the request-steps they carried.  Every
+    the repetition-aware sampling inside the batched decode graphs; off, it runs on the host.  ``decode_ahead``
+    (needs device RAS; default: on with it) launches each row's next step before returning this one's token.
+    A row the engine leaves out of its next call keeps that result for when it returns; only the rows that
+    end waste their step ahead (``ahead_rows`` counts the steps launched ahead, ``StepFeed.dropped`` those
+    thrown away).
+    ``batched_steps`` / ``batched_rows`` count batched decode calls and the request-steps they returned,
+    ``replays`` the batched decode graph replays behind them.  Every
     per-request value (slot, position, history, generator, limits) lives on the :class:`LLMState`.
     """
 
     def __init__(self, llm: torch.nn.Module, config: ModelConfig, *, slots: int = 16, max_len: int = 2048,
                  kv_buckets: Sequence[int] | None = None, prefill_buckets: Sequence[int] = (64, 128, 256, 512),
                  progress: bool = True, batched: bool = True, prefill_tokens: int = PREFILL_TOKENS,
-                 device_ras: bool | None = None):
+                 device_ras: bool | None = None, decode_ahead: bool | None = None):
         reason = why_unavailable(llm)
         if reason is not None:
             raise BackendUnavailable(reason)
@@ -171,6 +174,13 @@ class CudaGraphLLM:
         if self.device_ras and not (batched and self._device_ras_possible(vocab)):
             raise ValueError("device_ras=True needs batched=True, the RAS sampler, Triton and a vocabulary of at "
                              "most 8192 ids")
+        if decode_ahead is None:
+            decode_ahead = self.device_ras
+        if decode_ahead and not self.device_ras:
+            raise ValueError("decode_ahead=True needs device_ras: the next step's inputs must come from the graph")
+        self.decode_ahead = decode_ahead
+        self.replays = 0  # batched decode graph replays (with decode_ahead, one per call plus each call's joiners)
+        self.ahead_rows = 0  # request-steps launched ahead of their call
         # imported here, once, not at module level: the plain cudagraph backend must not need Triton
         self._philox = importlib.import_module("..kernels.philox", __package__) if self.device_ras else None
         win = self.sampler.win_size if self.device_ras else 0
@@ -192,12 +202,12 @@ class CudaGraphLLM:
             self.prefiller = BatchedPrefill(
                 llm, SlotRows(self._cache, self._bias, self._q, self._logp, self._token, self._limit),
                 buckets=[b for b in prefill_buckets if 0 < b <= max_len], slots=slots, max_tokens=prefill_tokens)
-            # batched step inputs: row 0 = fed tokens, row 1 = positions (idle rows sit at max_len - 1); with
-            # device_ras also row 2 = generator seeds, row 3 = offsets, rows 4.. = the last history tokens
-            rows_in = 2 + (2 + win if self.device_ras else 0)
-            self._step_in = torch.zeros(rows_in, slots, dtype=torch.long, device=dev)
+            # batched step inputs: with device_ras a column per slot that the graph advances itself (StepFeed);
+            # else row 0 = fed tokens, row 1 = positions (idle rows sit at max_len - 1), copied in per step
+            self._feed = StepFeed(slots, max_len, win, self._philox.DRAW_OFFSET, dev) if self.device_ras else None
+            self._step_in = torch.zeros(2, slots, dtype=torch.long, device=dev)
             self._step_in[1].fill_(max_len - 1)
-            self._host_in = torch.zeros(rows_in, slots, dtype=torch.long, pin_memory=on_cuda)
+            self._host_in = torch.zeros(2, slots, dtype=torch.long, pin_memory=on_cuda)
             self._host_np = self._host_in.numpy()
             self._copied = torch.cuda.Event() if on_cuda else None  # the last host -> device input copy
             self._batch_graphs: dict[tuple[int, int], Any] = {}
@@ -240,16 +250,19 @@ class CudaGraphLLM:
 
         Graphs exist for row counts 1, 2, 4, ... up to the slot count: slots are handed out lowest-first, so
         ``n`` active requests usually sit in rows ``0 .. n-1`` and a lone request pays for one row, not all."""
-        tok, pos = self._step_in[0, :n].view(-1, 1), self._step_in[1, :n].view(-1, 1)
+        if self._feed is not None:
+            tok, pos, gens, window, live = self._feed.read(n)
+        else:
+            tok, pos = self._step_in[0, :n].view(-1, 1), self._step_in[1, :n].view(-1, 1)
         hidden = self.llm.decoder(self.llm.speech_embedding(tok), pos, self._cache.head(n), kv_len=bucket)
         logp = self.llm.log_probs(hidden[:, -1])
-        if self.device_ras:
-            gens = self._step_in[2:4, :n]
+        if self._feed is not None:
             self._philox.exponential_rows(gens, self._q[:n])
             self._philox.exponential_rows(gens, self._q_again[:n], self._philox.DRAW_OFFSET)
-            logp, token, fallback = ras_pick_rows(logp, self._bias[:n], self._q[:n], self._q_again[:n],
-                                                  self._step_in[4:, :n].t(), self._limit, self._repeats)
+            logp, token, fallback = ras_pick_rows(logp, self._bias[:n], self._q[:n], self._q_again[:n], window,
+                                                  self._limit, self._repeats)
             self._drawn[1, :n].copy_(fallback)
+            self._feed.advance(n, token, fallback, live)
         else:
             logp, token = nucleus_pick_rows(logp, self._bias[:n], self._q[:n], self._limit)
         self._logp[:n].copy_(logp)
@@ -341,33 +354,84 @@ class CudaGraphLLM:
 
     def _replay_rows(self, rows: Sequence[LLMState]) -> None:
         """Feed each state's last token at its position and replay the batched graph (bucket: the largest
-        position).  Rows not listed sit at ``max_len - 1`` (see the module docstring for why that is harmless)."""
+        position); the host samples afterwards.  Rows not listed sit at ``max_len - 1`` (see the module
+        docstring for why that is harmless).  The path without device RAS."""
         if self._copied is not None:  # the pinned buffer is read by an async copy: wait for the last one
             self._copied.synchronize()  # (normally long done: every step syncs on its tokens)
         host = self._host_np
         host[0, :] = 0
         host[1, :] = self.max_len - 1
         slots = [self.pool.item(r.slot) for r in rows]
-        win = host.shape[0] - 4
         for r, s in zip(rows, slots):
             s.cache.check_room(r.pos, 1)
             host[0, s.index] = r.history[-1]
             host[1, s.index] = r.pos
-            if self.device_ras and r.generator.device.type == "cuda":
-                host[2, s.index] = _int64(r.generator.initial_seed())
-                host[3, s.index] = r.generator.get_offset()
-                recent = r.history[-win:] if win > 0 else []
-                host[4:4 + len(recent), s.index] = recent
-                host[4 + len(recent):, s.index] = -1
         self._step_in.copy_(self._host_in, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
         for r, s in zip(rows, slots):
             self._set_mask(s, r.step, r.min_len, r.ignore_eos)
-            if r.generator.device.type == "cuda" and not self.device_ras:  # each row's draw from its own
-                s.q.exponential_(1.0, generator=r.generator)  # generator, in its own order
+            if r.generator.device.type == "cuda":  # each row's draw from its own generator, in its own order
+                s.q.exponential_(1.0, generator=r.generator)
         n = next(c for c in self.row_counts if c > max(s.index for s in slots))
         self._batch_graphs[bucket_for(self.buckets, max(r.pos for r in rows)), n].replay()
+        self.replays += 1
+
+    def _launch(self, rows: Sequence[LLMState], ahead: bool) -> None:
+        """Replay one device-RAS step for ``rows``: each at its next step whose result is not pending yet.
+        ``ahead``: one past the step pending for it, with inputs the graph left on the device; else its next
+        step from the host's state (a fresh column).  Its result becomes pending (:class:`.decode_feed.StepFeed`).
+        """
+        columns: dict[int, list[int] | None] = {}
+        launched, top = [], 0
+        for st in rows:
+            s = self.pool.item(st.slot)
+            step, pos = (st.step + 1, st.pos + 1) if ahead else (st.step, st.pos)
+            s.cache.check_room(pos, 1)
+            self._set_mask(s, step, st.min_len, st.ignore_eos)
+            columns[s.index] = None if ahead else self._feed.column(st.history[-1], pos, st.generator, st.history)
+            launched.append(Row(s.index, st, step))
+            top = max(top, pos)
+        self._feed.stage(columns)
+        n = next(c for c in self.row_counts if c > max(columns))
+        self._batch_graphs[bucket_for(self.buckets, top), n].replay()
+        self._feed.collect(self._drawn, launched)
+        self.replays += 1
+        self.ahead_rows += len(launched) if ahead else 0
+
+    def _decode_fed(self, states: Sequence[LLMState]) -> list[StepResult]:
+        """A device-RAS decode call (caller holds the lock): launch the rows whose step is not pending (new,
+        or back after sitting out), then, with ``decode_ahead``, every row's step after, and only then read
+        and accept the results of the steps asked for.  The step launched ahead is this call's ``states``'s
+        next step: the engine's next call usually asks for it, and finds it computed or computing."""
+        feed = self._feed
+        try:
+            feed.settle()
+            fresh = [st for st in states if not feed.pending(st.slot, st, st.step)]
+            if fresh:
+                self._launch(fresh, ahead=False)
+            # a CPU generator's row is sampled on the host from the step's log-probs: nothing may overwrite them
+            if self.decode_ahead and all(st.generator.device.type == "cuda" for st in states):
+                more = [st for st in states if st.step + 1 < st.max_len and st.pos + 1 < self.max_len]
+                if more:
+                    self._launch(more, ahead=True)
+        except Exception as e:  # noqa: BLE001 - the launch failed as a whole: each row gets the error
+            for st in states:
+                self.release(st)
+            return [e] * len(states)
+        self.batched_steps += 1
+        self.batched_rows += len(states)
+        out: list[StepResult] = []
+        for st in states:
+            try:
+                token, fallback = feed.take(st.slot, st, st.step)
+                s = self.pool.item(st.slot)
+                st.pos += 1
+                out.append(self._accept(st, self._take(s, st.history, st.generator, token, fallback)))
+            except Exception as e:  # noqa: BLE001
+                self.release(st)
+                out.append(e)
+        return out
 
     def _draw_q(self, s: _Slot, gen: torch.Generator) -> None:
         """The nucleus variates of a prefill draw into the slot's buffer: ``exponential_`` of the request's
@@ -376,7 +440,7 @@ class CudaGraphLLM:
             s.q.exponential_(1.0, generator=gen)
             return
         offset = gen.get_offset()
-        state = torch.tensor([[_int64(gen.initial_seed())], [offset]], dtype=torch.long)
+        state = torch.tensor([[int64(gen.initial_seed())], [offset]], dtype=torch.long)
         self._philox.exponential_rows(state.to(self.device, non_blocking=True), s.q.view(1, -1))
         gen.set_offset(offset + self._philox.DRAW_OFFSET)
 
@@ -401,8 +465,10 @@ class CudaGraphLLM:
         return new_llm_state(self.llm, inputs, text, generator, max_tokens, ignore_eos)
 
     def release(self, state: LLMState) -> None:
-        """Give ``state``'s slot back (idempotent)."""
+        """Give ``state``'s slot back (idempotent); a step launched ahead for it is dropped."""
         if state.slot is not None:
+            if self._feed is not None:
+                self._feed.drop(state.slot)
             self.pool.release(state.slot)
             state.slot = None
 
@@ -420,6 +486,8 @@ class CudaGraphLLM:
         out: list[StepResult] = [None] * len(states)
         items: list[PrefillItem] = []
         with torch.inference_mode(), self._lock:
+            if self._feed is not None:
+                self._feed.settle()
             for i, st in enumerate(states):
                 try:
                     st.slot, s = self.pool.acquire()
@@ -456,10 +524,12 @@ class CudaGraphLLM:
         if not states:
             return []
         with torch.inference_mode(), self._lock:
+            if self._feed is not None:
+                return self._decode_fed(states)
             try:
                 if self.batched:
                     self._replay_rows(states)
-                    drawn, redrawn = self._drawn.tolist()  # the one sync per batched step
+                    drawn = self._drawn[0].tolist()  # the one sync per batched step
                     self.batched_steps += 1
                     self.batched_rows += len(states)
                 else:
@@ -479,8 +549,7 @@ class CudaGraphLLM:
                     if drawn is None:
                         tok = self._take(s, st.history, st.generator)
                     else:
-                        tok = self._take(s, st.history, st.generator, drawn[s.index],
-                                         redrawn[s.index] if self.device_ras else None)
+                        tok = self._take(s, st.history, st.generator, drawn[s.index])
                     out.append(self._accept(st, tok))
                 except Exception as e:  # noqa: BLE001
                     self.release(st)
@@ -505,7 +574,11 @@ class CudaGraphLLM:
                 for i, tok in enumerate(tokens):
                     row.history.append(int(tok))
                     row.pos = lm_input.shape[1] + i
-                    if self.batched:  # the batched graph, this row alone (others idle at max_len - 1)
+                    if self._feed is not None:  # the batched graph, this row alone (others not live)
+                        self._feed.settle()
+                        self._launch([row], ahead=False)
+                        self._feed.take(index, row, row.step)  # only the log-probs are wanted
+                    elif self.batched:  # the batched graph, this row alone (others idle at max_len - 1)
                         self._replay_rows([row])
                     else:
                         self._decode(s, int(tok), row.pos, gen)
