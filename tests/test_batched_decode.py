@@ -206,10 +206,9 @@ def _alone(stage, inputs, text, seed, n, ignore_eos, device="cpu") -> list[int]:
     return generate_alone(stage, inputs, text, _gen(seed, device), n, ignore_eos)
 
 
-@pytest.mark.parametrize("batched", [True, False])
-def test_cpu_backend_tokens_equal_eager_solo_and_interleaved(cpu_stage, tiny_models, case, batched):
+def test_cpu_backend_tokens_equal_eager_solo_and_interleaved(cpu_stage, tiny_models, case):
     """CPU generators: the eager sampler draws from the batched graph maths' log-probs; tokens must be eager's."""
-    stage = cpu_stage(slots=5, max_len=512, kv_buckets=(64, 128, 256), prefill_buckets=(64,), batched=batched)
+    stage = cpu_stage(slots=5, max_len=512, kv_buckets=(64, 128, 256), prefill_buckets=(64,))
     eager = EagerLLM(tiny_models.llm, tiny_models.config)
     inputs, text = _inputs(case), case["text"]
     seeds, n = (3, 4, 5, 6), (30, 45, 12, 60)
@@ -227,13 +226,10 @@ def test_cpu_backend_tokens_equal_eager_solo_and_interleaved(cpu_stage, tiny_mod
     got = _drive(stage, jobs, starts)  # staggered joins, different lengths: leavers mid-way
     assert got == ref
     assert stage.slots_in_use == 0
-    if batched:
-        # request i draws decode tokens in turns start+1 .. start+n-1; one batched step per such turn
-        turns = set().union(*(range(s0 + 1, s0 + m) for s0, m in zip(starts, n)))
-        assert stage.batched_steps - steps0 == len(turns) == 61
-        assert stage.batched_rows - rows0 == sum(m - 1 for m in n)
-    else:
-        assert stage.batched_steps == 0
+    # request i draws decode tokens in turns start+1 .. start+n-1; one batched step per such turn
+    turns = set().union(*(range(s0 + 1, s0 + m) for s0, m in zip(starts, n)))
+    assert stage.batched_steps - steps0 == len(turns) == 61
+    assert stage.batched_rows - rows0 == sum(m - 1 for m in n)
 
 
 def test_cpu_backend_release_mid_way_and_teacher_forcing(cpu_stage, tiny_models, case):
@@ -395,17 +391,6 @@ def test_gpu_batched_teacher_forcing_with_a_busy_neighbour(batched, llm_cuda, ca
     while not busy.done:  # the neighbour's idle replays did not disturb it
         batched.decode([busy])
     assert first == busy.history[:3] and busy.history == _run(batched, inputs, text, 5, 100, True)
-
-
-@_gpu
-def test_gpu_unbatched_mode_still_equals_eager(llm_cuda, tiny_models, case):
-    stage = CudaGraphLLM(llm_cuda, tiny_models.config, slots=2, max_len=256, kv_buckets=(64, 128),
-                         progress=False, batched=False)
-    eager = EagerLLM(llm_cuda, tiny_models.config)
-    inputs, text = _inputs(case), case["text"]
-    jobs = [(inputs, text, _gen(s, "cuda"), 100, True) for s in (1, 2)]
-    assert _drive(stage, jobs) == [_run(eager, inputs, text, s, 100, True) for s in (1, 2)]
-    assert stage.batched_steps == 0
 
 
 @_gpu

@@ -322,8 +322,11 @@ def test_device_ras_is_off_on_cpu_by_default_and_refused_where_it_cannot_run(tin
     monkeypatch.setattr(cudagraph_llm, "why_unavailable", lambda llm: None)
     kw = dict(progress=False, slots=2, max_len=256, kv_buckets=(256,), prefill_buckets=())
     assert not _CpuGraphLLM(tiny_models.llm, tiny_models.config, **kw).device_ras
-    with pytest.raises(ValueError, match="device_ras=True needs batched=True"):
-        _CpuGraphLLM(tiny_models.llm, tiny_models.config, batched=False, device_ras=True, **kw)
+    find_spec = cudagraph_llm.importlib.util.find_spec
+    monkeypatch.setattr(cudagraph_llm.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "triton" else find_spec(name, *a))
+    with pytest.raises(ValueError, match="device_ras=True needs the RAS sampler, Triton"):
+        _CpuGraphLLM(tiny_models.llm, tiny_models.config, device_ras=True, **kw)
 
 
 # ------------------------------------------------------------------------------------------ GPU

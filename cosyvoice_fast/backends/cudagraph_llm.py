@@ -4,9 +4,8 @@ Eager decoding of a 24-layer Qwen2 at batch 1 is launch-bound: ~900 small kernel
 CPU time to launch than GPU time to run.  Here every request borrows a *slot* (a pre-allocated KV cache of
 ``max_len`` positions plus a few static buffers) and each step is one graph replay.
 
-One decode graph is captured for each *KV bucket* (e.g. 256, 512, 1024, 2048 positions; per slot when
-``batched=False``, once over all slots when batched, see below): it attends over the first ``bucket`` cache
-positions, masked by position, so early tokens do not pay for a 2048-long attention.  A decode graph computes:
+Decode graphs are captured for each *KV bucket* (e.g. 256, 512, 1024, 2048 positions; batched over the
+slots, see below): a step attends over the first ``bucket`` cache positions, masked by position, so early tokens do not pay for a 2048-long attention.  A decode graph computes:
 token embedding -> decoder -> fp32 log-probs (+ the step's eos mask) -> softmax -> stable sort -> nucleus cut
 -> the draw.  New requests are prefilled together, a few graph replays per burst (:mod:`.llm_prefill`).  The
 model is called through its public methods and does not know it is being captured.
@@ -20,11 +19,11 @@ repetition check reads the row's last history tokens, and the host only advances
 row count and however many rows fall back.  The graph also writes each row's next inputs back into its own
 input columns (:mod:`.decode_feed`), so with ``decode_ahead`` (on with device RAS) each call launches the step
 after the one it returns before reading anything: the host's per-token work overlaps the GPU's next step.
-Otherwise (prefill, per-slot graphs, no Triton) the variates are drawn eagerly from each request's generator
+Otherwise (prefill, no Triton) the variates are drawn eagerly from each request's generator
 into a static buffer just before the replay, the repetition check runs on the host and a fallback draw runs
 eagerly (:func:`random_sample`, with its own syncs).  A CPU generator falls back to the eager sampler entirely.
 
-Batched decoding (``batched=True``, the default).  A decode step is GPU-bound by ~600 small kernels, so stepping
+Batched decoding.  A decode step is GPU-bound by ~600 small kernels, so stepping
 16 requests one after another costs 16x one step.  Instead all slots share one KV allocation of shape
 (slots + 1, Hkv, max_len, D) per layer (each slot's cache is a view of its row; the last row is the spare that
 batched prefill's unused rows write to), and one decode graph per (KV bucket, row count) steps rows
@@ -61,7 +60,7 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Sequence
 
@@ -76,7 +75,7 @@ from .graphs import capture
 from .kv_pool import SlotPool
 from .llm_buckets import bucket_for, choose_kv_buckets, token_budget
 from .llm_prefill import PREFILL_TOKENS, BatchedPrefill, PrefillItem, SlotRows
-from .nucleus import nucleus_pick, nucleus_pick_rows, ras_pick_rows
+from .nucleus import nucleus_pick_rows, ras_pick_rows
 
 log = logging.getLogger(__name__)
 
@@ -101,23 +100,20 @@ def why_unavailable(llm: torch.nn.Module) -> str | None:
 
 @dataclass
 class _Slot:
-    """One request's static state: its cache, the graphs' inputs and outputs, and the graphs themselves.
+    """One request's static state: its cache and the graphs' per-row inputs and outputs.
 
     ``cache``, ``bias``, ``q``, ``logp`` and ``token`` are views of row ``index`` of the backend's batched
-    buffers, so per-slot decode graphs (when not batched), the batched decode graphs and the batched prefill
-    graphs (which gather and scatter by slot index) share them.
+    buffers, so the batched decode graphs and the batched prefill graphs (which gather and scatter by slot
+    index) share them.
     """
 
     index: int
     cache: KVCache
-    tok: torch.Tensor  # (1, 1) int64: the token fed this step (per-slot decode graphs only)
-    pos: torch.Tensor  # (1,) int64: the position it is written at (per-slot decode graphs only)
     bias: torch.Tensor  # (V,) fp32: 0 or -inf (the step's eos/stop mask)
     q: torch.Tensor  # (top_k,) fp32: exponential variates of this step's draw
     logp: torch.Tensor  # (V,) fp32 out: masked log-probs
     token: torch.Tensor  # (1,) int64 out: the nucleus draw
     mask_mode: str = ""
-    graphs: dict[int, Any] = field(default_factory=dict)  # decode step per kv bucket (batched=False)
 
 
 class CudaGraphLLM:
@@ -131,9 +127,8 @@ class CudaGraphLLM:
     ``slots``), which bounds the scratch activations of the largest prefill.
     Everything is allocated and captured here, so the first request pays nothing.
 
-    ``batched=True`` (default) steps all states of a :meth:`decode` call in one graph replay (see the module
-    docstring); ``batched=False`` keeps per-slot decode graphs, one replay per state per token.
-    ``device_ras`` (batched only; default: where Triton is installed and the sampler is the RAS one) runs
+    A :meth:`decode` call steps all its states in one graph replay (see the module docstring).
+    ``device_ras`` (default: on a GPU where Triton is installed and the sampler is the RAS one) runs
     the repetition-aware sampling inside the batched decode graphs; off, it runs on the host.  ``decode_ahead``
     (needs device RAS; default: on with it) launches each row's next step before returning this one's token.
     A row the engine leaves out of its next call keeps that result for when it returns; only the rows that
@@ -146,7 +141,7 @@ class CudaGraphLLM:
 
     def __init__(self, llm: torch.nn.Module, config: ModelConfig, *, slots: int = 16, max_len: int = 2048,
                  kv_buckets: Sequence[int] | None = None, prefill_buckets: Sequence[int] = (64, 128, 256, 512),
-                 progress: bool = True, batched: bool = True, prefill_tokens: int = PREFILL_TOKENS,
+                 progress: bool = True, prefill_tokens: int = PREFILL_TOKENS,
                  device_ras: bool | None = None, decode_ahead: bool | None = None):
         reason = why_unavailable(llm)
         if reason is not None:
@@ -159,21 +154,19 @@ class CudaGraphLLM:
         self.max_len = max_len
         self.buckets = choose_kv_buckets(max_len, kv_buckets)
         self.fallback_draws = 0  # how often the RAS repetition check replaced a nucleus draw
-        self.batched = batched
         self.row_counts = tuple(sorted({min(slots, 2 ** i) for i in range(max(1, slots).bit_length() + 1)}))
         # Graphs share one scratch pool: one replay (and its reads) at a time.  Re-entrant because a generator
         # finalised by the garbage collector inside a locked region of the same thread takes it in its cleanup.
         self._lock = threading.RLock()
-        self.batched_steps = 0  # batched decode replays so far
-        self.batched_rows = 0  # request-steps they carried (batched_rows / batched_steps = mean batch)
+        self.batched_steps = 0  # batched decode calls so far
+        self.batched_rows = 0  # request-steps they returned (batched_rows / batched_steps = mean batch)
         vocab = llm.cfg.vocab_out
         self._k = min(self.sampler.top_k, vocab)
         if device_ras is None:
-            device_ras = batched and self.device.type == "cuda" and self._device_ras_possible(vocab)
+            device_ras = self.device.type == "cuda" and self._device_ras_possible(vocab)
         self.device_ras = device_ras
-        if self.device_ras and not (batched and self._device_ras_possible(vocab)):
-            raise ValueError("device_ras=True needs batched=True, the RAS sampler, Triton and a vocabulary of at "
-                             "most 8192 ids")
+        if self.device_ras and not self._device_ras_possible(vocab):
+            raise ValueError("device_ras=True needs the RAS sampler, Triton and a vocabulary of at most 8192 ids")
         if decode_ahead is None:
             decode_ahead = self.device_ras
         if decode_ahead and not self.device_ras:
@@ -211,10 +204,10 @@ class CudaGraphLLM:
             self._host_np = self._host_in.numpy()
             self._copied = torch.cuda.Event() if on_cuda else None  # the last host -> device input copy
             self._batch_graphs: dict[tuple[int, int], Any] = {}
-            self.pool = SlotPool([self._new_slot(i, vocab) for i in range(slots)], name="LLM slot")
+            self.pool = SlotPool([self._new_slot(i) for i in range(slots)], name="LLM slot")
             n = self._capture_all(progress)
         log.info("cudagraph LLM: %d graphs (%s x kv buckets %s + prefill rows per length %s) captured in %.1f s; "
-                 "%.0f MiB for caches and graphs", n, "batched" if batched else f"{slots} slots", list(self.buckets),
+                 "%.0f MiB for caches and graphs", n, "batched", list(self.buckets),
                  self.prefiller.row_counts, time.perf_counter() - t0,
                  ((torch.cuda.memory_allocated(self.device) if on_cuda else 0) - mem0) / 2**20)
 
@@ -225,24 +218,11 @@ class CudaGraphLLM:
 
         return vocab <= MAX_ELEMENTS
 
-    def _new_slot(self, i: int, vocab: int) -> _Slot:
-        dev = self.device
-        return _Slot(index=i, cache=self._cache.row(i),
-                     tok=torch.zeros(1, 1, dtype=torch.long, device=dev),
-                     pos=torch.zeros(1, dtype=torch.long, device=dev),
-                     bias=self._bias[i], q=self._q[i], logp=self._logp[i], token=self._token[i:i + 1])
+    def _new_slot(self, i: int) -> _Slot:
+        return _Slot(index=i, cache=self._cache.row(i), bias=self._bias[i], q=self._q[i], logp=self._logp[i],
+                     token=self._token[i:i + 1])
 
     # -------------------------------------------------------------------------------------- capture
-
-    def _pick_into(self, s: _Slot, hidden_last: torch.Tensor) -> None:
-        logp, token = nucleus_pick(self.llm.log_probs(hidden_last)[0], s.bias, s.q, self._limit)
-        s.logp.copy_(logp)  # outputs live outside the graph pool, so replaying any graph never clobbers them
-        s.token.copy_(token)
-
-    def _step_math(self, s: _Slot, bucket: int) -> None:
-        """What a decode graph replays: one token through the decoder, attending over ``bucket`` positions."""
-        hidden = self.llm.decoder(self.llm.speech_embedding(s.tok), s.pos, s.cache, kv_len=bucket)
-        self._pick_into(s, hidden[:, -1])
 
     def _batch_step_math(self, bucket: int, n: int) -> None:
         """What a batched decode graph replays: the first ``n`` slot rows each fed one token at its own position,
@@ -270,28 +250,20 @@ class CudaGraphLLM:
 
     def _graph_jobs(self) -> list[tuple[dict[int, Any], int, Any]]:
         """Every graph to capture: ``(where it goes, its key, the math it replays)``; warm-ups first per kind."""
-        slots = [self.pool.item(i) for i in range(self.pool.capacity)]
-        if self.batched:
-            jobs = [(self._batch_graphs, (b, n), partial(self._batch_step_math, b, n))
-                    for b in self.buckets for n in self.row_counts]
-        else:
-            jobs = [(s.graphs, b, partial(self._step_math, s, b)) for s in slots for b in self.buckets]
+        jobs = [(self._batch_graphs, (b, n), partial(self._batch_step_math, b, n))
+                for b in self.buckets for n in self.row_counts]
         return jobs + self.prefiller.jobs()
 
     def _capture_all(self, progress: bool) -> int:
         from tqdm.auto import tqdm
 
         jobs = self._graph_jobs()
-        s0 = self.pool.item(0)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up: library handles and kernel choices happen outside any capture
             for b in self.buckets:
-                if self.batched:
-                    for n in self.row_counts:
-                        self._batch_step_math(b, n)
-                else:
-                    self._step_math(s0, b)
+                for n in self.row_counts:
+                    self._batch_step_math(b, n)
             self.prefiller.warm()
         torch.cuda.synchronize(self.device)
         scratch = torch.cuda.graph_pool_handle()
@@ -320,29 +292,19 @@ class CudaGraphLLM:
             s.bias[cfg.eos_token] = _NEG_INF
         s.mask_mode = mode
 
-    def _decode(self, s: _Slot, token: int, pos: int, gen: torch.Generator) -> None:
-        s.cache.check_room(pos, 1)
-        s.tok.fill_(token)  # fills take the value as a kernel argument: no host-to-device copy, no sync
-        s.pos.fill_(pos)
-        if gen.device.type == "cuda":
-            s.q.exponential_(1.0, generator=gen)
-        s.graphs[bucket_for(self.buckets, pos)].replay()
-
-    def _take(self, s: _Slot, history: list[int], gen: torch.Generator, token: int | None = None,
+    def _take(self, s: _Slot, history: list[int], gen: torch.Generator, token: int,
               fallback: int | None = None) -> int:
         """The step's token on the host, with the RAS repetition rule applied exactly as the eager sampler does.
 
-        ``token``: the graph's draw when the caller already has it on the host (batched steps read all rows at
-        once); otherwise it is read from the slot.  ``fallback`` (device RAS): the graph applied the rule
-        already and says whether it redrew; the generator is advanced past the draws it made."""
+        ``token``: the graph's nucleus draw, read to the host with its step's other rows.  ``fallback`` (device
+        RAS): the graph applied the rule already and says whether it redrew; the generator is advanced past
+        the draws it made."""
         if gen.device.type != "cuda":  # a CPU generator draws on the CPU: let the eager sampler do all of it
             return int(self.sampler(s.logp, history, gen))
         if fallback is not None:
             gen.set_offset(gen.get_offset() + self._philox.DRAW_OFFSET * (1 + fallback))
             self.fallback_draws += fallback
             return token
-        if token is None:
-            token = int(s.token.item())  # the one sync per token
         win, tau = self.sampler.win_size, self.sampler.tau_r
         window = history[-win:] if win > 0 else []
         if window.count(token) >= win * tau:
@@ -519,21 +481,18 @@ class CudaGraphLLM:
         return out
 
     def decode(self, states: Sequence[LLMState]) -> list[StepResult]:
-        """One decode step for every state: batched, one graph replay for all of them (per-slot replays when
-        ``batched=False``).  If the step itself fails, every row gets the error."""
+        """One decode step for every state, batched: one graph replay for all of them (with ``decode_ahead``,
+        usually already launched by the previous call).  If the step itself fails, every row gets the error."""
         if not states:
             return []
         with torch.inference_mode(), self._lock:
             if self._feed is not None:
                 return self._decode_fed(states)
             try:
-                if self.batched:
-                    self._replay_rows(states)
-                    drawn = self._drawn[0].tolist()  # the one sync per batched step
-                    self.batched_steps += 1
-                    self.batched_rows += len(states)
-                else:
-                    drawn = None
+                self._replay_rows(states)
+                drawn = self._drawn[0].tolist()  # the one sync per batched step
+                self.batched_steps += 1
+                self.batched_rows += len(states)
             except Exception as e:  # noqa: BLE001 - the whole step failed: each row gets the error
                 for st in states:
                     self.release(st)
@@ -542,15 +501,8 @@ class CudaGraphLLM:
             for st in states:  # RAS check (and any fallback draw) now, before the row's generator draws again
                 try:
                     s = self.pool.item(st.slot)
-                    if drawn is None:
-                        self._set_mask(s, st.step, st.min_len, st.ignore_eos)
-                        self._decode(s, st.history[-1], st.pos, st.generator)
                     st.pos += 1
-                    if drawn is None:
-                        tok = self._take(s, st.history, st.generator)
-                    else:
-                        tok = self._take(s, st.history, st.generator, drawn[s.index])
-                    out.append(self._accept(st, tok))
+                    out.append(self._accept(st, self._take(s, st.history, st.generator, drawn[s.index])))
                 except Exception as e:  # noqa: BLE001
                     self.release(st)
                     out.append(e)
@@ -563,6 +515,8 @@ class CudaGraphLLM:
         gen = torch.Generator(device=self.device)
         try:
             with torch.inference_mode(), self._lock:
+                if self._feed is not None:
+                    self._feed.settle()
                 self._set_mask(s, 0, 0, False)
                 token_budget(lm_input.shape[1], len(tokens) + 1, self.max_len, True)
                 s.q.exponential_(1.0, generator=gen)
@@ -575,13 +529,10 @@ class CudaGraphLLM:
                     row.history.append(int(tok))
                     row.pos = lm_input.shape[1] + i
                     if self._feed is not None:  # the batched graph, this row alone (others not live)
-                        self._feed.settle()
                         self._launch([row], ahead=False)
                         self._feed.take(index, row, row.step)  # only the log-probs are wanted
-                    elif self.batched:  # the batched graph, this row alone (others idle at max_len - 1)
+                    else:  # the batched graph, this row alone (others idle at max_len - 1)
                         self._replay_rows([row])
-                    else:
-                        self._decode(s, int(tok), row.pos, gen)
                     rows.append(s.logp.clone())
             return torch.stack(rows)
         finally:

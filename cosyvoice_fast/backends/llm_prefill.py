@@ -120,16 +120,16 @@ class BatchedPrefill:
             pending = pending[take:]
         return out
 
-    def run(self, padded: int | None, group: list[PrefillItem]) -> list[int | None]:
-        """Prefill ``group`` (slots taken, masks set, variates drawn) and return each row's draw read on the host
-        (``None``: the eager path, whose draw the caller reads from the slot)."""
+    def run(self, padded: int | None, group: list[PrefillItem]) -> list[int]:
+        """Prefill ``group`` (slots taken, masks set, variates drawn) and return each row's draw read on the
+        host."""
         if padded is None:  # longer than any captured length: the eager prefill, exactly as the eager backend
             (it,) = group
             s = it.slot
             logp, token = nucleus_pick(self.llm.prefill(it.lm_input, s.cache)[0], s.bias, s.q, self.rows.limit)
             s.logp.copy_(logp)
             s.token.copy_(token)
-            return [None]
+            return [int(token.item())]
         rows = next(r for r in self.row_counts[padded] if r >= len(group))
         index = torch.tensor([[0] * rows, [self.spare] * rows], dtype=torch.long)
         self._emb[:rows, :padded].zero_()
