@@ -20,10 +20,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+_NAMED = {"true": True, "false": False, "none": None}
+
+
 def _value(text: str) -> Any:
-    lowered = {"true": True, "false": False, "none": None}.get(text.lower(), text)
-    if lowered is not text:
-        return lowered
+    if text.lower() in _NAMED:
+        return _NAMED[text.lower()]
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):

@@ -5,7 +5,8 @@ CPU time to launch than GPU time to run.  Here every request borrows a *slot* (a
 ``max_len`` positions plus a few static buffers) and each step is one graph replay.
 
 Decode graphs are captured for each *KV bucket* (e.g. 256, 512, 1024, 2048 positions; batched over the
-slots, see below): a step attends over the first ``bucket`` cache positions, masked by position, so early tokens do not pay for a 2048-long attention.  A decode graph computes:
+slots, see below): a step attends over the first ``bucket`` cache positions, masked by position, so early
+tokens do not pay for a 2048-long attention.  A decode graph computes:
 token embedding -> decoder -> fp32 log-probs (+ the step's eos mask) -> softmax -> stable sort -> nucleus cut
 -> the draw.  New requests are prefilled together, a few graph replays per burst (:mod:`.llm_prefill`).  The
 model is called through its public methods and does not know it is being captured.
@@ -19,12 +20,12 @@ repetition check reads the row's last history tokens, and the host only advances
 row count and however many rows fall back.  The graph also writes each row's next inputs back into its own
 input columns (:mod:`.decode_feed`), so with ``decode_ahead`` (on with device RAS) each call launches the step
 after the one it returns before reading anything: the host's per-token work overlaps the GPU's next step.
-Otherwise (prefill, no Triton) the variates are drawn eagerly from each request's generator
-into a static buffer just before the replay, the repetition check runs on the host and a fallback draw runs
-eagerly (:func:`random_sample`, with its own syncs).  A CPU generator falls back to the eager sampler entirely.
+Otherwise (prefill, no Triton) the variates are drawn eagerly from each request's generator into a static
+buffer just before the replay, the repetition check runs on the host and a fallback draw runs eagerly
+(:func:`random_sample`, with its own syncs).  A CPU generator falls back to the eager sampler entirely.
 
-Batched decoding.  A decode step is GPU-bound by ~600 small kernels, so stepping
-16 requests one after another costs 16x one step.  Instead all slots share one KV allocation of shape
+Batched decoding.  A decode step is GPU-bound by ~600 small kernels, so stepping 16 requests one after another
+costs 16x one step.  Instead all slots share one KV allocation of shape
 (slots + 1, Hkv, max_len, D) per layer (each slot's cache is a view of its row; the last row is the spare that
 batched prefill's unused rows write to), and one decode graph per (KV bucket, row count) steps rows
 ``0 .. n-1`` each at its own position (``pos`` (n, 1)); row counts are 1, 2, 4, ... up to S, and a step uses the
@@ -198,16 +199,17 @@ class CudaGraphLLM:
             # batched step inputs: with device_ras a column per slot that the graph advances itself (StepFeed);
             # else row 0 = fed tokens, row 1 = positions (idle rows sit at max_len - 1), copied in per step
             self._feed = StepFeed(slots, max_len, win, self._philox.DRAW_OFFSET, dev) if self.device_ras else None
-            self._step_in = torch.zeros(2, slots, dtype=torch.long, device=dev)
-            self._step_in[1].fill_(max_len - 1)
-            self._host_in = torch.zeros(2, slots, dtype=torch.long, pin_memory=on_cuda)
-            self._host_np = self._host_in.numpy()
-            self._copied = torch.cuda.Event() if on_cuda else None  # the last host -> device input copy
+            if self._feed is None:
+                self._step_in = torch.zeros(2, slots, dtype=torch.long, device=dev)
+                self._step_in[1].fill_(max_len - 1)
+                self._host_in = torch.zeros(2, slots, dtype=torch.long, pin_memory=on_cuda)
+                self._host_np = self._host_in.numpy()
+                self._copied = torch.cuda.Event() if on_cuda else None  # the last host -> device input copy
             self._batch_graphs: dict[tuple[int, int], Any] = {}
             self.pool = SlotPool([self._new_slot(i) for i in range(slots)], name="LLM slot")
             n = self._capture_all(progress)
-        log.info("cudagraph LLM: %d graphs (%s x kv buckets %s + prefill rows per length %s) captured in %.1f s; "
-                 "%.0f MiB for caches and graphs", n, "batched", list(self.buckets),
+        log.info("cudagraph LLM: %d graphs (batched x kv buckets %s + prefill rows per length %s) captured in %.1f "
+                 "s; %.0f MiB for caches and graphs", n, list(self.buckets),
                  self.prefiller.row_counts, time.perf_counter() - t0,
                  ((torch.cuda.memory_allocated(self.device) if on_cuda else 0) - mem0) / 2**20)
 

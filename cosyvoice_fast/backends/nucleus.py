@@ -72,8 +72,6 @@ def nucleus_pick_rows(logp: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, l
     return logp, head_i.gather(1, score.argmax(dim=1, keepdim=True))[:, 0]
 
 
-
-
 def ras_pick_rows(logp: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, q_again: torch.Tensor,
                   window: torch.Tensor, limit: torch.Tensor, repeats: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
