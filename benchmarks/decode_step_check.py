@@ -12,7 +12,12 @@ kernels (weights loaded before the PDL wait, :mod:`cosyvoice_fast.kernels.qwen2_
 3. ``backend``: the ``fused`` LLM backend end to end, wall ms per token at 1 and 16 requests (sampling and the
    per-step host sync included), the host time of each step's launches, and the GPU time of the whole decode
    graph (embedding, decoder, speech head, nucleus draw) per KV bucket;
-4. ``variants``: a handful of named settings of the decode attention (programs to aim for, keys per tile).
+4. ``variants``: a handful of named settings of the decode attention (programs to aim for, keys per tile);
+5. ``gemv``: the one-row step under named GEMV settings (columns per program of the ~2 MB q/k/v and
+   o-projection matrices apart from the big ones, K pieces of the down projection), three passes in turn
+   so that drift between passes shows.
+
+``--steps gemv,graph`` runs only the named steps (default: all).
 
 ``--graph-only`` runs step 2 with the default tiles only, which also works on code from before the GEMV
 kernels (run it from a copy of that tree for a same-machine baseline).  Results: ``OUT/decode_step_check.json``.
@@ -37,6 +42,10 @@ from cosyvoice_fast.kernels import qwen2_proj  # noqa: E402
 
 CONTEXT, MAX_LEN, BUCKET = 300, 1024, 512
 ROWS = (1, 2, 4, 8, 16, 32, 64)
+GEMV_VARIANTS = {"default": {}, "small4": {"gemv_small_cols": 4}, "small2": {"gemv_small_cols": 2},
+                 "small16": {"gemv_small_cols": 16}, "small4_chunk256": {"gemv_small_cols": 4, "down_chunk": 256},
+                 "small4_cols4": {"gemv_small_cols": 4, "gemv_cols": 4},
+                 "small4_cols16": {"gemv_small_cols": 4, "gemv_cols": 16}}
 VARIANTS = {"attn_programs128": {"attn_programs": 128}, "attn_programs256": {"attn_programs": 256},
             "attn_programs512": {"attn_programs": 512}, "attn_keys64": {"attn_keys": 64}}
 
@@ -101,14 +110,16 @@ def main() -> int:
     ap.add_argument("--graph-only", action="store_true", help="step 2 with the default tiles only")
     ap.add_argument("--label", default="new", help="names this tree's rows in the JSON")
     ap.add_argument("--budget", type=float, default=None, help="seconds for the whole script")
+    ap.add_argument("--steps", default="correctness,graph,backend,variants,gemv", help="steps to run")
     a = ap.parse_args()
+    steps = set(a.steps.split(","))
     require_cuda("decode_step_check.py")
     import triton
 
     out = Path(a.out) / ("decode_step_check.json" if not a.graph_only else f"decode_step_graph_{a.label}.json")
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                      "context": CONTEXT, "bucket": BUCKET, "correctness": [], "graph": [], "variants": [],
-                     "backend": []}
+                     "backend": [], "gemv": []}
     runner = StepRunner(out, results, step_timeout=240, budget_s=a.budget)
     lm16 = _lm(torch.bfloat16)
     default = qwen2_proj.TILES
@@ -178,11 +189,24 @@ def main() -> int:
         results["backend"].append(row)
         print(row, flush=True)
 
-    runner.run("correctness", run_correctness, store=False)
-    torch.cuda.empty_cache()
-    runner.run("graph", run_graph, store=False)
-    runner.run("backend", run_backend, store=False)
-    runner.run("variants", run_variants, store=False)
+    def run_gemv() -> None:
+        fn = profile_llm.decode_math(lm16, "fused", 1, CONTEXT, MAX_LEN, BUCKET)
+        try:
+            for rnd in range(3):
+                for name, change in GEMV_VARIANTS.items():
+                    qwen2_proj.TILES = dataclasses.replace(default, **change)
+                    results["gemv"].append({"variant": name, "pass": rnd, "rows": 1,
+                                            "graph_ms": round(profile_llm.graph_ms(fn, iters=200), 4)})
+                    print(results["gemv"][-1], flush=True)
+                    runner.save()
+        finally:
+            qwen2_proj.TILES = default
+
+    for name, fn in (("correctness", run_correctness), ("graph", run_graph), ("backend", run_backend),
+                     ("variants", run_variants), ("gemv", run_gemv)):
+        if name in steps:
+            runner.run(name, fn, store=False)
+            torch.cuda.empty_cache()
     return 0
 
 

@@ -5,9 +5,14 @@ kernels.philox`): are the recomputed variates ``exponential_``'s bits, and what 
 
 1. ``bits``: the kernel against ``exponential_`` of real CUDA generators (256 seeds and offsets, 25 and 6564
    elements): how many variates differ; where any do, how many equal ``-log(u)`` computed in torch instead;
-2. ``backend``: the ``fused`` LLM at CosyVoice2-0.5B shapes (seeded random weights, bf16), built three ways:
-   the RAS rule in the graph with each call's next step launched ahead (``ahead``, the default), the rule in
-   the graph without it (``graph``), the rule on the host (``host``): wall ms per decode round at each row
+2. ``profile``: the default stage's GPU kernels per decode round at each row count (``torch.profiler`` over
+   30 rounds of graph replays): launches and µs per round by kernel name, so the decoder's share and the
+   sampling tail's (LM head, softmax, nucleus draw, rule) can be read apart.  CUPTI's per-kernel times run
+   higher than the rounds' wall time: compare shares, not sums;
+3. ``backend``: the ``fused`` LLM at CosyVoice2-0.5B shapes (seeded random weights, bf16), built four ways:
+   the RAS rule in the graph with each call's next step launched ahead (``ahead``, the default), the same with
+   the sort-based torch nucleus draw instead of the one-launch kernel (``ahead_sort``), the rule in the graph
+   without the step ahead (``graph``), the rule on the host (``host``): wall ms per decode round at each row
    count (150 forced tokens, sampling and the per-step sync included) and RAS fallbacks per token.
 
 Results: ``OUT/device_ras_check.json``.
@@ -54,21 +59,34 @@ def bits() -> dict:
     return out
 
 
-def backend(rows_list: list[int], results: dict, save) -> None:  # noqa: ANN001
-    from cosyvoice_fast.backends.fused_llm import FusedLLM
-    from cosyvoice_fast.config import full_config
+def _lm_and_request() -> tuple:
+    """The full-size LM (seeded random weights, bf16) and one request's inputs: a 75-token prompt, 30 text ids."""
     from cosyvoice_fast.request import ModelInputs
     from cosyvoice_fast.synthetic import random_full_size_lm
 
-    lm = random_full_size_lm(torch.bfloat16)
     text = torch.arange(100, 130, dtype=torch.int32)[None]
     inputs = ModelInputs(text_segments=[text], prompt_text=torch.arange(200, 220)[None],
                          llm_prompt_speech_token=torch.arange(75)[None] * 37 % 6561)
-    ways = {"ahead": {"device_ras": True, "decode_ahead": True}, "graph": {"device_ras": True, "decode_ahead": False},
+    return random_full_size_lm(torch.bfloat16), text, inputs
+
+
+def backend(rows_list: list[int], results: dict, save) -> None:  # noqa: ANN001
+    from cosyvoice_fast.backends import nucleus
+    from cosyvoice_fast.backends.fused_llm import FusedLLM
+    from cosyvoice_fast.config import full_config
+
+    lm, text, inputs = _lm_and_request()
+
+    ahead = {"device_ras": True, "decode_ahead": True}
+    ways = {"ahead": ahead, "ahead_sort": ahead, "graph": {"device_ras": True, "decode_ahead": False},
             "host": {"device_ras": False}}
     for way, kwargs in ways.items():
         t = time.perf_counter()
-        stage = FusedLLM(lm, full_config(), slots=max(rows_list), max_len=MAX_LEN, progress=False, **kwargs)
+        nucleus.USE_KERNEL = way != "ahead_sort"  # read while the graphs are captured
+        try:
+            stage = FusedLLM(lm, full_config(), slots=max(rows_list), max_len=MAX_LEN, progress=False, **kwargs)
+        finally:
+            nucleus.USE_KERNEL = True
         row: dict = {"way": way, "device_ras": stage.device_ras, "decode_ahead": stage.decode_ahead,
                      "build_s": round(time.perf_counter() - t, 1)}
         for rows in rows_list:
@@ -92,6 +110,45 @@ def backend(rows_list: list[int], results: dict, save) -> None:  # noqa: ANN001
         torch.cuda.empty_cache()
 
 
+def profile(rows_list: list[int]) -> dict:
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    from cosyvoice_fast.backends.fused_llm import FusedLLM
+    from cosyvoice_fast.config import full_config
+
+    lm, text, inputs = _lm_and_request()
+    stage = FusedLLM(lm, full_config(), slots=max(rows_list), max_len=MAX_LEN, progress=False)
+    out: dict = {}
+    rounds = 30
+    for rows in rows_list:
+        states = [stage.new_state(inputs, text, torch.Generator(device="cuda").manual_seed(i), TOKENS, True)
+                  for i in range(rows)]
+        stage.prefill(states)
+        for _ in range(10):
+            stage.decode(states)
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(rounds):
+                stage.decode(states)
+            torch.cuda.synchronize()
+        by: dict[str, list] = {}
+        for e in prof.events():
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            v = by.setdefault(e.name[:60], [0, 0.0])
+            v[0] += 1
+            v[1] += e.time_range.end - e.time_range.start
+        top = sorted(by.items(), key=lambda kv: -kv[1][1])
+        out[f"rows{rows}"] = {
+            "kernels_per_round": round(sum(v[0] for v in by.values()) / rounds, 1),
+            "kernel_us_per_round": round(sum(v[1] for v in by.values()) / rounds, 1),
+            "by_name_per_round": [[k, round(v[0] / rounds, 2), round(v[1] / rounds, 2)] for k, v in top[:40]]}
+        print(rows, out[f"rows{rows}"]["kernels_per_round"], out[f"rows{rows}"]["kernel_us_per_round"], flush=True)
+        for st in states:
+            stage.release(st)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="directory; results go to OUT/device_ras_check.json")
@@ -102,6 +159,7 @@ def main() -> int:
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "backend": []}
     runner = StepRunner(Path(a.out) / "device_ras_check.json", results, step_timeout=300, budget_s=a.budget)
     runner.run("bits", bits)
+    runner.run("profile", lambda: profile([int(r) for r in a.rows.split(",")]))
     runner.run("backend", lambda: backend([int(r) for r in a.rows.split(",")], results, runner.save),
                store=False)
     return 0

@@ -11,6 +11,8 @@ Full-size estimator (CosyVoice2 DecoderConfig) with seeded random weights (timin
    configuration (FFN in one or two kernels, out-projection inside the attention kernel or not) and tile variant.
 5. the launch settings (``estimator_common.LAUNCH``: programmatic dependent launch, early weight tiles) on and
    off for each kernel configuration, same replays.
+6. ``temb``: the time embedding's three GEMMs alone (a chain that does not depend on the frames), graph-replayed
+   at 2 and 32 rows under a few K-tile settings.
 Every step runs under a time limit; the JSON is rewritten after each step (:mod:`benchmarks.steps`), and a
 table is printed last.  ``--steps launch,kernels`` runs only the named steps.
 """
@@ -69,7 +71,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--steps", default="",
                     help="comma-separated step names to run (errors, padding, solve, kernels, timing, timeline, "
-                         "variants, launch); all when empty")
+                         "variants, launch, temb); all when empty")
     args = ap.parse_args()
     only = {x for x in args.steps.split(",") if x}
     require_cuda("fused_flow_check.py")
@@ -240,10 +242,42 @@ def main() -> int:
                 estimator_common.LAUNCH.update(saved)
         return r
 
+    def temb() -> dict:
+        """The time embedding's three GEMMs alone (sinusoid -> SiLU -> linear -> Mish -> every ResNet block's
+        projection), graph-replayed, under named small-row tile settings; three passes in turn."""
+        p = fused16.packed()
+        tm = est16.time_mlp
+        settings = {"default": {}, "bk256": {"bk": 256}, "bk64": {"bk": 64}}
+        saved = dict(estimator_linear.TUNING)
+        r: dict = {}
+
+        def chain(t: torch.Tensor) -> torch.Tensor:
+            e = estimator_linear.linear(t, tm.linear_1.weight, tm.linear_1.bias,
+                                        prologue=estimator_linear.PRO_SINUS, act=estimator_linear.ACT_SILU,
+                                        freqs=p["freqs"])
+            e = estimator_linear.linear(e, tm.linear_2.weight, tm.linear_2.bias)
+            return estimator_linear.linear(e, p["temb_w"], p["temb_b"], prologue=estimator_linear.PRO_MISH)
+
+        with torch.inference_mode():
+            try:
+                for rnd in range(3):
+                    for sname, change in settings.items():
+                        estimator_linear.TUNING.update(saved)
+                        estimator_linear.TUNING.update(change)
+                        for rows in (2, 32):
+                            t = torch.full((rows,), 0.3, device="cuda", dtype=torch.bfloat16)
+                            ms = graph_replay_ms(lambda: chain(t), iters=args.iters)  # noqa: B023
+                            r.setdefault(sname, {}).setdefault(f"rows{rows}", []).append(round(ms * 1e3, 2))
+            finally:
+                estimator_linear.TUNING.clear()
+                estimator_linear.TUNING.update(saved)
+        return r
+
     steps = (("errors", "estimator_errors", estimator_errors), ("padding", "padding", padding),
              ("solve", "solve_mel_errors", solve), ("kernels", "kernels", kernels),
              ("timing", "timing_ms_bf16", timing), ("timeline", "kernel_timeline_bf16", timeline),
-             ("variants", "variants_ms_bf16", variants), ("launch", "launch_ms_bf16", launch))
+             ("variants", "variants_ms_bf16", variants), ("launch", "launch_ms_bf16", launch),
+             ("temb", "temb_chain_us_bf16", temb))
     for short, name, fn in steps:
         if not only or short in only:
             runner.run(name, fn)
@@ -263,6 +297,8 @@ def main() -> int:
         if isinstance(by_shape, dict):
             for key, v in by_shape.items():
                 print(f"launch {lname} {key}: {v} ms")
+    for key, v in res.get("temb_chain_us_bf16", {}).items():
+        print(f"time-embedding chain {key}: {v} us")
     for key, v in res.get("kernel_timeline_bf16", {}).items():
         if "kernels" in v:
             print(f"timeline {key}: {v['kernels']} kernels, sum of kernel times {v['sum_kernel_us']} us")

@@ -186,9 +186,11 @@ def test_final_rmsnorm_matches_the_module():
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("gemv,early", [(False, False), (True, True)])  # one-row steps looped or GEMV
-def test_decode_steps_equal_the_decoder_per_row_and_shared_positions(gemv, early, monkeypatch):
-    monkeypatch.setattr(proj_k, "TILES", proj_k.Tiles(gemv=gemv, early_tile=early, down_split=2, down_chunk=64))
+# one-row steps looped or GEMV; the GEMV q/k/v and o-projection with one column per program too
+@pytest.mark.parametrize("gemv,early,small", [(False, False, 4), (True, True, 4), (True, True, 1)])
+def test_decode_steps_equal_the_decoder_per_row_and_shared_positions(gemv, early, small, monkeypatch):
+    monkeypatch.setattr(proj_k, "TILES", proj_k.Tiles(gemv=gemv, early_tile=early, down_split=2, down_chunk=64,
+                                                      gemv_small_cols=small))
     dec = _decoder(4)
     rows, max_len = 3, 24
     caches = [KVCache.for_config(CFG, max_len, rows, device=DEV) for _ in range(2)]
@@ -216,6 +218,8 @@ def test_tiles_are_validated_by_field():
         proj_k.Tiles(down_split=0)
     with pytest.raises(ValueError, match="Tiles.gemv_cols must be a power of two in 1..64, got 12"):
         proj_k.Tiles(gemv_cols=12)
+    with pytest.raises(ValueError, match="Tiles.gemv_small_cols must be a power of two in 1..64, got 0"):
+        proj_k.Tiles(gemv_small_cols=0)
     with pytest.raises(ValueError, match="Tiles.gemv must be True or False, got 1"):
         proj_k.Tiles(gemv=1)
     with pytest.raises(ValueError, match="Tiles.down_chunk must be a power of two >= 16, got 100"):

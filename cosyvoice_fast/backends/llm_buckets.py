@@ -59,8 +59,6 @@ def token_budget(n_prompt: int, max_len: int, capacity: int, ignore_eos: bool) -
     return room
 
 
-
-
 def prefill_row_counts(slots: int, length: int, max_tokens: int) -> tuple[int, ...]:
     """Row counts captured for batched prefill at one padded ``length``: 1, 2, 4, ... while ``rows x length``
     stays within ``max_tokens`` (the scratch activations of the largest replay) and rows within ``slots``; the

@@ -7,13 +7,36 @@ buffer, just before a replay) and masking those past the nucleus gives the same 
 in the same state.  The nucleus size uses sequential fp32 running sums like
 :func:`..models.sampling._nucleus_size`: a CUDA ``cumsum`` along a non-innermost dimension is one thread walking
 the column in order.  The GPU tests assert both claims (tokens equal eager's; cuts equal the host loop).
+
+After the softmax, the draw itself (stable sort, cut, division, argmax: ~17 small kernels) runs as one launch
+of :func:`..kernels.nucleus_topk.nucleus_draw_rows` wherever Triton runs the tensors (CUDA, or the interpreter
+on CPU): it selects the ``top_k`` head instead of sorting all V ids and computes the same tokens bit for bit
+(GPU tests compare both paths).  Elsewhere the torch ops below run.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 _NEG_INF = -float("inf")
+
+#: Draw through the one-launch kernel where it can run; benchmarks set this False to time the torch path.
+USE_KERNEL = True
+
+
+def _draw_kernel(probs: torch.Tensor, k: int) -> ModuleType | None:
+    """The kernel module when it can draw from ``probs`` (B, V) with ``k`` variates per row here, else None."""
+    if not USE_KERNEL:
+        return None
+    try:
+        from ..kernels import nucleus_topk
+    except ImportError:  # no triton: the torch path
+        return None
+    vocab = probs.shape[-1]
+    fits = vocab <= nucleus_topk.MAX_VOCAB and k <= min(vocab, nucleus_topk.MAX_TOP_K)
+    return nucleus_topk if fits and nucleus_topk.can_run_on(probs.device) else None
 
 
 def nucleus_keep(head_p: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
@@ -38,8 +61,12 @@ def nucleus_pick(logp: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, limit:
     -inf per id (eos / stop ids masked), which equals the eager in-place ``-inf`` assignment.
     """
     logp = logp + bias
-    sorted_p, sorted_i = logp.softmax(dim=0).sort(descending=True, stable=True)
+    probs = logp.softmax(dim=0)
     k = q.shape[0]
+    kernel = _draw_kernel(probs, k)
+    if kernel is not None:
+        return logp, kernel.nucleus_draw_rows(probs[None], q[None], limit)
+    sorted_p, sorted_i = probs.sort(descending=True, stable=True)
     head_p, head_i = sorted_p[:k], sorted_i[:k]
     score = torch.where(nucleus_keep(head_p, limit), head_p / q, _NEG_INF)
     return logp, head_i.gather(0, score.argmax(dim=0, keepdim=True))
@@ -65,8 +92,12 @@ def nucleus_pick_rows(logp: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, l
     log-probs, (B,) int64 tokens).  Row ``b``'s result is :func:`nucleus_pick` of row ``b``'s inputs: softmax,
     the stable sort, the cut and the argmax all work along the row."""
     logp = logp + bias
-    sorted_p, sorted_i = logp.softmax(dim=-1).sort(dim=-1, descending=True, stable=True)
+    probs = logp.softmax(dim=-1)
     k = q.shape[-1]
+    kernel = _draw_kernel(probs, k)
+    if kernel is not None:
+        return logp, kernel.nucleus_draw_rows(probs, q, limit)
+    sorted_p, sorted_i = probs.sort(dim=-1, descending=True, stable=True)
     head_p, head_i = sorted_p[:, :k], sorted_i[:, :k]
     score = torch.where(nucleus_keep_rows(head_p, limit), head_p / q, _NEG_INF)
     return logp, head_i.gather(1, score.argmax(dim=1, keepdim=True))[:, 0]

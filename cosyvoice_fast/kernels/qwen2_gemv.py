@@ -9,9 +9,10 @@ so every link of the chain pays a full memory latency plus its own stream, and `
 once, ``(cols, next_pow2(K))`` with the tail masked) at launch, then waits (``gdc_wait``), and only then reads
 the activations it needs: the weight stream of kernel *n + 1* overlaps kernel *n*.  The row is multiplied by a
 broadcast-and-sum in fp32.  Each program holds its slice in registers, so slices are narrow (``Tiles.gemv_cols``
-columns) and the down projection is split over K in ``Tiles.down_chunk`` pieces whose partial sums the last
-split adds (:func:`~.qwen2_proj.split_add`).  The same whole-K tiles through ``tl.dot`` for 2..16 rows spilled
-and ran three times slower than the looped kernels (BENCHMARKS.md), so those steps stay looped.
+columns; ``Tiles.gemv_small_cols`` for the ~2 MB q/k/v and o-projection matrices, which at 8 columns a program
+would leave SMs idle) and the down projection is split over K in ``Tiles.down_chunk`` pieces whose partial sums
+the last split adds (:func:`~.qwen2_proj.split_add`).  The same whole-K tiles through ``tl.dot`` for 2..16 rows
+spilled and ran three times slower than the looped kernels (BENCHMARKS.md), so those steps stay looped.
 
 Same numerics as the looped kernels: RMSNorm in fp32, rounded to the weight dtype before the product, fp32
 products and accumulation, fp32 residual stream.
@@ -114,8 +115,9 @@ def _check_one_row(rows: int) -> None:
                          "kernels of qwen2_proj")
 
 
-def _cols(cols: int) -> int:
-    return max(1, min(qwen2_proj.TILES.gemv_cols, cols))
+def _cols(cols: int, small: bool = False) -> int:
+    tiles = qwen2_proj.TILES
+    return max(1, min(tiles.gemv_small_cols if small else tiles.gemv_cols, cols))
 
 
 def qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, b: torch.Tensor, inv_freq: torch.Tensor,
@@ -127,7 +129,7 @@ def qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, b: torch.Te
     half = head_dim // 2
     if half < 1 or half & (half - 1):
         raise ValueError(f"head_dim {head_dim}: the fused kernels need a power-of-two head_dim >= 2")
-    bn = _cols(half)
+    bn = _cols(half, small=True)
     grid = ((n_heads + 2 * n_kv) * triton.cdiv(half, bn),)
     _qkv_gemv_kernel[grid](x, norm_w, w, b, inv_freq, pos, q_out, k_cache, v_cache, k_dim, eps,
                            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), HQ=n_heads, HKV=n_kv,
@@ -152,7 +154,7 @@ def proj_residual(a: torch.Tensor, w: torch.Tensor, resid: torch.Tensor, parts: 
     rows, k_dim = a.shape
     _check_one_row(rows)
     n = w.shape[0]
-    bn = _cols(n)
+    bn = _cols(n, small=parts is None)
     if parts is None:
         split, kp = 1, triton.next_power_of_2(k_dim)
     else:

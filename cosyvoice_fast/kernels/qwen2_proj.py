@@ -57,7 +57,8 @@ class Tiles:
     k_bytes: int = 256  # bytes of one weight row per K tile (128 bf16 elements: ~54 KB of smem per gate/up program)
     early_tile: bool = True  # the looped projections load their first weight tile before the PDL wait
     gemv: bool = True  # one-row steps take the weight-prefetch GEMV kernels of .qwen2_gemv
-    gemv_cols: int = 8  # output columns per program of those kernels (per half-head for q/k/v)
+    gemv_cols: int = 8  # output columns per program of those kernels (gate/up, down)
+    gemv_small_cols: int = 4  # the same for q/k/v (per half-head) and the o-projection: ~2 MB matrices
     down_chunk: int = 512  # K elements per split of their down projection
 
     def __post_init__(self) -> None:
@@ -65,8 +66,10 @@ class Tiles:
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"Tiles.{name} must be a power of two >= 16, got {v}")
-        if not 1 <= self.gemv_cols <= 64 or self.gemv_cols & (self.gemv_cols - 1):
-            raise ValueError(f"Tiles.gemv_cols must be a power of two in 1..64, got {self.gemv_cols}")
+        for name in ("gemv_cols", "gemv_small_cols"):
+            v = getattr(self, name)
+            if not 1 <= v <= 64 or v & (v - 1):
+                raise ValueError(f"Tiles.{name} must be a power of two in 1..64, got {v}")
         if not 1 <= self.down_split <= 16:
             raise ValueError(f"Tiles.down_split must be 1..16, got {self.down_split}")
         for name in ("pdl", "early_tile", "gemv"):
