@@ -15,7 +15,9 @@ kernels (weights loaded before the PDL wait, :mod:`cosyvoice_fast.kernels.qwen2_
 4. ``variants``: a handful of named settings of the decode attention (programs to aim for, keys per tile);
 5. ``gemv``: the one-row step under named GEMV settings (columns per program of the ~2 MB q/k/v and
    o-projection matrices apart from the big ones, K pieces of the down projection), three passes in turn
-   so that drift between passes shows.
+   so that drift between passes shows;
+6. ``gemv_rows``: steps of 1..16 rows on the looped kernels and on the GEMV kernels (``Tiles.gemv_rows``),
+   and the GEMV step's error at 4 and 16 rows.
 
 ``--steps gemv,graph`` runs only the named steps (default: all).
 
@@ -81,7 +83,7 @@ def correctness(lm32: torch.nn.Module, lm16: torch.nn.Module, rows: int) -> dict
     f32_h, f32_kv = _step(lm32, True, x.float(), kv.float(), pos)
     f16_h, f16_kv = _step(lm16, True, x, kv, pos)
     e16_h, _ = _step(lm16, False, x, kv, pos)
-    out = {"rows": rows, "gemv": rows == 1 and qwen2_proj.TILES.gemv,
+    out = {"rows": rows, "gemv": rows <= qwen2_proj.TILES.gemv_rows and qwen2_proj.TILES.gemv,
            "fp32_hidden_max": (f32_h - ref_h).abs().max().item(), "fp32_kv_max": (f32_kv - ref_kv).abs().max().item(),
            "bf16_fused": _stats(f16_h, ref_h), "bf16_eager": _stats(e16_h, ref_h),
            "bf16_fused_kv_max": (f16_kv - ref_kv).abs().max().item()}
@@ -119,7 +121,7 @@ def main() -> int:
     out = Path(a.out) / ("decode_step_check.json" if not a.graph_only else f"decode_step_graph_{a.label}.json")
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                      "context": CONTEXT, "bucket": BUCKET, "correctness": [], "graph": [], "variants": [],
-                     "backend": [], "gemv": []}
+                     "backend": [], "gemv": [], "gemv_rows": []}
     runner = StepRunner(out, results, step_timeout=240, budget_s=a.budget)
     lm16 = _lm(torch.bfloat16)
     default = qwen2_proj.TILES
@@ -202,8 +204,30 @@ def main() -> int:
         finally:
             qwen2_proj.TILES = default
 
+    def run_gemv_rows() -> None:
+        """Steps of 1..16 rows on the looped kernels against the GEMV kernels (``Tiles.gemv_rows``), two passes
+        in turn, and the GEMV step's fp32 error against eager at 4 and 16 rows."""
+        lm32 = _lm(torch.float32)
+        lm16_same = copy.deepcopy(lm32).to(torch.bfloat16)
+        try:
+            for rnd in range(2):
+                for rows in (1, 2, 4, 8, 16):
+                    fn = profile_llm.decode_math(lm16, "fused", rows, CONTEXT, MAX_LEN, BUCKET)
+                    for name, most in (("looped", 1), ("gemv", 16)):
+                        qwen2_proj.TILES = dataclasses.replace(default, gemv_rows=most)
+                        results["gemv_rows"].append({"kernels": name, "pass": rnd, "rows": rows,
+                                                     "graph_ms": round(profile_llm.graph_ms(fn, iters=200), 4)})
+                        print(results["gemv_rows"][-1], flush=True)
+                        runner.save()
+            qwen2_proj.TILES = dataclasses.replace(default, gemv_rows=16)
+            for rows in (4, 16):
+                results["gemv_rows"].append({"correctness": correctness(lm32, lm16_same, rows)})
+                print(results["gemv_rows"][-1], flush=True)
+        finally:
+            qwen2_proj.TILES = default
+
     for name, fn in (("correctness", run_correctness), ("graph", run_graph), ("backend", run_backend),
-                     ("variants", run_variants), ("gemv", run_gemv)):
+                     ("variants", run_variants), ("gemv", run_gemv), ("gemv_rows", run_gemv_rows)):
         if name in steps:
             runner.run(name, fn, store=False)
             torch.cuda.empty_cache()

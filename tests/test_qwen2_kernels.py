@@ -153,21 +153,23 @@ def _mlp_through(kernels, layer, rows: int) -> tuple[torch.Tensor, ...]:
 
 
 @torch.inference_mode()
-def test_one_row_gemv_projections_equal_the_math_with_and_without_k_pieces(monkeypatch):
-    rows = 1
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gemv_projections_equal_the_math_with_and_without_k_pieces(rows, monkeypatch):
+    monkeypatch.setattr(proj_k, "TILES", proj_k.Tiles(gemv_rows=4))
     dec = _decoder(6).fuse_projections()
     layer = dec.layers[0]
     h, h_ref, resid, ref = _mlp_through(gemv_k, layer, rows)
-    monkeypatch.setattr(proj_k, "TILES", proj_k.Tiles(down_chunk=32))
+    monkeypatch.setattr(proj_k, "TILES", proj_k.Tiles(down_chunk=32, gemv_rows=4))
     split = gemv_k.split_count(CFG.intermediate_size)
     assert split == 3  # 96 = 3 pieces of 32
     parts, counters = _nan(split, rows, CFG.hidden_size), torch.zeros(CFG.hidden_size, dtype=torch.int32, device=DEV)
     gemv_k.proj_residual(h, layer.mlp.down_proj.weight, resid, parts, counters)
     assert _err(resid, ref + layer.mlp.down_proj(h_ref)) <= TOL
     assert counters.eq(0).all()
-    with pytest.raises(ValueError, match="the GEMV decode kernels take one row, got 2; steps of more rows use"):
-        gemv_k.gate_up(torch.randn(2, CFG.hidden_size, device=DEV), layer.post_attention_layernorm.weight,
-                       layer.mlp.gate_up_weight, _nan(2, CFG.intermediate_size), 1e-6)
+    with pytest.raises(ValueError, match=r"the GEMV decode kernels take 1 to 4 rows \(Tiles.gemv_rows\), got 5; "
+                                         "steps of more rows use"):
+        gemv_k.gate_up(torch.randn(5, CFG.hidden_size, device=DEV), layer.post_attention_layernorm.weight,
+                       layer.mlp.gate_up_weight, _nan(5, CFG.intermediate_size), 1e-6)
 
 
 @torch.inference_mode()
@@ -186,11 +188,13 @@ def test_final_rmsnorm_matches_the_module():
 
 
 @torch.inference_mode()
-# one-row steps looped or GEMV; the GEMV q/k/v and o-projection with one column per program too
-@pytest.mark.parametrize("gemv,early,small", [(False, False, 4), (True, True, 4), (True, True, 1)])
-def test_decode_steps_equal_the_decoder_per_row_and_shared_positions(gemv, early, small, monkeypatch):
+# steps looped, or GEMV for one row (the 3-row step looped) or for all three rows (a 4-row block with one
+# padding row); the GEMV q/k/v and o-projection with one column per program too
+@pytest.mark.parametrize("gemv,early,small,gemv_rows", [(False, False, 4, 1), (True, True, 4, 1),
+                                                         (True, True, 1, 4)])
+def test_decode_steps_equal_the_decoder_per_row_and_shared_positions(gemv, early, small, gemv_rows, monkeypatch):
     monkeypatch.setattr(proj_k, "TILES", proj_k.Tiles(gemv=gemv, early_tile=early, down_split=2, down_chunk=64,
-                                                      gemv_small_cols=small))
+                                                      gemv_small_cols=small, gemv_rows=gemv_rows))
     dec = _decoder(4)
     rows, max_len = 3, 24
     caches = [KVCache.for_config(CFG, max_len, rows, device=DEV) for _ in range(2)]
@@ -220,6 +224,8 @@ def test_tiles_are_validated_by_field():
         proj_k.Tiles(gemv_cols=12)
     with pytest.raises(ValueError, match="Tiles.gemv_small_cols must be a power of two in 1..64, got 0"):
         proj_k.Tiles(gemv_small_cols=0)
+    with pytest.raises(ValueError, match="Tiles.gemv_rows must be 1..16, got 17"):
+        proj_k.Tiles(gemv_rows=17)
     with pytest.raises(ValueError, match="Tiles.gemv must be True or False, got 1"):
         proj_k.Tiles(gemv=1)
     with pytest.raises(ValueError, match="Tiles.down_chunk must be a power of two >= 16, got 100"):

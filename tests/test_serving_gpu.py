@@ -78,7 +78,9 @@ def test_gpu_more_requests_than_slots_wait_and_nothing_is_captured_while_serving
         for i, r in enumerate(reqs):
             assert first[i] == r.max_tokens * 960, f"request {i}: {first[i]!r}"
         assert est.captures == fixed  # LLM, estimator and encoder graphs were all captured at start-up
-        assert enc.captures == enc_fixed and enc.eager_calls == 0 and enc.batched_calls > 0
+        # whether two requests' encoder calls meet in one replay depends on timing (a cold first run had none),
+        # so batched encoder replays are asserted where they are deterministic: tests/test_graph_encoder.py
+        assert enc.captures == enc_fixed and enc.eager_calls == 0
         warm = graphs.captures()  # + the exact-shape HiFT graphs of final-chunk lengths served once
         again = _serve(eng, list(reversed([_request(case, i) for i in range(12)])))
         assert all(again[i] == first[11 - i] for i in range(12)), again

@@ -4,8 +4,9 @@ Per layer: (1) RMSNorm + q/k/v + bias + RoPE + KV-cache write, (2) decode attent
 split merge in the same kernel, (3) o-projection + residual, (4) RMSNorm + gate/up + SiLU*mul, (5) the
 down projection split over K, whose last split adds the partial sums to the residual.  Per step: the copy of
 the input embeddings into the fp32 residual stream, the zeroing of the merge counters, and the final RMSNorm.
-One-row steps take the projections of :mod:`.qwen2_gemv` (weights loaded before each kernel waits for the
-previous one, no tensor cores; ``Tiles.gemv``), larger steps the looped ones of :mod:`.qwen2_proj`.
+Steps of one or two rows (``Tiles.gemv_rows``) take the projections of :mod:`.qwen2_gemv` (weights loaded
+before each kernel waits for the previous one, no tensor cores; ``Tiles.gemv``), larger steps the looped ones
+of :mod:`.qwen2_proj`.
 
 :class:`FusedDecoder` is a drop-in for :class:`~cosyvoice_fast.models.qwen2.Qwen2Decoder` *as a CUDA-graph
 runner calls it*: ``decoder(inputs_embeds, pos, cache, kv_len=...)``.  One-token calls with a cache take the
@@ -89,7 +90,7 @@ def decode_step(decoder: Qwen2Decoder, inputs_embeds: torch.Tensor, pos: torch.T
     m_part = torch.empty(rows, n_heads, splits, dtype=torch.float32, device=dev)
     l_part = torch.empty(rows, n_heads, splits, dtype=torch.float32, device=dev)
     h = torch.empty(rows, cfg.intermediate_size, dtype=dtype, device=dev)
-    gemv = rows == 1 and proj_k.TILES.gemv
+    gemv = rows <= proj_k.TILES.gemv_rows and proj_k.TILES.gemv
     if gemv:  # weights loaded before each kernel's wait (.qwen2_gemv); the down projection in K pieces
         proj = gemv_k
         split = gemv_k.split_count(cfg.intermediate_size)

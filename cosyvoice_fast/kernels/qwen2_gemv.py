@@ -1,5 +1,5 @@
-"""Decode projections for one-row steps (one stream decoding alone): each program loads its whole weight slice
-*before* it waits for the previous kernel, and multiplies without tensor cores.
+"""Decode projections for steps of one or two rows (one or two streams decoding): each program loads its whole
+weight slice *before* it waits for the previous kernel, and multiplies without tensor cores.
 
 Why: at one row a decode step is a chain of ~120 kernels that each read a few MB of weights and do almost no
 arithmetic.  The looped kernels of :mod:`.qwen2_proj` start streaming weights only once the kernel before them
@@ -12,7 +12,12 @@ broadcast-and-sum in fp32.  Each program holds its slice in registers, so slices
 columns; ``Tiles.gemv_small_cols`` for the ~2 MB q/k/v and o-projection matrices, which at 8 columns a program
 would leave SMs idle) and the down projection is split over K in ``Tiles.down_chunk`` pieces whose partial sums
 the last split adds (:func:`~.qwen2_proj.split_add`).  The same whole-K tiles through ``tl.dot`` for 2..16 rows
-spilled and ran three times slower than the looped kernels (BENCHMARKS.md), so those steps stay looped.
+spilled and ran three times slower than the looped kernels (BENCHMARKS.md).
+
+A program multiplies its weight slice by each row of the step in turn (broadcast-and-sum per row), so a row's
+result does not depend on how many rows share the step.  That per-row work grows with the rows while the
+weight stream does not: on an H100 two rows still beat the looped kernels and four no longer do, hence
+``Tiles.gemv_rows`` = 2 (BENCHMARKS.md has the sweep).
 
 Same numerics as the looped kernels: RMSNorm in fp32, rounded to the weight dtype before the product, fp32
 products and accumulation, fp32 residual stream.
@@ -37,14 +42,22 @@ def _w_slice(w_ptr, cols, cmask, k0, K, KP: tl.constexpr):
 
 
 @triton.jit
-def _normed_row(x_ptr, nw_ptr, K, eps, KP: tl.constexpr):
-    """``RMSNorm(x)`` of the fp32 residual row as (1, KP), rounded to the norm weight's dtype then scaled."""
+def _normed_row(x_ptr, nw_ptr, K, eps, valid, KP: tl.constexpr):
+    """``RMSNorm(x)`` of the fp32 residual row as (1, KP), rounded to the norm weight's dtype then scaled
+    (zeros where ``valid``, (1,) bool, is false: a padding row of the program's row block)."""
     k = tl.arange(0, KP)
-    kmask = k < K
+    kmask = (k < K) & valid
     x = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
     nw = tl.load(nw_ptr + k, mask=kmask, other=0.0)
     return ((x * rstd).to(nw.dtype) * nw)[None, :]
+
+
+@triton.jit
+def _live(r, B):
+    """(1,) bool: whether row ``r`` of the program's row block is one of the step's ``B`` rows (a tensor, not a
+    scalar, so that it combines with load and store masks under the interpreter too)."""
+    return (tl.arange(0, 1) + r) < B
 
 
 @triton.jit
@@ -54,10 +67,10 @@ def _times_wt(a, w):
 
 
 @triton.jit
-def _qkv_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, K, eps,
+def _qkv_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, B, K, eps,
                      stride_cb, stride_ch, stride_cp, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                     BLOCK_N: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr):
-    """Program: columns ``d`` and ``d + D/2`` of one q, k or v head."""
+                     BLOCK_N: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
+    """Program: columns ``d`` and ``d + D/2`` of one q, k or v head, for each of the ``B`` rows in turn."""
     HALF: tl.constexpr = D // 2
     NB: tl.constexpr = (HALF + BLOCK_N - 1) // BLOCK_N
     pid = tl.program_id(0)
@@ -68,51 +81,63 @@ def _qkv_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_p
     w1 = _w_slice(w_ptr, col1, dmask, 0, K, KP)
     w2 = _w_slice(w_ptr, col1 + HALF, dmask, 0, K, KP)
     pdl_start(PDL)
-    row = tl.arange(0, 1)
-    xn = _normed_row(x_ptr, nw_ptr, K, eps, KP)
-    rope_store(_times_wt(xn, w1), _times_wt(xn, w2), head, d, dmask, row, row < 1, b_ptr, freq_ptr, pos_ptr, q_ptr,
-               kc_ptr, vc_ptr, stride_cb, stride_ch, stride_cp, HQ, HKV, D)
+    rows = tl.arange(0, ROWS)
+    acc1 = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    for r in tl.static_range(ROWS):
+        xn = _normed_row(x_ptr + r * K, nw_ptr, K, eps, _live(r, B), KP)
+        acc1 = tl.where(rows[:, None] == r, _times_wt(xn, w1), acc1)
+        acc2 = tl.where(rows[:, None] == r, _times_wt(xn, w2), acc2)
+    rope_store(acc1, acc2, head, d, dmask, rows, rows < B, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
+               stride_cb, stride_ch, stride_cp, HQ, HKV, D)
 
 
 @triton.jit
-def _gate_up_gemv_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, K, N, eps, BLOCK_N: tl.constexpr, KP: tl.constexpr,
-                         PDL: tl.constexpr):
-    """``h = silu(gate(norm(x))) * up(norm(x))`` for columns ``n`` (gate rows n, up rows N + n)."""
+def _gate_up_gemv_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, B, K, N, eps, BLOCK_N: tl.constexpr, KP: tl.constexpr,
+                         ROWS: tl.constexpr, PDL: tl.constexpr):
+    """``h = silu(gate(norm(x))) * up(norm(x))`` for columns ``n`` (gate rows n, up rows N + n) of each row."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     wg = _w_slice(w_ptr, cols, cmask, 0, K, KP)
     wu = _w_slice(w_ptr, cols + N, cmask, 0, K, KP)
     pdl_start(PDL)
-    xn = _normed_row(x_ptr, nw_ptr, K, eps, KP)
-    g = _times_wt(xn, wg)
-    h = g * tl.sigmoid(g) * _times_wt(xn, wu)
-    tl.store(h_ptr + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=cmask[None, :])
+    for r in tl.static_range(ROWS):
+        live = _live(r, B)
+        xn = _normed_row(x_ptr + r * K, nw_ptr, K, eps, live, KP)
+        g = _times_wt(xn, wg)
+        h = g * tl.sigmoid(g) * _times_wt(xn, wu)
+        tl.store(h_ptr + r * N + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=cmask[None, :] & live[:, None])
 
 
 @triton.jit
-def _proj_gemv_kernel(a_ptr, w_ptr, r_ptr, part_ptr, cnt_ptr, K, N, SPLIT_K: tl.constexpr,
-                      BLOCK_N: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr):
-    """``r[0, n] += a @ W[n, :]^T`` for columns ``n``; program ``(i, 0, s)`` takes K elements
-    ``s·KP .. (s+1)·KP`` (all of K when ``SPLIT_K`` is 1)."""
+def _proj_gemv_kernel(a_ptr, w_ptr, r_ptr, part_ptr, cnt_ptr, B, K, N, SPLIT_K: tl.constexpr,
+                      BLOCK_N: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
+    """``r[b, n] += a[b] @ W[n, :]^T`` for columns ``n`` of each row ``b``; program ``(i, 0, s)`` takes K
+    elements ``s·KP .. (s+1)·KP`` (all of K when ``SPLIT_K`` is 1)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     k0 = tl.program_id(2) * KP
     w = _w_slice(w_ptr, cols, cmask, k0, K, KP)
     pdl_start(PDL)
     k = k0 + tl.arange(0, KP)
-    a = tl.load(a_ptr + k, mask=k < K, other=0.0)[None, :]
-    row = tl.arange(0, 1)
-    split_add(_times_wt(a, w), r_ptr, part_ptr, cnt_ptr, tl.program_id(0), row, row < 1, cols, cmask, 1, N,
-              SPLIT_K)
+    rows = tl.arange(0, ROWS)
+    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    for r in tl.static_range(ROWS):
+        a = tl.load(a_ptr + r * K + k, mask=(k < K) & _live(r, B), other=0.0)[None, :]
+        acc = tl.where(rows[:, None] == r, _times_wt(a, w), acc)
+    split_add(acc, r_ptr, part_ptr, cnt_ptr, tl.program_id(0), rows, rows < B, cols, cmask, B, N, SPLIT_K)
 
 
 # ------------------------------------------------------------------------------------------ launchers
 
 
-def _check_one_row(rows: int) -> None:
-    if rows != 1:
-        raise ValueError(f"the GEMV decode kernels take one row, got {rows}; steps of more rows use the looped "
-                         "kernels of qwen2_proj")
+def _check_rows(rows: int) -> int:
+    """The program's row block (a power of two) for a step of ``rows`` rows, which must be 1..``Tiles.gemv_rows``."""
+    most = qwen2_proj.TILES.gemv_rows
+    if not 1 <= rows <= most:
+        raise ValueError(f"the GEMV decode kernels take 1 to {most} rows (Tiles.gemv_rows), got {rows}; steps of "
+                         "more rows use the looped kernels of qwen2_proj")
+    return triton.next_power_of_2(rows)
 
 
 def _cols(cols: int, small: bool = False) -> int:
@@ -123,36 +148,38 @@ def _cols(cols: int, small: bool = False) -> int:
 def qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, b: torch.Tensor, inv_freq: torch.Tensor,
              pos: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, eps: float,
              n_heads: int, n_kv: int, head_dim: int) -> None:
-    """:func:`.qwen2_proj.qkv_rope` for one row (same arguments, same results)."""
+    """:func:`.qwen2_proj.qkv_rope` for up to ``Tiles.gemv_rows`` rows (same arguments, same results)."""
     rows, k_dim = x.shape
-    _check_one_row(rows)
+    block = _check_rows(rows)
     half = head_dim // 2
     if half < 1 or half & (half - 1):
         raise ValueError(f"head_dim {head_dim}: the fused kernels need a power-of-two head_dim >= 2")
     bn = _cols(half, small=True)
     grid = ((n_heads + 2 * n_kv) * triton.cdiv(half, bn),)
-    _qkv_gemv_kernel[grid](x, norm_w, w, b, inv_freq, pos, q_out, k_cache, v_cache, k_dim, eps,
+    _qkv_gemv_kernel[grid](x, norm_w, w, b, inv_freq, pos, q_out, k_cache, v_cache, rows, k_dim, eps,
                            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), HQ=n_heads, HKV=n_kv,
-                           D=head_dim, BLOCK_N=bn, KP=triton.next_power_of_2(k_dim), **launch_options(x, 1))
+                           D=head_dim, BLOCK_N=bn, KP=triton.next_power_of_2(k_dim), ROWS=block,
+                           **launch_options(x, 1))
 
 
 def gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, h_out: torch.Tensor, eps: float) -> None:
-    """:func:`.qwen2_proj.gate_up` for one row."""
+    """:func:`.qwen2_proj.gate_up` for up to ``Tiles.gemv_rows`` rows."""
     rows, k_dim = x.shape
-    _check_one_row(rows)
+    block = _check_rows(rows)
     n = w.shape[0] // 2
     bn = _cols(n)
-    _gate_up_gemv_kernel[(triton.cdiv(n, bn),)](x, norm_w, w, h_out, k_dim, n, eps, BLOCK_N=bn,
-                                                KP=triton.next_power_of_2(k_dim), **launch_options(x, 1))
+    _gate_up_gemv_kernel[(triton.cdiv(n, bn),)](x, norm_w, w, h_out, rows, k_dim, n, eps, BLOCK_N=bn,
+                                                KP=triton.next_power_of_2(k_dim), ROWS=block,
+                                                **launch_options(x, 1))
 
 
 def proj_residual(a: torch.Tensor, w: torch.Tensor, resid: torch.Tensor, parts: torch.Tensor | None = None,
                   counters: torch.Tensor | None = None) -> None:
-    """resid (1, N) fp32 += a (1, K) @ w (N, K)^T.  With ``parts`` (S, 1, N) fp32 scratch and ``counters``
-    (>= column blocks) int32 zeros, K is split into S = ``split_count(K)`` pieces of ``Tiles.down_chunk``;
-    without, one piece of all of K."""
+    """resid (B, N) fp32 += a (B, K) @ w (N, K)^T for up to ``Tiles.gemv_rows`` rows.  With ``parts`` (S, B, N)
+    fp32 scratch and ``counters`` (>= column blocks) int32 zeros, K is split into S = ``split_count(K)`` pieces
+    of ``Tiles.down_chunk``; without, one piece of all of K."""
     rows, k_dim = a.shape
-    _check_one_row(rows)
+    block = _check_rows(rows)
     n = w.shape[0]
     bn = _cols(n, small=parts is None)
     if parts is None:
@@ -165,10 +192,10 @@ def proj_residual(a: torch.Tensor, w: torch.Tensor, resid: torch.Tensor, parts: 
                              f"{None if counters is None else counters.numel()}")
     grid = (triton.cdiv(n, bn), 1, split)
     _proj_gemv_kernel[grid](a, w, resid, resid if parts is None else parts,
-                            resid if counters is None else counters, k_dim, n, SPLIT_K=split, BLOCK_N=bn, KP=kp,
-                            **launch_options(a, 1))
+                            resid if counters is None else counters, rows, k_dim, n, SPLIT_K=split, BLOCK_N=bn,
+                            KP=kp, ROWS=block, **launch_options(a, 1))
 
 
 def split_count(k_dim: int) -> int:
-    """K pieces of the one-row down projection: ``Tiles.down_chunk`` elements each (the last one partial)."""
+    """K pieces of the GEMV down projection: ``Tiles.down_chunk`` elements each (the last one partial)."""
     return triton.cdiv(k_dim, qwen2_proj.TILES.down_chunk)

@@ -56,7 +56,8 @@ class Tiles:
     pdl: bool = True  # programmatic dependent launch: a kernel launches while the previous one drains (CUDA only)
     k_bytes: int = 256  # bytes of one weight row per K tile (128 bf16 elements: ~54 KB of smem per gate/up program)
     early_tile: bool = True  # the looped projections load their first weight tile before the PDL wait
-    gemv: bool = True  # one-row steps take the weight-prefetch GEMV kernels of .qwen2_gemv
+    gemv: bool = True  # steps of up to gemv_rows rows take the weight-prefetch GEMV kernels of .qwen2_gemv
+    gemv_rows: int = 2  # the most rows a GEMV step takes (each program multiplies its weights by each row in turn)
     gemv_cols: int = 8  # output columns per program of those kernels (gate/up, down)
     gemv_small_cols: int = 4  # the same for q/k/v (per half-head) and the o-projection: ~2 MB matrices
     down_chunk: int = 512  # K elements per split of their down projection
@@ -70,6 +71,8 @@ class Tiles:
             v = getattr(self, name)
             if not 1 <= v <= 64 or v & (v - 1):
                 raise ValueError(f"Tiles.{name} must be a power of two in 1..64, got {v}")
+        if not 1 <= self.gemv_rows <= 16:
+            raise ValueError(f"Tiles.gemv_rows must be 1..16, got {self.gemv_rows}")
         if not 1 <= self.down_split <= 16:
             raise ValueError(f"Tiles.down_split must be 1..16, got {self.down_split}")
         for name in ("pdl", "early_tile", "gemv"):
