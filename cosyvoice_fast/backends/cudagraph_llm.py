@@ -7,9 +7,10 @@ CPU time to launch than GPU time to run.  Here every request borrows a *slot* (a
 Decode graphs are captured for each *KV bucket* (e.g. 256, 512, 1024, 2048 positions; batched over the
 slots, see below): a step attends over the first ``bucket`` cache positions, masked by position, so early
 tokens do not pay for a 2048-long attention.  A decode graph computes:
-token embedding -> decoder -> fp32 log-probs (+ the step's eos mask) -> softmax -> stable sort -> nucleus cut
--> the draw.  New requests are prefilled together, a few graph replays per burst (:mod:`.llm_prefill`).  The
-model is called through its public methods and does not know it is being captured.
+token embedding -> decoder -> fp32 log-probs (+ the step's eos mask) -> softmax -> the nucleus draw (the
+stable top-k head, its cut and the draw: one Triton launch where Triton runs, sort-based torch ops elsewhere).
+New requests are prefilled together, a few graph replays per burst (:mod:`.llm_prefill`).  The model is called
+through its public methods and does not know it is being captured.
 
 Sampling is the eager RAS sampler's, draw for draw (same seed -> same tokens in fp32): the nucleus draw is
 graph-side tensor math (:mod:`.nucleus`).  In batched decode steps with CUDA generators (``device_ras``, on
@@ -40,7 +41,7 @@ generator, an input copy), one replay, one ``.tolist()`` of the (S,) tokens.
   ``max_len - 1`` keeps the whole bucket visible so the garbage stays finite (no fully masked softmax).
   Their outputs land in rows nobody reads until that row's next own step rewrites them.
 - Determinism: a row's token depends only on its own request.  Each graph has fixed shapes (so fixed
-  kernels), matmuls and attention never mix rows, softmax/sort/nucleus are per row, and the
+  kernels), matmuls and attention never mix rows, softmax and the nucleus draw are per row, and the
   exponential draw of row i comes from request i's generator, drawn in the same order as unbatched (the RAS
   fallback draw of a step happens right after that step, before the row's next q).  Caveats: (1) the step's
   KV bucket is the one for the largest position among the stepped rows, so a neighbour can lengthen a row's
