@@ -8,6 +8,7 @@ GPU tests are marked ``gpu`` and skip without CUDA; run them with ``python -m py
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import numpy as np
 import pytest
@@ -178,6 +179,15 @@ def _gen(seed: int, device: str = "cpu") -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
+def _take(out: list[list[int]], idx: list[int], results: list) -> None:
+    """Append each request's token of a prefill or decode call (``results[j]`` belongs to request ``idx[j]``; None:
+    the request ended without one); no result may be an error."""
+    for i, r in zip(idx, results):
+        assert not isinstance(r, BaseException), r
+        if r is not None:
+            out[i].append(r)
+
+
 def _drive(stage, jobs: list[tuple], starts: list[int] | None = None) -> list[list[int]]:
     """Drive requests like the engine: each turn, one ``prefill`` over the requests starting this turn, then one
     ``decode`` over every running one.  ``jobs``: ``(inputs, text, generator, max_tokens, ignore_eos)``; request
@@ -185,12 +195,7 @@ def _drive(stage, jobs: list[tuple], starts: list[int] | None = None) -> list[li
     starts = starts or [0] * len(jobs)
     states = [stage.new_state(*job) for job in jobs]
     out: list[list[int]] = [[] for _ in jobs]
-
-    def take(idx: list[int], results: list) -> None:
-        for i, r in zip(idx, results):
-            assert not isinstance(r, BaseException), r
-            if r is not None:
-                out[i].append(r)
+    take = partial(_take, out)
 
     turn = 0
     while turn <= max(starts) or not all(st.done for st in states):

@@ -11,6 +11,7 @@ offsets equal the eager sampler's with real generators.
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ from cosyvoice_fast.backends.decode_feed import int64  # noqa: E402
 from cosyvoice_fast.backends.nucleus import nucleus_pick_rows, ras_pick_rows  # noqa: E402
 from cosyvoice_fast.kernels.philox import DRAW_OFFSET, MAX_ELEMENTS, exponential_rows  # noqa: E402
 from cosyvoice_fast.models.sampling import _nucleus_size  # noqa: E402
-from test_batched_decode import _CpuGraphLLM, _drive, _inputs, case  # noqa: E402,F401 (case: a fixture)
+from test_batched_decode import _CpuGraphLLM, _drive, _inputs, _take, case  # noqa: E402,F401 (case: a fixture)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 _M0, _M1, _W0, _W1 = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85
@@ -243,12 +244,7 @@ def _drive_sitting_out(stage, states, monkeypatch) -> tuple[list[list[int]], int
         launches.append((ahead, [st.slot for st in rows])), launch(rows, ahead))[1])
     got: list[list[int]] = [[] for _ in jobs]
     returning = 0
-
-    def take(idx: list[int], results: list) -> None:
-        for i, r in zip(idx, results):
-            assert not isinstance(r, BaseException), r
-            if r is not None:
-                got[i].append(r)
+    take = partial(_take, got)
 
     turn = 0
     while turn <= CANCEL_TURN or not all(st.done for i, st in enumerate(states) if i != CANCEL):

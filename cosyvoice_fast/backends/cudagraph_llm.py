@@ -64,7 +64,7 @@ import threading
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -270,9 +270,9 @@ class CudaGraphLLM:
             self.prefiller.warm()
         torch.cuda.synchronize(self.device)
         scratch = torch.cuda.graph_pool_handle()
-        for where, key, math in tqdm(jobs, desc="capturing LLM graphs", unit="graph", disable=not progress,
+        for where, key, step in tqdm(jobs, desc="capturing LLM graphs", unit="graph", disable=not progress,
                                      leave=False):
-            where[key], _ = capture(math, self.device, scratch, warmup=0)  # warmed up above, once per shape
+            where[key], _ = capture(step, self.device, scratch, warmup=0)  # warmed up above, once per shape
         torch.cuda.synchronize(self.device)
         return len(jobs)
 
@@ -338,9 +338,7 @@ class CudaGraphLLM:
             self._set_mask(s, r.step, r.min_len, r.ignore_eos)
             if r.generator.device.type == "cuda":  # each row's draw from its own generator, in its own order
                 s.q.exponential_(1.0, generator=r.generator)
-        n = next(c for c in self.row_counts if c > max(s.index for s in slots))
-        self._batch_graphs[bucket_for(self.buckets, max(r.pos for r in rows)), n].replay()
-        self.replays += 1
+        self._replay(max(r.pos for r in rows), max(s.index for s in slots))
 
     def _launch(self, rows: Sequence[LLMState], ahead: bool) -> None:
         """Replay one device-RAS step for ``rows``: each at its next step whose result is not pending yet.
@@ -358,11 +356,16 @@ class CudaGraphLLM:
             launched.append(Row(s.index, st, step))
             top = max(top, pos)
         self._feed.stage(columns)
-        n = next(c for c in self.row_counts if c > max(columns))
-        self._batch_graphs[bucket_for(self.buckets, top), n].replay()
+        self._replay(top, max(columns))
         self._feed.collect(self._drawn, launched)
-        self.replays += 1
         self.ahead_rows += len(launched) if ahead else 0
+
+    def _replay(self, top: int, last_slot: int) -> None:
+        """Replay the batched decode graph for positions up to ``top`` (its KV bucket) over slot rows
+        ``0 .. last_slot`` (the smallest captured row count that covers them)."""
+        n = next(c for c in self.row_counts if c > last_slot)
+        self._batch_graphs[bucket_for(self.buckets, top), n].replay()
+        self.replays += 1
 
     def _decode_fed(self, states: Sequence[LLMState]) -> list[StepResult]:
         """A device-RAS decode call (caller holds the lock): launch the rows whose step is not pending (new,
@@ -384,13 +387,21 @@ class CudaGraphLLM:
             for st in states:
                 self.release(st)
             return [e] * len(states)
+        return self._accept_rows(states, lambda st, s: feed.take(st.slot, st, st.step))
+
+    def _accept_rows(self, states: Sequence[LLMState],
+                     drawn: Callable[[LLMState, _Slot], tuple[int, int | None]]) -> list[StepResult]:
+        """Count the decode call and accept each state's step: ``drawn(state, slot)`` gives the graph's token
+        and, with device RAS, whether it fell back (else None: the host applies the rule).  Each row in turn,
+        so the rule and any fallback draw run before the row's generator draws again; a row's own failure is
+        that row's result."""
         self.batched_steps += 1
         self.batched_rows += len(states)
         out: list[StepResult] = []
         for st in states:
             try:
-                token, fallback = feed.take(st.slot, st, st.step)
                 s = self.pool.item(st.slot)
+                token, fallback = drawn(st, s)
                 st.pos += 1
                 out.append(self._accept(st, self._take(s, st.history, st.generator, token, fallback)))
             except Exception as e:  # noqa: BLE001
@@ -494,22 +505,11 @@ class CudaGraphLLM:
             try:
                 self._replay_rows(states)
                 drawn = self._drawn[0].tolist()  # the one sync per batched step
-                self.batched_steps += 1
-                self.batched_rows += len(states)
             except Exception as e:  # noqa: BLE001 - the whole step failed: each row gets the error
                 for st in states:
                     self.release(st)
                 return [e] * len(states)
-            out: list[StepResult] = []
-            for st in states:  # RAS check (and any fallback draw) now, before the row's generator draws again
-                try:
-                    s = self.pool.item(st.slot)
-                    st.pos += 1
-                    out.append(self._accept(st, self._take(s, st.history, st.generator, drawn[s.index])))
-                except Exception as e:  # noqa: BLE001
-                    self.release(st)
-                    out.append(e)
-            return out
+            return self._accept_rows(states, lambda st, s: (drawn[s.index], None))
 
     def teacher_forced_logp(self, lm_input: torch.Tensor, tokens: Sequence[int]) -> torch.Tensor:
         """(len(tokens) + 1, V) log-probs: after prefilling ``lm_input``, then after feeding each token through

@@ -3,13 +3,15 @@
 :mod:`~cosyvoice_fast.kernels.estimator_linear` (fused Triton GEMMs) and
 :mod:`~cosyvoice_fast.kernels.estimator_cublas` (cuBLAS product plus a Triton epilogue) both apply the same
 epilogue, and ``linear`` dispatches to the cuBLAS path; keeping the shared pieces here lets each of the two
-import the other's needs at module level without an import cycle.
+import the other's needs at module level without an import cycle.  The two interpreter checks
+(:func:`interpreting`, :func:`can_run_on`) live here too and serve every kernel module, the LLM's included.
 """
 
 from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -40,6 +42,11 @@ def pdl_kwargs(t: Tensor, rows: int) -> dict:
 def interpreting() -> bool:
     """True when Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def can_run_on(device: torch.device) -> bool:
+    """Triton runs CUDA tensors; CPU tensors only through its interpreter (``TRITON_INTERPRET=1``)."""
+    return device.type == "cuda" or interpreting()
 
 
 def _pow2(n: int, lo: int = 16, hi: int | None = None) -> int:

@@ -14,11 +14,11 @@ stops there: a peaked row costs a few reductions, not ``top_k``.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from .estimator_common import can_run_on
 
 #: the longest ``top_k`` head drawn from (the draw's variates ``q`` are drawn for all of it)
 MAX_TOP_K = 64
@@ -56,11 +56,6 @@ def _nucleus_draw_kernel(probs_ptr, q_ptr, limit_ptr, out_ptr, V, K, stride_p, s
         j = j + 1
         go = (j < K) & (run < limit)  # candidate j is kept while the sum of those before it is < limit
     tl.store(out_ptr + row, token)
-
-
-def can_run_on(device: torch.device) -> bool:
-    """Triton runs CUDA tensors; CPU tensors only through its interpreter (``TRITON_INTERPRET=1``)."""
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _check(probs: torch.Tensor, q: torch.Tensor, limit: torch.Tensor, out: torch.Tensor | None) -> None:

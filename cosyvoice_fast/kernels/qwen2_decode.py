@@ -19,7 +19,6 @@ allocator (or the graph's pool while capturing), like any PyTorch op's outputs.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -29,17 +28,13 @@ from ..models.qwen2 import KVCache, Qwen2Decoder
 from . import qwen2_attention as attn_k
 from . import qwen2_gemv as gemv_k
 from . import qwen2_proj as proj_k
+from .estimator_common import can_run_on
 
 
 def kernels_per_step(n_layers: int) -> int:
     """Kernel launches of one fused decode step: 5 per layer, the embedding copy, the counter memset and the
     final norm."""
     return 5 * n_layers + 3
-
-
-def can_run_on(device: torch.device) -> bool:
-    """Triton runs CUDA tensors; CPU tensors only through its interpreter (``TRITON_INTERPRET=1``)."""
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _positions(pos: torch.Tensor, rows: int) -> torch.Tensor:
