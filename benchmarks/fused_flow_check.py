@@ -9,10 +9,12 @@ Full-size estimator (CosyVoice2 DecoderConfig) with seeded random weights (timin
 3. kernels per forward (torch.profiler), cudagraph (eager estimator) vs fused.
 4. one forward as a CUDA graph replay (median of CUDA events) at 56 and 206 frames, bf16, for every fused
    configuration (FFN in one or two kernels, out-projection inside the attention kernel or not) and tile variant.
-5. the launch settings (``estimator_common.LAUNCH``: programmatic dependent launch, early weight tiles) on and
-   off for each kernel configuration, same replays.
+5. the launch settings (``estimator_common.LAUNCH``: programmatic dependent launch, early weight tiles, the
+   one-shot GEMMs) on and off for each kernel configuration, same replays (``--launches`` picks some).
 6. ``temb``: the time embedding's three GEMMs alone (a chain that does not depend on the frames), graph-replayed
-   at 2 and 32 rows under a few K-tile settings.
+   at 2 and 32 rows, one-shot against row-tiled GEMMs.
+7. ``oneshot_rows``: one CFG pair's forward at the engine's bucket lengths up to 250 frames, row-tiled against
+   one-shot GEMMs (where ``LAUNCH["oneshot_max_rows"]`` belongs).
 Every step runs under a time limit; the JSON is rewritten after each step (:mod:`benchmarks.steps`), and a
 table is printed last.  ``--steps launch,kernels`` runs only the named steps.
 """
@@ -48,9 +50,10 @@ VARIANTS = {
 }
 # Launch settings timed in the ``launch`` step (``estimator_common.LAUNCH`` overrides).
 LAUNCHES = {
-    "no_pdl": {"pdl": False, "early_weights": False},
-    "pdl_all_rows": {"pdl": True, "early_weights": False, "pdl_max_rows": 1 << 30},
-    "pdl_early_weights_all_rows": {"pdl": True, "early_weights": True, "pdl_max_rows": 1 << 30},
+    "no_pdl": {"pdl": False, "early_weights": False, "oneshot": False},
+    "pdl_all_rows": {"pdl": True, "early_weights": False, "pdl_max_rows": 1 << 30, "oneshot": False},
+    "pdl_early_weights_all_rows": {"pdl": True, "early_weights": True, "pdl_max_rows": 1 << 30, "oneshot": False},
+    "rowtiled": {**estimator_common.LAUNCH, "oneshot": False},  # the default before the one-shot GEMMs
     "default": dict(estimator_common.LAUNCH),
 }
 from cosyvoice_fast.models.cfm import CausalCFM  # noqa: E402
@@ -71,7 +74,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--steps", default="",
                     help="comma-separated step names to run (errors, padding, solve, kernels, timing, timeline, "
-                         "variants, launch, temb); all when empty")
+                         "variants, launch, temb, oneshot_rows); all when empty")
+    ap.add_argument("--launches", default="", help="comma-separated LAUNCHES names for the launch step (all if empty)")
     args = ap.parse_args()
     only = {x for x in args.steps.split(",") if x}
     require_cuda("fused_flow_check.py")
@@ -231,6 +235,8 @@ def main() -> int:
         with torch.inference_mode():
             try:
                 for lname, settings in LAUNCHES.items():
+                    if args.launches and lname not in args.launches.split(","):
+                        continue
                     estimator_common.LAUNCH.update(settings)
                     for rows, frames, streaming in shapes:
                         a = estimator_inputs(cfg, rows, frames, torch.bfloat16)
@@ -244,11 +250,11 @@ def main() -> int:
 
     def temb() -> dict:
         """The time embedding's three GEMMs alone (sinusoid -> SiLU -> linear -> Mish -> every ResNet block's
-        projection), graph-replayed, under named small-row tile settings; three passes in turn."""
+        projection), graph-replayed, one-shot GEMMs (the default) against the row-tiled ones; three passes in turn."""
         p = fused16.packed()
         tm = est16.time_mlp
-        settings = {"default": {}, "bk256": {"bk": 256}, "bk64": {"bk": 64}}
-        saved = dict(estimator_linear.TUNING)
+        settings = {"default": {"oneshot": True}, "rowtiled": {"oneshot": False}}
+        saved = dict(estimator_common.LAUNCH)
         r: dict = {}
 
         def chain(t: torch.Tensor) -> torch.Tensor:
@@ -262,22 +268,38 @@ def main() -> int:
             try:
                 for rnd in range(3):
                     for sname, change in settings.items():
-                        estimator_linear.TUNING.update(saved)
-                        estimator_linear.TUNING.update(change)
+                        estimator_common.LAUNCH.update(change)
                         for rows in (2, 32):
                             t = torch.full((rows,), 0.3, device="cuda", dtype=torch.bfloat16)
                             ms = graph_replay_ms(lambda: chain(t), iters=args.iters)  # noqa: B023
                             r.setdefault(sname, {}).setdefault(f"rows{rows}", []).append(round(ms * 1e3, 2))
             finally:
-                estimator_linear.TUNING.clear()
-                estimator_linear.TUNING.update(saved)
+                estimator_common.LAUNCH.update(saved)
+        return r
+
+    def oneshot_rows() -> dict:
+        """One CFG pair's forward (chunk attention) at the engine's few-rows bucket lengths, row-tiled GEMMs
+        against one-shot ones at any row count, alternating, two passes: where ``oneshot_max_rows`` belongs."""
+        saved = dict(estimator_common.LAUNCH)
+        r: dict = {}
+        with torch.inference_mode():
+            try:
+                for _ in range(2):
+                    for frames in (56, 100, 150, 200, 206, 250):
+                        a = estimator_inputs(cfg, 2, frames, torch.bfloat16)
+                        for sname, oneshot in (("rowtiled", False), ("oneshot", True)):
+                            estimator_common.LAUNCH.update(oneshot=oneshot, oneshot_max_rows=1 << 30)
+                            ms = graph_replay_ms(lambda: fused16(*a, True), iters=args.iters)  # noqa: B023
+                            r.setdefault(f"2x{frames}", {}).setdefault(sname, []).append(round(ms, 4))
+            finally:
+                estimator_common.LAUNCH.update(saved)
         return r
 
     steps = (("errors", "estimator_errors", estimator_errors), ("padding", "padding", padding),
              ("solve", "solve_mel_errors", solve), ("kernels", "kernels", kernels),
              ("timing", "timing_ms_bf16", timing), ("timeline", "kernel_timeline_bf16", timeline),
              ("variants", "variants_ms_bf16", variants), ("launch", "launch_ms_bf16", launch),
-             ("temb", "temb_chain_us_bf16", temb))
+             ("temb", "temb_chain_us_bf16", temb), ("oneshot_rows", "oneshot_rows_ms_bf16", oneshot_rows))
     for short, name, fn in steps:
         if not only or short in only:
             runner.run(name, fn)

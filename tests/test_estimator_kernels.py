@@ -43,9 +43,12 @@ def nan(*shape: int) -> torch.Tensor:
     return torch.full(shape, float("nan"), device=DEV)
 
 
+@pytest.mark.parametrize("oneshot", [True, False])
 @pytest.mark.parametrize("prologue,act,residual", [(PRO_LN, ACT_GELU, False), (0, ACT_NONE, True),
                                                    (PRO_MISH, ACT_SILU, False), (0, ACT_MISH, True)])
-def test_linear_matches_torch(prologue, act, residual):
+def test_linear_matches_torch(monkeypatch, prologue, act, residual, oneshot):
+    """Both kernels behind ``linear`` below the many-rows path: the one-shot GEMM and the row-tiled one."""
+    monkeypatch.setitem(LAUNCH, "oneshot", oneshot)
     m, k, n = 21, 72, 40  # none a tile multiple: every mask edge is exercised
     x, w, b = rnd(m, k), rnd(n, k) / 8, rnd(n)
     g, beta = rnd(k), rnd(k)
@@ -60,6 +63,7 @@ def test_linear_matches_torch(prologue, act, residual):
 def test_linear_early_weight_tile_gives_the_same_bits(monkeypatch, prologue):
     """``LAUNCH['early_weights']`` loads the first weight tile before the PDL wait (the K loop's first step is
     peeled off); K spans three tiles with a ragged tail, and both orders must give the same bits."""
+    monkeypatch.setitem(LAUNCH, "oneshot", False)  # the row-tiled kernel's K loop
     m, k, n = 19, 150, 40
     x, w, b = rnd(m, k), rnd(n, k) / 8, rnd(n)
     g, beta = rnd(k), rnd(k)
@@ -83,6 +87,7 @@ def test_spread_tiles_narrows_columns_then_rows_until_the_launch_fills():
 
 def test_narrowed_tiles_compute_the_same_gemm_and_conv(monkeypatch):
     """With ``min_programs`` the GEMM and the plain causal conv run on 16 x 32 tiles: same results."""
+    monkeypatch.setitem(LAUNCH, "oneshot", False)  # the row-tiled GEMM is the one that narrows its tiles
     for mod in (estimator_linear, estimator_conv):
         monkeypatch.setitem(mod.INTERPRETER_TILES, "min_programs", 10**6)
     m, k, n = 40, 48, 72
@@ -125,7 +130,9 @@ def test_linear_sinusoidal_prologue_is_the_time_embedding():
         linear(t, w, b, prologue=PRO_SINUS)
 
 
-def test_linear_row_mask_and_channel_first_store():
+@pytest.mark.parametrize("oneshot", [True, False])
+def test_linear_row_mask_and_channel_first_store(monkeypatch, oneshot):
+    monkeypatch.setitem(LAUNCH, "oneshot", oneshot)
     bsz, frames, k, n = 2, 13, 32, 20
     x, w, b = rnd(bsz * frames, k), rnd(n, k), rnd(n)
     mask = (torch.rand(bsz * frames, device=DEV) > 0.3).float()

@@ -311,15 +311,18 @@ def test_gpu_pdl_and_early_weight_tiles_change_no_bit(full, monkeypatch):
 
 
 @_gpu
-@pytest.mark.parametrize("path", ["row_tiled", "tall"])
+@pytest.mark.parametrize("path", ["row_tiled", "oneshot", "tall"])
 def test_gpu_full_size_padding_is_exact(full, monkeypatch, path):
     """Padded rows and frames change no real frame: a row of a padded 4-row batch equals the same row run alone,
-    on the same GEMM path for both calls (the row-tiled kernels, or the tall Triton kernels from one row on;
-    the default switches paths by row count, so there the two calls would differ by bf16 rounding, which the
-    bf16 bound tests cover)."""
-    from cosyvoice_fast.kernels import estimator_cublas
+    on the same GEMM path and tiles for both calls (the row-tiled kernels, the one-shot GEMMs with their few-rows
+    tiles, or the tall Triton kernels from one row on; the default switches paths and tiles by row count, so
+    there the two calls would differ by bf16 rounding, which the bf16 bound tests cover)."""
+    from cosyvoice_fast.kernels import estimator_cublas, estimator_oneshot
+    from cosyvoice_fast.kernels.estimator_common import LAUNCH
 
-    monkeypatch.setattr(estimator_cublas, "MANY_ROWS_M", 1 << 40 if path == "row_tiled" else 1)
+    monkeypatch.setattr(estimator_cublas, "MANY_ROWS_M", 1 if path == "tall" else 1 << 40)
+    monkeypatch.setitem(LAUNCH, "oneshot", path == "oneshot")
+    monkeypatch.setattr(estimator_oneshot, "FEW_ROWS", 1 << 40)
     monkeypatch.setitem(estimator_cublas.MANY_ROWS, "product", "triton")
     est32, est16 = full
     valid = [206, 131, 0, 77]

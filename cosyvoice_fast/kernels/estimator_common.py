@@ -29,8 +29,12 @@ PRO_NONE, PRO_LN, PRO_MISH, PRO_SINUS = 0, 1, 2, 3
 #: kernel drains and wait before their first activation read; only for launches over at most ``pdl_max_rows``
 #: rows (one request's CFG pair is a few hundred; with several waves of programs the parked programs of the
 #: next kernel cost more than the hidden gap, see BENCHMARKS.md); ``early_weights`` -- the row-tiled GEMMs
-#: (:func:`~cosyvoice_fast.kernels.estimator_linear.linear`) load their first weight tile before that wait.
-LAUNCH = {"pdl": True, "pdl_max_rows": 1024, "early_weights": True}
+#: (:func:`~cosyvoice_fast.kernels.estimator_linear.linear`) load their first weight tile before that wait;
+#: ``oneshot`` -- ``linear`` calls of at most ``oneshot_max_rows`` rows run as one-shot GEMMs
+#: (:mod:`~cosyvoice_fast.kernels.estimator_oneshot`) instead of the row-tiled kernel, except the sinusoidal
+#: prologue and a ``norm_out`` request (faster at one CFG pair of up to ~200 frames; from there to the many-rows
+#: path the two measured alike, BENCHMARKS.md).
+LAUNCH = {"pdl": True, "pdl_max_rows": 1024, "early_weights": True, "oneshot": True, "oneshot_max_rows": 448}
 
 
 def pdl_kwargs(t: Tensor, rows: int) -> dict:

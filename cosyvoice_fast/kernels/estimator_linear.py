@@ -6,7 +6,9 @@
   estimator's last projection writes the (B, 80, T) layout directly) in the epilogue; from
   :data:`~cosyvoice_fast.kernels.estimator_cublas.MANY_ROWS_M` rows (16-bit weights) the call takes the
   many-rows path (:mod:`~cosyvoice_fast.kernels.estimator_cublas`: cuBLAS or a tall Triton kernel), whose
-  epilogue can also write the next LayerNorm of its output (``norm_out``).
+  epilogue can also write the next LayerNorm of its output (``norm_out``); below it, with
+  ``LAUNCH["oneshot"]`` (up to ``LAUNCH["oneshot_max_rows"]`` rows), the one-shot GEMM of :mod:`~cosyvoice_fast.kernels.estimator_oneshot` (one dependent
+  load round per launch), and the row-tiled kernel here only for the sinusoidal prologue and ``norm_out``.
 * :func:`ffn` — the whole feed-forward half of a transformer block in one kernel:
   ``X + b2 + GELU(LN(X) @ W1^T + b1) @ W2^T``; the 4x-wide hidden activation lives only in registers, chunk
   by chunk.
@@ -29,6 +31,7 @@ from .estimator_common import (ACT_GELU, ACT_MISH, ACT_NONE, ACT_SILU, LAUNCH, P
                                PRO_NONE, PRO_SINUS, _act, _epilogue_store, _norm_rows_store, _pow2, interpreting,
                                pdl_kwargs)
 from .estimator_cublas import linear_cublas, use_many_rows
+from .estimator_oneshot import linear_oneshot
 from .pdl import pdl_start
 
 #: Tile sizes and launch settings for 16-bit operands (the fastest of the few named variants that
@@ -200,6 +203,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: i
     if use_many_rows(m, weight, prologue):
         return linear_cublas(x, weight, bias, prologue=prologue, ln=ln, act=act, residual=residual, rowmask=rowmask,
                              out=out, rows_per_b=rows_per_b, out_strides=(syb, syt, syn), norm_out=norm_out)
+    if LAUNCH["oneshot"] and m <= LAUNCH["oneshot_max_rows"] and prologue != PRO_SINUS and norm_out is None:
+        return linear_oneshot(x, weight, bias, prologue=prologue, ln=ln, act=act, residual=residual,
+                              rowmask=rowmask, out=out, out_btc=out_btc)
     tiles = pick_tiles(weight.dtype == torch.float32, TUNING, FP32_TILES, INTERPRETER_TILES)
     bm, bn = spread_tiles(m, n, _pow2(m, 16, tiles["bm"]), _pow2(n, 16, tiles["bn"]), tiles.get("min_programs", 0))
     bk = _pow2(k, 16, tiles["bk"])

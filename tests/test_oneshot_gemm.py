@@ -1,0 +1,153 @@
+"""The one-shot estimator GEMM (``kernels/estimator_oneshot.py``) and ``linear``'s routing to it.
+
+On CPU the kernel runs through Triton's interpreter (fp32, tiny sizes); the GPU tests compile it at the full
+estimator's shapes.  Outputs are pre-filled with NaN, so a value the kernel forgets to write fails the test.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch.nn.functional as F  # noqa: E402
+
+from cosyvoice_fast.kernels import estimator_linear, estimator_oneshot  # noqa: E402
+from cosyvoice_fast.kernels.estimator_common import LAUNCH  # noqa: E402
+from cosyvoice_fast.kernels.estimator_linear import (ACT_GELU, ACT_NONE, ACT_SILU, PRO_LN, PRO_MISH,  # noqa: E402
+                                                     PRO_NONE, PRO_SINUS, linear)
+from cosyvoice_fast.kernels.estimator_oneshot import FP32_ONESHOT, linear_oneshot, oneshot_tiles  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = 1e-4
+
+pytestmark = pytest.mark.usefixtures("no_tf32")
+
+
+def rnd(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, device=DEV)
+
+
+def nan(*shape: int) -> torch.Tensor:
+    return torch.full(shape, float("nan"), device=DEV)
+
+
+def reference(x, w, b, prologue, ln, act, residual):  # noqa: ANN001, ANN201
+    a = {PRO_LN: lambda z: F.layer_norm(z, (x.shape[1],), *ln), PRO_MISH: F.mish}.get(prologue, lambda z: z)(x)
+    y = {ACT_NONE: lambda z: z, ACT_GELU: F.gelu, ACT_SILU: F.silu}[act](F.linear(a, w, b))
+    return y if residual is None else y + residual
+
+
+@pytest.mark.parametrize("bk", [None, 16, 32])
+@pytest.mark.parametrize("prologue,act,residual", [(PRO_NONE, ACT_NONE, True), (PRO_MISH, ACT_SILU, False),
+                                                   (PRO_LN, ACT_GELU, True)])
+def test_oneshot_matches_torch(prologue, act, residual, bk):
+    """K of 72 in one step, or in ragged steps of 16 and 32 (5 and 3 steps; the LayerNorm prologue always takes
+    the whole row in one step, whatever ``bk`` asks); M and N are no tile multiples."""
+    m, k, n = 37, 72, 40
+    x, w, b, g, beta = rnd(m, k), rnd(n, k) / 8, rnd(n), rnd(k), rnd(k)
+    r = rnd(m, n) if residual else None
+    tiles = {"bm": 16, "bn": 16, "warps": 4} if bk is None else {"bm": 16, "bn": 16, "warps": 4, "bk": bk, "stages": 2}
+    out = linear_oneshot(x, w, b, prologue=prologue, ln=(g, beta, 1e-5), act=act, residual=r, out=nan(m, n),
+                         tiles=tiles)
+    assert (out - reference(x, w, b, prologue, (g, beta, 1e-5), act, r)).abs().max().item() <= TOL
+
+
+def test_oneshot_row_mask_and_channel_first_store_without_bias():
+    bsz, frames, k, n = 2, 13, 48, 20
+    x, w = rnd(bsz * frames, k), rnd(n, k)
+    mask = (torch.rand(bsz * frames, device=DEV) > 0.3).float()
+    out = linear_oneshot(x, w, rowmask=mask, out=nan(bsz, n, frames), out_btc=(bsz, frames))
+    ref = (F.linear(x, w) * mask[:, None]).view(bsz, frames, n).transpose(1, 2)
+    assert (out - ref).abs().max().item() <= TOL
+
+
+def test_oneshot_refuses_what_it_cannot_compute():
+    x, w = rnd(4, 16), rnd(8, 16)
+    with pytest.raises(ValueError, match="prologue 3 is not one of PRO_NONE, PRO_LN, PRO_MISH"):
+        linear_oneshot(x, w, prologue=PRO_SINUS)
+    with pytest.raises(ValueError, match=r"LayerNorm prologue needs ln=\(gamma, beta, eps\)"):
+        linear_oneshot(x, w, prologue=PRO_LN)
+    with pytest.raises(ValueError, match=r"x must be \(M, 16\)"):
+        linear_oneshot(rnd(4, 12), w)
+    with pytest.raises(ValueError, match=r"residual must be \(4, 8\)"):
+        linear_oneshot(x, w, residual=rnd(4, 9))
+
+
+def test_linear_routes_few_rows_to_the_oneshot_gemm(monkeypatch):
+    """Up to ``LAUNCH['oneshot_max_rows']`` rows ``linear`` hands every call to the one-shot GEMM except the
+    sinusoidal prologue and a ``norm_out`` request (the row-tiled kernel's), and none with the switch off."""
+    calls = []
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(kwargs.get("prologue"))
+        return linear_oneshot(*args, **kwargs)
+
+    monkeypatch.setattr(estimator_linear, "linear_oneshot", spy)
+    x, w, b, g, beta = rnd(9, 32), rnd(24, 32), rnd(24), rnd(32), rnd(32)
+    out = linear(x, w, b, prologue=PRO_LN, ln=(g, beta, 1e-5), act=ACT_GELU)
+    assert calls == [PRO_LN]
+    assert (out - reference(x, w, b, PRO_LN, (g, beta, 1e-5), ACT_GELU, None)).abs().max().item() <= TOL
+    linear(x, w, b, prologue=PRO_MISH)
+    assert calls == [PRO_LN, PRO_MISH]
+    import math
+
+    freqs = torch.exp(torch.arange(16, device=DEV, dtype=torch.float32) * -(math.log(10000) / 15))
+    linear(torch.rand(3, device=DEV), w, b, prologue=PRO_SINUS, freqs=freqs)
+    linear(x, rnd(32, 32), residual=x, norm_out=(nan(9, 32), (g, beta, 1e-5)))
+    monkeypatch.setitem(LAUNCH, "oneshot_max_rows", 8)  # 9 rows: above the limit
+    linear(x, w, b)
+    monkeypatch.setitem(LAUNCH, "oneshot_max_rows", 9)
+    monkeypatch.setitem(LAUNCH, "oneshot", False)
+    linear(x, w, b)
+    assert calls == [PRO_LN, PRO_MISH]
+
+
+def test_oneshot_tiles_follow_the_measured_table(monkeypatch):
+    """16-bit tiles by shape and rows as BENCHMARKS.md measured them; fp32 takes small tiles and K steps."""
+    monkeypatch.setattr(estimator_oneshot, "interpreting", lambda: False)
+    bf16 = torch.bfloat16
+    assert oneshot_tiles(412, 1536, 256, bf16) == {"bm": 64, "bn": 128, "warps": 8}  # q/k/v
+    assert oneshot_tiles(112, 1536, 256, bf16) == {"bm": 32, "bn": 64, "warps": 4}
+    assert oneshot_tiles(412, 1024, 256, bf16) == {"bm": 32, "bn": 64, "warps": 4}  # FF1
+    assert oneshot_tiles(412, 256, 512, bf16) == {"bm": 64, "bn": 64, "warps": 4}  # out-projection
+    assert oneshot_tiles(112, 256, 512, bf16) == {"bm": 16, "bn": 16, "warps": 4}
+    assert oneshot_tiles(412, 256, 1024, bf16)["bk"] == 256  # FF2: pipelined K steps
+    assert oneshot_tiles(112, 256, 1024, bf16)["bk"] == 1024  # one step
+    assert oneshot_tiles(412, 256, 1024, torch.float32) == FP32_ONESHOT
+
+
+# ------------------------------------------------------------------------------------------ GPU, full size
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [112, 412])
+@pytest.mark.parametrize("n,k,prologue,act,residual", [(1536, 256, PRO_LN, ACT_NONE, False),
+                                                       (256, 512, PRO_NONE, ACT_NONE, True),
+                                                       (1024, 256, PRO_LN, ACT_GELU, False),
+                                                       (256, 1024, PRO_NONE, ACT_NONE, True),
+                                                       (3584, 1024, PRO_MISH, ACT_NONE, False)])
+def test_gpu_full_size_shapes_fp32_and_bf16(monkeypatch, rows, n, k, prologue, act, residual):
+    """The estimator's GEMM shapes with the compiled tiles: fp32 (IEEE dots) within 1e-4 of torch; bf16 within
+    the row-tiled kernel's own error against the fp32 reference (both accumulate in fp32 and round once)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(rows + n + k)
+    x, w, b = rnd(rows, k), rnd(n, k) / k ** 0.5, rnd(n) / 10
+    ln = (1 + rnd(k) / 10, rnd(k) / 10, 1e-5)
+    r = rnd(rows, n) if residual else None
+    ref = reference(x, w, b, prologue, ln, act, r)
+    out = linear_oneshot(x, w, b, prologue=prologue, ln=ln, act=act, residual=r, out=nan(rows, n))
+    assert (out - ref).abs().max().item() <= TOL
+    x16, w16, b16 = (z.to(torch.bfloat16) for z in (x, w, b))
+    ln16 = (ln[0].to(torch.bfloat16), ln[1].to(torch.bfloat16), 1e-5)
+    r16 = None if r is None else r.to(torch.bfloat16)
+    one = linear_oneshot(x16, w16, b16, prologue=prologue, ln=ln16, act=act, residual=r16)
+    monkeypatch.setitem(LAUNCH, "oneshot", False)
+    tiled = linear(x16, w16, b16, prologue=prologue, ln=ln16, act=act, residual=r16)
+    e_one = (one.float() - ref).abs().max().item()
+    e_tiled = (tiled.float() - ref).abs().max().item()
+    assert torch.isfinite(one).all() and e_one <= 1.25 * e_tiled + 1e-3
