@@ -322,6 +322,7 @@ def test_gpu_full_size_padding_is_exact(full, monkeypatch, path):
 
     monkeypatch.setattr(estimator_cublas, "MANY_ROWS_M", 1 if path == "tall" else 1 << 40)
     monkeypatch.setitem(LAUNCH, "oneshot", path == "oneshot")
+    monkeypatch.setitem(LAUNCH, "oneshot_max_rows", 1 << 40)  # the padded batch too, not only the lone rows
     monkeypatch.setattr(estimator_oneshot, "FEW_ROWS", 1 << 40)
     monkeypatch.setitem(estimator_cublas.MANY_ROWS, "product", "triton")
     est32, est16 = full
