@@ -12,7 +12,7 @@ Full-size estimator (CosyVoice2 DecoderConfig) with seeded random weights (timin
 5. the launch settings (``estimator_common.LAUNCH``: programmatic dependent launch, early weight tiles, the
    one-shot GEMMs) on and off for each kernel configuration, same replays (``--launches`` picks some).
 6. ``temb``: the time embedding's three GEMMs alone (a chain that does not depend on the frames), graph-replayed
-   at 2 and 32 rows, one-shot against row-tiled GEMMs.
+   at 2 and 32 rows, the default routing against the row-tiled kernel everywhere.
 7. ``oneshot_rows``: one CFG pair's forward at the engine's bucket lengths up to 250 frames, row-tiled against
    one-shot GEMMs (where ``LAUNCH["oneshot_max_rows"]`` belongs).
 Every step runs under a time limit; the JSON is rewritten after each step (:mod:`benchmarks.steps`), and a
@@ -250,7 +250,8 @@ def main() -> int:
 
     def temb() -> dict:
         """The time embedding's three GEMMs alone (sinusoid -> SiLU -> linear -> Mish -> every ResNet block's
-        projection), graph-replayed, one-shot GEMMs (the default) against the row-tiled ones; three passes in turn."""
+        projection), graph-replayed, the default routing (``linear_2`` one-shot, the Mish GEMM row-tiled) against
+        the row-tiled kernel everywhere; three passes in turn."""
         p = fused16.packed()
         tm = est16.time_mlp
         settings = {"default": {"oneshot": True}, "rowtiled": {"oneshot": False}}

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.steps import StepRunner, require_cuda  # noqa: E402
 from cosyvoice_fast.kernels.estimator_attention import attention  # noqa: E402
-from cosyvoice_fast.kernels.estimator_linear import ACT_GELU, PRO_LN, linear  # noqa: E402
+from cosyvoice_fast.kernels.estimator_linear import ACT_GELU, PRO_LN, PRO_NONE, linear  # noqa: E402
 from cosyvoice_fast.kernels.estimator_oneshot import linear_oneshot  # noqa: E402
 from cosyvoice_fast.kernels.estimator_profile import graph_replay_ms  # noqa: E402
 
@@ -74,7 +74,8 @@ def _call(kind: str, w: dict, x: torch.Tensor, res: torch.Tensor | None, oneshot
     bias = w.get(f"{kind}_b")
     lnp = w["ln1"] if kind == "qkv" else w["ln3"] if kind == "ff1" else None
     if oneshot:
-        return linear_oneshot(x, w[kind], bias, ln=lnp, act=act, residual=res if has_res else None, tiles=tiles)
+        return linear_oneshot(x, w[kind], bias, prologue=PRO_LN if ln else PRO_NONE, ln=lnp, act=act,
+                              residual=res if has_res else None, tiles=tiles)
     return linear(x, w[kind], bias, prologue=PRO_LN if ln else 0, ln=lnp, act=act, residual=res if has_res else None)
 
 

@@ -31,9 +31,9 @@ PRO_NONE, PRO_LN, PRO_MISH, PRO_SINUS = 0, 1, 2, 3
 #: next kernel cost more than the hidden gap, see BENCHMARKS.md); ``early_weights`` -- the row-tiled GEMMs
 #: (:func:`~cosyvoice_fast.kernels.estimator_linear.linear`) load their first weight tile before that wait;
 #: ``oneshot`` -- ``linear`` calls of at most ``oneshot_max_rows`` rows run as one-shot GEMMs
-#: (:mod:`~cosyvoice_fast.kernels.estimator_oneshot`) instead of the row-tiled kernel, except the sinusoidal
-#: prologue and a ``norm_out`` request (faster at one CFG pair of up to ~200 frames; from there to the many-rows
-#: path the two measured alike, BENCHMARKS.md).
+#: (:mod:`~cosyvoice_fast.kernels.estimator_oneshot`) instead of the row-tiled kernel, except the Mish and
+#: sinusoidal prologues (the time embedding) and a ``norm_out`` request: faster for one CFG pair of up to ~200
+#: frames; at 2 x 250 frames the H100 showed no end-to-end gain (BENCHMARKS.md, session 15).
 LAUNCH = {"pdl": True, "pdl_max_rows": 1024, "early_weights": True, "oneshot": True, "oneshot_max_rows": 448}
 
 

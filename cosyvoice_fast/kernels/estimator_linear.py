@@ -8,7 +8,8 @@
   many-rows path (:mod:`~cosyvoice_fast.kernels.estimator_cublas`: cuBLAS or a tall Triton kernel), whose
   epilogue can also write the next LayerNorm of its output (``norm_out``); below it, with
   ``LAUNCH["oneshot"]`` (up to ``LAUNCH["oneshot_max_rows"]`` rows), the one-shot GEMM of :mod:`~cosyvoice_fast.kernels.estimator_oneshot` (one dependent
-  load round per launch), and the row-tiled kernel here only for the sinusoidal prologue and ``norm_out``.
+  load round per launch), and the row-tiled kernel here for the Mish and sinusoidal prologues (the time
+  embedding) and ``norm_out``.
 * :func:`ffn` — the whole feed-forward half of a transformer block in one kernel:
   ``X + b2 + GELU(LN(X) @ W1^T + b1) @ W2^T``; the 4x-wide hidden activation lives only in registers, chunk
   by chunk.
@@ -203,7 +204,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: i
     if use_many_rows(m, weight, prologue):
         return linear_cublas(x, weight, bias, prologue=prologue, ln=ln, act=act, residual=residual, rowmask=rowmask,
                              out=out, rows_per_b=rows_per_b, out_strides=(syb, syt, syn), norm_out=norm_out)
-    if LAUNCH["oneshot"] and m <= LAUNCH["oneshot_max_rows"] and prologue != PRO_SINUS and norm_out is None:
+    if LAUNCH["oneshot"] and m <= LAUNCH["oneshot_max_rows"] and prologue in (PRO_NONE, PRO_LN) and norm_out is None:
         return linear_oneshot(x, weight, bias, prologue=prologue, ln=ln, act=act, residual=residual,
                               rowmask=rowmask, out=out, out_btc=out_btc)
     tiles = pick_tiles(weight.dtype == torch.float32, TUNING, FP32_TILES, INTERPRETER_TILES)

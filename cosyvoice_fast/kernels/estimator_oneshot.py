@@ -23,13 +23,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .estimator_common import ACT_NONE, PRO_LN, PRO_MISH, PRO_NONE, _act, _pow2, interpreting, pdl_kwargs
+from .estimator_common import ACT_NONE, PRO_LN, PRO_NONE, _act, _pow2, interpreting, pdl_kwargs
 from .pdl import pdl_start
 
 #: Rows up to which a launch counts as "few" for the tile choice (one request's CFG pair of up to 128 frames).
 FEW_ROWS = 256
-#: The widest K step under the Mish prologue (see :func:`linear_oneshot`).
-MISH_BK = 256
 #: fp32 operands (IEEE dots, parity runs): small tiles and K steps of 256 keep the registers in bounds.
 FP32_ONESHOT = {"bm": 16, "bn": 16, "warps": 4, "bk": 256, "stages": 2}
 #: Under the CPU interpreter every program is a Python loop iteration: fewer, taller tiles run much faster.
@@ -95,8 +93,6 @@ def _oneshot_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, lnw_ptr, lnb_ptr, rowmask
         ac = tl.where(k_ok[None, :], af - mean[:, None], 0.0)
         rstd = 1.0 / tl.sqrt(tl.sum(ac * ac, axis=1) / K + eps)
         a = (ac * rstd[:, None] * g[None, :] + beta[None, :]).to(w.dtype)
-    elif PRO == 2:
-        a = _act(a.to(tl.float32), 3).to(w.dtype)
     if IEEE:
         acc = tl.dot(a, w, input_precision="ieee")
     else:
@@ -105,8 +101,6 @@ def _oneshot_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, lnw_ptr, lnb_ptr, rowmask
         kk = s * BK + rk
         kk_ok = kk < K
         a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & kk_ok[None, :], other=0.0)
-        if PRO == 2:
-            a = _act(a.to(tl.float32), 3).to(w.dtype)
         w = tl.load(w_ptr + rn[None, :] * K + kk[:, None], mask=n_ok[None, :] & kk_ok[:, None], other=0.0)
         if IEEE:
             acc += tl.dot(a, w, input_precision="ieee")
@@ -130,12 +124,13 @@ def linear_oneshot(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, pro
                    residual: Tensor | None = None, rowmask: Tensor | None = None, out: Tensor | None = None,
                    out_btc: tuple[int, int] | None = None, tiles: dict | None = None) -> Tensor:
     """``act(prologue(x) @ weight.T + bias) (+ residual) (* rowmask)`` for x (M, K) row-major and weight (N, K):
-    ``linear``'s contract for the prologues :data:`PRO_NONE`, :data:`PRO_LN` (``ln = (gamma, beta, eps)``)
-    and :data:`PRO_MISH`; ``out_btc = (B, T)`` stores row ``b·T + t`` at ``out[b, n, t]`` of a (B, N, T)
+    ``linear``'s contract for the prologues :data:`PRO_NONE` and :data:`PRO_LN` (``ln = (gamma, beta, eps)``;
+    the Mish prologue stays on the row-tiled kernel, which measured 3.6x faster for the time embedding's
+    2-row GEMM, BENCHMARKS.md); ``out_btc = (B, T)`` stores row ``b·T + t`` at ``out[b, n, t]`` of a (B, N, T)
     tensor.  ``tiles`` (``bm``, ``bn``, ``warps``, optional ``bk``, ``stages``) overrides :func:`oneshot_tiles`
     (benchmarks)."""
-    if prologue not in (PRO_NONE, PRO_LN, PRO_MISH):
-        raise ValueError(f"linear_oneshot: prologue {prologue} is not one of PRO_NONE, PRO_LN, PRO_MISH")
+    if prologue not in (PRO_NONE, PRO_LN):
+        raise ValueError(f"linear_oneshot: prologue {prologue} is not PRO_NONE or PRO_LN; use linear()")
     if prologue == PRO_LN and ln is None:
         raise ValueError("linear_oneshot: the LayerNorm prologue needs ln=(gamma, beta, eps)")
     n, k = weight.shape
@@ -156,12 +151,8 @@ def linear_oneshot(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, pro
     lnw, lnb, eps = ln if prologue == PRO_LN else (weight, weight, 0.0)
     tiles = oneshot_tiles(m, n, k, weight.dtype) if tiles is None else tiles
     bm, bn = _pow2(m, 16, tiles["bm"]), _pow2(n, 16, tiles["bn"])
-    # the LayerNorm needs the whole row in one tile; otherwise K is walked in steps of at most bk, and of at most
-    # MISH_BK with the Mish prologue, whose fp32 pass over a whole 1024-wide tile spilled registers (the time
-    # embedding's GEMM took 250 µs instead of a few)
+    # the LayerNorm needs the whole row in one tile; otherwise K is walked in steps of at most bk
     bk = _pow2(k) if prologue == PRO_LN else _pow2(k, 16, tiles.get("bk", 1 << 30))
-    if prologue == PRO_MISH:
-        bk = min(bk, MISH_BK)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _oneshot_kernel[grid](
         x, weight, bias if bias is not None else weight, residual if residual is not None else x, out, lnw, lnb,
