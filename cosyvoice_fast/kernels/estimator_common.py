@@ -32,9 +32,11 @@ PRO_NONE, PRO_LN, PRO_MISH, PRO_SINUS = 0, 1, 2, 3
 #: (:func:`~cosyvoice_fast.kernels.estimator_linear.linear`) load their first weight tile before that wait;
 #: ``oneshot`` -- ``linear`` calls of at most ``oneshot_max_rows`` rows run as one-shot GEMMs
 #: (:mod:`~cosyvoice_fast.kernels.estimator_oneshot`) instead of the row-tiled kernel, except the Mish and
-#: sinusoidal prologues (the time embedding) and a ``norm_out`` request: faster for one CFG pair of up to ~200
-#: frames; at 2 x 250 frames the H100 showed no end-to-end gain (BENCHMARKS.md, session 15).
-LAUNCH = {"pdl": True, "pdl_max_rows": 1024, "early_weights": True, "oneshot": True, "oneshot_max_rows": 448}
+#: sinusoidal prologues (the time embedding) and a ``norm_out`` request.  300 rows: one request's CFG pair up to
+#: the flow's 150-frame bucket, where every measured length ran faster on both an H100 and an H200; at the
+#: 200-frame bucket an H200 ran slower, and at the 250-frame bucket (the benchmark's first chunk) an H100 showed
+#: no end-to-end gain (BENCHMARKS.md, session 15).
+LAUNCH = {"pdl": True, "pdl_max_rows": 1024, "early_weights": True, "oneshot": True, "oneshot_max_rows": 300}
 
 
 def pdl_kwargs(t: Tensor, rows: int) -> dict:
