@@ -45,6 +45,26 @@ def pdl_kwargs(t: Tensor, rows: int) -> dict:
     return pdl_options(LAUNCH["pdl"] and rows <= LAUNCH["pdl_max_rows"], t)
 
 
+def gemm_output(who: str, m: int, weight: Tensor, residual: Tensor | None, out: Tensor | None,
+                out_btc: tuple[int, int] | None, device: torch.device, dtype: torch.dtype
+                ) -> tuple[Tensor, int, int, int, int]:
+    """The checks and output layout ``linear`` and ``linear_oneshot`` share: a contiguous (N, K) weight, a
+    row-major (M, N) residual, and the output (``out`` or a new tensor) with its store addressing
+    ``(out, rows_per_b, stride_yb, stride_yt, stride_yn)`` -- row-major (M, N), or ``out_btc = (B, T)``'s
+    (B, N, T) layout where row ``b·T + t`` lands at ``out[b, :, t]``."""
+    n = weight.shape[0]
+    if not weight.is_contiguous():
+        raise ValueError(f"{who}: weight must be contiguous (N, K)")
+    if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
+        raise ValueError(f"{who}: residual must be ({m}, {n}) row-major, got {tuple(residual.shape)}")
+    if out_btc is None:
+        out = torch.empty(m, n, device=device, dtype=dtype) if out is None else out
+        return out, max(m, 1), 0, out.stride(0), out.stride(1)
+    b, t = out_btc
+    out = torch.empty(b, n, t, device=device, dtype=dtype) if out is None else out
+    return out, t, out.stride(0), out.stride(2), out.stride(1)
+
+
 def interpreting() -> bool:
     """True when Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET") == "1"

@@ -29,8 +29,8 @@ from torch import Tensor
 
 # re-exported: the codes and helpers are imported from here by the other estimator modules and the tests
 from .estimator_common import (ACT_GELU, ACT_MISH, ACT_NONE, ACT_SILU, LAUNCH, PRO_LN, PRO_MISH,  # noqa: F401
-                               PRO_NONE, PRO_SINUS, _act, _epilogue_store, _norm_rows_store, _pow2, interpreting,
-                               pdl_kwargs)
+                               PRO_NONE, PRO_SINUS, _act, _epilogue_store, _norm_rows_store, _pow2, gemm_output,
+                               interpreting, pdl_kwargs)
 from .estimator_cublas import linear_cublas, use_many_rows
 from .estimator_oneshot import linear_oneshot
 from .pdl import pdl_start
@@ -179,19 +179,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: i
         raise ValueError(f"linear: the sinusoidal prologue reads a (M,) time vector, got {tuple(x.shape)}")
     if prologue != PRO_SINUS and (x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1):
         raise ValueError(f"linear: x must be (M, {k}) with unit column stride, got {tuple(x.shape)}")
-    if not weight.is_contiguous():
-        raise ValueError("linear: weight must be contiguous (N, K)")
-    if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
-        raise ValueError(f"linear: residual must be ({m}, {n}) row-major, got {tuple(residual.shape)}")
-    if out_btc is None:
-        if out is None:
-            out = torch.empty(m, n, device=x.device, dtype=x.dtype if prologue != PRO_SINUS else weight.dtype)
-        rows_per_b, syb, syt, syn = max(m, 1), 0, out.stride(0), out.stride(1)
-    else:
-        b, t = out_btc
-        if out is None:
-            out = torch.empty(b, n, t, device=x.device, dtype=x.dtype)
-        rows_per_b, syb, syt, syn = t, out.stride(0), out.stride(2), out.stride(1)
+    out, rows_per_b, syb, syt, syn = gemm_output(
+        "linear", m, weight, residual, out, out_btc, x.device,
+        x.dtype if prologue != PRO_SINUS or out_btc is not None else weight.dtype)
     lnw, lnb, eps = ln if ln is not None else (weight, weight, 0.0)
     if prologue == PRO_LN and ln is None:
         raise ValueError("linear: the LayerNorm prologue needs ln=(gamma, beta, eps)")

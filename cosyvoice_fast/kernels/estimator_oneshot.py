@@ -13,7 +13,8 @@ own, so a launch waits on several L2 round trips in a row.  Here a program
 
 That suits K up to a thousand or so (the estimator's 256 and 1024); the weight tile's register footprint is what
 bounds BN (:func:`oneshot_tiles`).  Numerics are those of ``linear``: fp32 statistics and accumulation, IEEE fp32
-dots for fp32 operands, the same epilogue (:func:`~cosyvoice_fast.kernels.estimator_common._epilogue_store`).
+dots for fp32 operands, and its epilogue (bias, activation, residual, row mask, strided store), with the residual
+tile loaded together with the activations instead of after the product.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .estimator_common import ACT_NONE, PRO_LN, PRO_NONE, _act, _pow2, interpreting, pdl_kwargs
+from .estimator_common import ACT_NONE, PRO_LN, PRO_NONE, _act, _pow2, gemm_output, interpreting, pdl_kwargs
 from .pdl import pdl_start
 
 #: Rows up to which a launch counts as "few" for the tile choice (one request's CFG pair of up to 128 frames).
@@ -137,17 +138,8 @@ def linear_oneshot(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, pro
     m = x.shape[0]
     if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
         raise ValueError(f"linear_oneshot: x must be (M, {k}) with unit column stride, got {tuple(x.shape)}")
-    if not weight.is_contiguous():
-        raise ValueError("linear_oneshot: weight must be contiguous (N, K)")
-    if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
-        raise ValueError(f"linear_oneshot: residual must be ({m}, {n}) row-major, got {tuple(residual.shape)}")
-    if out_btc is None:
-        out = torch.empty(m, n, device=x.device, dtype=x.dtype) if out is None else out
-        rows_per_b, syb, syt, syn = max(m, 1), 0, out.stride(0), out.stride(1)
-    else:
-        b, t = out_btc
-        out = torch.empty(b, n, t, device=x.device, dtype=x.dtype) if out is None else out
-        rows_per_b, syb, syt, syn = t, out.stride(0), out.stride(2), out.stride(1)
+    out, rows_per_b, syb, syt, syn = gemm_output("linear_oneshot", m, weight, residual, out, out_btc, x.device,
+                                                 x.dtype)
     lnw, lnb, eps = ln if prologue == PRO_LN else (weight, weight, 0.0)
     tiles = oneshot_tiles(m, n, k, weight.dtype) if tiles is None else tiles
     bm, bn = _pow2(m, 16, tiles["bm"]), _pow2(n, 16, tiles["bn"])
