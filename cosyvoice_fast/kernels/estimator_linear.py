@@ -7,9 +7,9 @@
   :data:`~cosyvoice_fast.kernels.estimator_cublas.MANY_ROWS_M` rows (16-bit weights) the call takes the
   many-rows path (:mod:`~cosyvoice_fast.kernels.estimator_cublas`: cuBLAS or a tall Triton kernel), whose
   epilogue can also write the next LayerNorm of its output (``norm_out``); below it, with
-  ``LAUNCH["oneshot"]`` (up to ``LAUNCH["oneshot_max_rows"]`` rows), the one-shot GEMM of :mod:`~cosyvoice_fast.kernels.estimator_oneshot` (one dependent
-  load round per launch), and the row-tiled kernel here for the Mish and sinusoidal prologues (the time
-  embedding) and ``norm_out``.
+  ``LAUNCH["oneshot"]`` (up to ``LAUNCH["oneshot_max_rows"]`` rows), the one-shot GEMM of
+  :mod:`~cosyvoice_fast.kernels.estimator_oneshot` (one dependent load round per launch), and the row-tiled
+  kernel here for the Mish and sinusoidal prologues (the time embedding), ``norm_out`` and more rows.
 * :func:`ffn` — the whole feed-forward half of a transformer block in one kernel:
   ``X + b2 + GELU(LN(X) @ W1^T + b1) @ W2^T``; the 4x-wide hidden activation lives only in registers, chunk
   by chunk.

@@ -88,7 +88,7 @@ def _oneshot_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, lnw_ptr, lnb_ptr, rowmask
         res = tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=ok, other=0.0)
     if ROWMASK:
         keep = tl.load(rowmask_ptr + rm, mask=m_ok, other=0.0).to(tl.float32)
-    if PRO == 1:  # LayerNorm: fp32 statistics over the whole row, from the registers (mean, then the centred second moment)
+    if PRO == 1:  # LayerNorm: fp32 statistics of the whole row from the registers (mean, then centred moment)
         af = a.to(tl.float32)
         mean = tl.sum(af, axis=1) / K
         ac = tl.where(k_ok[None, :], af - mean[:, None], 0.0)
