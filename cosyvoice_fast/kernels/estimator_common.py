@@ -97,6 +97,19 @@ def _act(x, ACT: tl.constexpr):
 
 
 @triton.jit
+def _grouped_tile(M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """(rows, columns, row mask, column mask) of this program's (BM, BN) output tile in a 1-D launch whose
+    column tiles vary fastest, so the programs in flight together share their rows of X in L2."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BN)
+    pid_m = pid // n_tiles
+    pid_n = pid - pid_m * n_tiles
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    return rm, rn, rm < M, rn < N
+
+
+@triton.jit
 def _epilogue_store(acc, rm, rn, m_ok, n_ok, b_ptr, r_ptr, rowmask_ptr, y_ptr, stride_rm, rows_per_b, stride_yb,
                     stride_yt, stride_yn, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
                     ROWMASK: tl.constexpr):

@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .estimator_common import ACT_NONE, PRO_LN, PRO_NONE, _act, _pow2, gemm_output, interpreting, pdl_kwargs
+from .estimator_common import (ACT_NONE, PRO_LN, PRO_NONE, _act, _grouped_tile, _pow2, gemm_output, interpreting,
+                               pdl_kwargs)
 from .pdl import pdl_start
 
 #: Rows up to which a launch counts as "few" for the tile choice (one request's CFG pair of up to 128 frames).
@@ -61,17 +62,8 @@ def _oneshot_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, lnw_ptr, lnb_ptr, rowmask
                     PRO: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
                     ROWMASK: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, KSTEPS: tl.constexpr, PDL: tl.constexpr):
-    # column tiles vary fastest, so the programs that share a row tile start together and its activation
-    # rows are read from L2 by neighbours in time
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(N, BN)
-    pid_m = pid // n_tiles
-    pid_n = pid - pid_m * n_tiles
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
+    rm, rn, m_ok, n_ok = _grouped_tile(M, N, BM, BN)
     rk = tl.arange(0, BK)
-    m_ok = rm < M
-    n_ok = rn < N
     k_ok = rk < K
     ok = m_ok[:, None] & n_ok[None, :]
     # everything that does not depend on the previous kernel is requested before the wait

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .estimator_common import _epilogue_store, _norm_rows_store, _pow2, interpreting
+from .estimator_common import _epilogue_store, _grouped_tile, _norm_rows_store, _pow2, interpreting
 
 #: Tiles of the tall GEMM for 16-bit operands on a GPU (``benchmarks/estimator_tall_gemm.py`` times a few and
 #: changes these before the kernels compile).  ``norm``: the tiles of launches that also write the next
@@ -39,16 +39,8 @@ def _tall_kernel(x_ptr, w_ptr, b_ptr, r_ptr, rowmask_ptr, y_ptr, g_ptr, beta_ptr
                  HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr, ROWMASK: tl.constexpr,
                  NORM: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    # column tiles vary fastest, so the programs in flight together share their rows of X in L2
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(N, BN)
-    pid_m = pid // n_tiles
-    pid_n = pid - pid_m * n_tiles
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
+    rm, rn, m_ok, n_ok = _grouped_tile(M, N, BM, BN)
     rk = tl.arange(0, BK)
-    m_ok = rm < M
-    n_ok = rn < N
     # out-of-range rows and columns read row / column 0 instead of a masked load (unmasked loads pipeline
     # better); their results are never stored
     a_rows = x_ptr + tl.where(m_ok, rm, 0)[:, None] * stride_xm
