@@ -37,7 +37,7 @@ from cosyvoice_fast.kernels.pdl import pdl_options, pdl_start  # noqa: E402
 
 
 @triton.jit
-def _phase_tile(src, dst, w_ptr, b_ptr, w, tile, M, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+def _phase_tile(src, dst, b_ptr, w, tile, M, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 CG: tl.constexpr):
     """One (BM, BN) tile of ``dst = src @ W^T + b + src`` (K = N), with the weight tile ``w`` already loaded."""
     n_n = N // BN
@@ -71,7 +71,7 @@ def _chain_kernel(src, dst, w_ptr, b_ptr, M, N: tl.constexpr, BM: tl.constexpr, 
     tile = tl.program_id(0)
     w = _w_tile(w_ptr, tile, N, BN)
     pdl_start(PDL)
-    _phase_tile(src, dst, w_ptr, b_ptr, w, tile, M, N, BM, BN, False)
+    _phase_tile(src, dst, b_ptr, w, tile, M, N, BM, BN, False)
 
 
 @triton.jit
@@ -101,7 +101,7 @@ def _persistent_kernel(buf, w_ptr, b_ptr, sync_ptr, M, PHASES, NPROG, N: tl.cons
                         w = _w_tile(w_ptr + ph * N * N, tile, N, BN)
                 else:
                     w = _w_tile(w_ptr + ph * N * N, tile, N, BN)
-                _phase_tile(src, dst, w_ptr, b_ptr + ph * N, w, tile, M, N, BM, BN, True)
+                _phase_tile(src, dst, b_ptr + ph * N, w, tile, M, N, BM, BN, True)
             if PREFETCH and ph + 1 < PHASES:
                 w = _w_tile(w_ptr + (ph + 1) * N * N, pid, N, BN)
         _grid_sync(sync_ptr, (ph + 1) * NPROG)
