@@ -45,7 +45,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
@@ -77,11 +77,16 @@ class IncrementalEstimatorGraphs:
     """
 
     def __init__(self, flow: nn.Module, max_frames: int = DEFAULT_STATE_FRAMES, granularity: int | None = None,
-                 kv_granularity: int = 250, max_graphs: int = 48, capture: bool | None = None):
+                 kv_granularity: int = 250, max_graphs: int = 48, capture: bool | None = None,
+                 estimator: Callable[..., Tensor] | None = None):
+        """``estimator``: computes one Euler step on a window (``guided_solve``'s argument; default the eager
+        maths, the ``fused`` backend passes :meth:`~cosyvoice_fast.kernels.estimator_fused.FusedEstimator.
+        forward_window`)."""
         est = flow.decoder.estimator
         check_estimator(est)
         p = next(flow.parameters())
         self.flow = flow
+        self.estimator = estimator
         self.device, self.dtype = p.device, p.dtype
         self.capture = (p.device.type == "cuda") if capture is None else capture
         self.chunk = est.cfg.static_chunk_size
@@ -159,13 +164,14 @@ class IncrementalEstimatorGraphs:
         return {"x0": torch.zeros(1, c, n, device=dev, dtype=dt), "mu": torch.zeros(1, c, n, device=dev, dtype=dt),
                 "cond": torch.zeros(1, c, n, device=dev, dtype=dt), "spks": torch.zeros(1, c, device=dev, dtype=dt),
                 "mask": static_mask(0, n, n, cap, self.chunk, dev, dt),
-                "pos": torch.arange(n, device=dev),
+                "pos": torch.arange(n, device=dev), "valid": torch.full((1,), n, device=dev),
                 "ctx_index": {left: torch.arange(left, device=dev) for left in sorted({lt for _, lt in self.convs})}}
 
     def _solve(self, inp: dict[str, Any], cap: int) -> Tensor:
         windows = [StaticWindow(self.kv[i, ..., :cap, :], [c[i] for c in self.ctx], inp["pos"], inp["ctx_index"],
-                                inp["mask"]) for i in range(self.steps)]
-        return guided_solve(self.flow, inp["x0"], inp["mu"], inp["spks"], inp["cond"], windows, self.schedule)
+                                inp["mask"], inp["valid"]) for i in range(self.steps)]
+        return guided_solve(self.flow, inp["x0"], inp["mu"], inp["spks"], inp["cond"], windows, self.schedule,
+                            self.estimator)
 
     def _graph(self, n: int, cap: int) -> _Graph | None:
         """The graph of shape (``n`` frames, ``cap`` key positions): captured now unless :attr:`frozen`
@@ -243,6 +249,7 @@ class IncrementalEstimatorGraphs:
             inp["spks"].copy_(spks)
             inp["mask"].copy_(static_mask(start, n, nb, cap, self.chunk, dev, self.dtype))
             inp["pos"].copy_(torch.arange(start, start + nb, device=dev))
+            inp["valid"].fill_(n)
             for left, idx in inp["ctx_index"].items():
                 idx.copy_(torch.arange(new_start - start, new_start - start + left, device=dev))
             try:
@@ -301,8 +308,9 @@ class GraphIncrementalFlow(IncrementalFlow):
 
     def __init__(self, flow: nn.Module, full: Any, config: Any = None, final: str = "full",
                  max_frames: int = DEFAULT_STATE_FRAMES, max_prompt_states: int = 8, capture: bool | None = None,
-                 encoder: str = "recompute", share_buffers: bool = False):
-        super().__init__(flow, config, final, max_prompt_states)
+                 encoder: str = "recompute", share_buffers: bool = False,
+                 estimator: Callable[..., Tensor] | None = None, new_voices: str = "incremental"):
+        super().__init__(flow, config, final, max_prompt_states, new_voices)
         self.full = full
         self.share_buffers = share_buffers
         self.busy = 0  # segments that recomputed because another stream held the buffers
@@ -310,7 +318,7 @@ class GraphIncrementalFlow(IncrementalFlow):
             raise ValueError(f"encoder must be 'recompute' or 'incremental', got {encoder!r}")
         if encoder == "recompute":
             self.encoder = recompute_encoder(getattr(full, "encoder", None) or flow.encode)
-        self.graphs = self.decoder = IncrementalEstimatorGraphs(flow, max_frames, capture=capture)
+        self.graphs = self.decoder = IncrementalEstimatorGraphs(flow, max_frames, capture=capture, estimator=estimator)
 
     def chunk(self, seg: Any, inputs: Any, tokens: Tensor, call: ChunkCall, stream: bool = True) -> Tensor:
         """As :meth:`IncrementalFlow.chunk`; with ``share_buffers`` off (the default) a segment starts

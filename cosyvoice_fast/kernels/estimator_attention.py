@@ -38,30 +38,40 @@ _ATTN_SMALL = {"bm": 16, "bn": 16, "warps": 4, "stages": 3}
 
 
 @triton.jit
-def _attn_step(q, base, k_off, v_off, mask_row, rj, rd, T, limit, qk_scale, stride, m_i, l_i, acc,
-               IEEE: tl.constexpr):
-    """One key block ``rj`` of the online softmax for the queries ``q`` whose keys end at ``limit``: returns the
-    updated (running max, running sum, accumulator)."""
-    j_ok = rj < T
-    kt = tl.load(base + rj[None, :] * stride + k_off + rd[:, None], mask=j_ok[None, :], other=0.0)
+def _online_update(q, k_ptrs, v_ptrs, k_ok, v_ok, allowed, qk_scale, m_i, l_i, acc, IEEE: tl.constexpr):
+    """One key block of the online softmax: scores of ``q`` against the (D, BN) keys at ``k_ptrs``, hidden
+    where not ``allowed``; returns the updated (running max, running sum, accumulator).  ``k_ok`` / ``v_ok``
+    mask the key and value loads (broadcast to their tiles)."""
+    kt = tl.load(k_ptrs, mask=k_ok, other=0.0)
     if IEEE:
         s = tl.dot(q, kt, input_precision="ieee")
     else:
         s = tl.dot(q, kt)
-    keep = tl.load(mask_row + rj, mask=j_ok, other=0.0) != 0
-    allowed = keep[None, :] & (rj[None, :] < limit[:, None])
     s = tl.where(allowed, s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(base + rj[:, None] * stride + v_off + rd[None, :], mask=j_ok[:, None], other=0.0)
+    v = tl.load(v_ptrs, mask=v_ok, other=0.0)
     if IEEE:
         pv = tl.dot(p.to(q.dtype), v, input_precision="ieee")
     else:
         pv = tl.dot(p.to(q.dtype), v)
     return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _attn_step(q, base, k_off, v_off, mask_row, rj, rd, T, limit, qk_scale, stride, m_i, l_i, acc,
+               IEEE: tl.constexpr):
+    """One key block ``rj`` of the online softmax for the queries ``q`` whose keys end at ``limit``: returns the
+    updated (running max, running sum, accumulator)."""
+    j_ok = rj < T
+    keep = tl.load(mask_row + rj, mask=j_ok, other=0.0) != 0
+    allowed = keep[None, :] & (rj[None, :] < limit[:, None])
+    return _online_update(q, base + rj[None, :] * stride + k_off + rd[:, None],
+                          base + rj[:, None] * stride + v_off + rd[None, :], j_ok[None, :], j_ok[:, None],
+                          allowed, qk_scale, m_i, l_i, acc, IEEE)
 
 
 @triton.jit

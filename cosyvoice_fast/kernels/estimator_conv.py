@@ -40,9 +40,12 @@ INTERPRETER_TILES = {"bm": 128, "bn": 64, "bk": 64, "warps": 4, "ln_bm": 64, "ln
 
 
 @triton.jit
-def _conv_src(acc, racc, x_ptr, C_src, c_base, w_ptr, rw_ptr, mask_ptr, rm, t_in, m_ok, rn, n_ok, rk,
-              K_total, C_all, TAPS: tl.constexpr, HAS_RW: tl.constexpr, IEEE: tl.constexpr, BK: tl.constexpr):
-    """Accumulate one input source (channels ``c_base .. c_base + C_src`` of the concatenation)."""
+def _conv_src(acc, racc, x_ptr, C_src, c_base, w_ptr, rw_ptr, mask_ptr, ctx_ptr, s_cb, s_cc, s_ct, b, rm, t_in,
+              m_ok, rn, n_ok, rk, K_total, C_all, TAPS: tl.constexpr, HAS_RW: tl.constexpr, HAS_CTX: tl.constexpr,
+              IEEE: tl.constexpr, BK: tl.constexpr):
+    """Accumulate one input source (channels ``c_base .. c_base + C_src`` of the concatenation).  With
+    ``HAS_CTX`` the columns before a row's first frame come from its context ``ctx[b, c, taps - 1 - k]`` (the
+    already masked input ``k`` frames before it) instead of zeros."""
     wdt = w_ptr.dtype.element_ty
     for tap in tl.static_range(TAPS):
         shift = TAPS - 1 - tap
@@ -53,7 +56,14 @@ def _conv_src(acc, racc, x_ptr, C_src, c_base, w_ptr, rw_ptr, mask_ptr, rm, t_in
             cc = c0 + rk
             c_ok = cc < C_src
             a = tl.load(x_ptr + src[:, None] * C_src + cc[None, :], mask=src_ok[:, None] & c_ok[None, :], other=0.0)
-            a = (a.to(tl.float32) * mval[:, None]).to(wdt)
+            a = a.to(tl.float32) * mval[:, None]
+            if HAS_CTX:
+                if shift > 0:
+                    from_ctx = m_ok & (t_in < shift)
+                    a += tl.load(ctx_ptr + b[:, None] * s_cb + (c_base + cc)[None, :] * s_cc
+                                 + (TAPS - 1 - shift + t_in)[:, None] * s_ct,
+                                 mask=from_ctx[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+            a = a.to(wdt)
             kcol = tap * C_all + c_base + cc
             w = tl.load(w_ptr + rn[None, :] * K_total + kcol[:, None], mask=n_ok[None, :] & c_ok[:, None], other=0.0)
             acc += _mm(a, w, IEEE)
@@ -67,10 +77,11 @@ def _conv_src(acc, racc, x_ptr, C_src, c_base, w_ptr, rw_ptr, mask_ptr, rm, t_in
 
 @triton.jit
 def _conv_kernel(x1_ptr, x2_ptr, mask_ptr, w_ptr, b_ptr, lnw_ptr, lnb_ptr, vec_ptr, res_ptr, rw_ptr, rb_ptr,
-                 rout_ptr, y_ptr, M, T, N, C1, C2, stride_vec, eps,
+                 rout_ptr, y_ptr, ctx_ptr, M, T, N, C1, C2, stride_vec, s_cb, s_cc, s_ct, eps,
                  TAPS: tl.constexpr, HAS_X2: tl.constexpr, HAS_LN: tl.constexpr, ACT: tl.constexpr,
                  OUT_MASK: tl.constexpr, HAS_VEC: tl.constexpr, HAS_RES: tl.constexpr, HAS_RW: tl.constexpr,
-                 IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+                 HAS_CTX: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 PDL: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -85,11 +96,11 @@ def _conv_kernel(x1_ptr, x2_ptr, mask_ptr, w_ptr, b_ptr, lnw_ptr, lnb_ptr, vec_p
     pdl_start(PDL)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     racc = tl.zeros([BM, BN], dtype=tl.float32)
-    acc, racc = _conv_src(acc, racc, x1_ptr, C1, 0, w_ptr, rw_ptr, mask_ptr, rm, t_in, m_ok, rn, n_ok, rk,
-                          K_total, C_all, TAPS, HAS_RW, IEEE, BK)
+    acc, racc = _conv_src(acc, racc, x1_ptr, C1, 0, w_ptr, rw_ptr, mask_ptr, ctx_ptr, s_cb, s_cc, s_ct, b, rm,
+                          t_in, m_ok, rn, n_ok, rk, K_total, C_all, TAPS, HAS_RW, HAS_CTX, IEEE, BK)
     if HAS_X2:
-        acc, racc = _conv_src(acc, racc, x2_ptr, C2, C1, w_ptr, rw_ptr, mask_ptr, rm, t_in, m_ok, rn, n_ok, rk,
-                              K_total, C_all, TAPS, HAS_RW, IEEE, BK)
+        acc, racc = _conv_src(acc, racc, x2_ptr, C2, C1, w_ptr, rw_ptr, mask_ptr, ctx_ptr, s_cb, s_cc, s_ct, b,
+                              rm, t_in, m_ok, rn, n_ok, rk, K_total, C_all, TAPS, HAS_RW, HAS_CTX, IEEE, BK)
     ok = m_ok[:, None] & n_ok[None, :]
     acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_LN:  # the whole row is in this program (BN >= N, one program along N)
@@ -122,10 +133,12 @@ def causal_conv(x1: Tensor, mask: Tensor, weight: Tensor, bias: Tensor, frames: 
                 taps: int = 3, ln: tuple[Tensor, Tensor, float] | None = None, act: int = 0,
                 out_mask: bool = False, vec: Tensor | None = None, residual: Tensor | None = None,
                 res_weight: Tensor | None = None, res_bias: Tensor | None = None,
-                res_out: Tensor | None = None) -> Tensor:
+                res_out: Tensor | None = None, ctx: Tensor | None = None) -> Tensor:
     """Causal conv over rows ``b·frames + t`` of ``x1`` (M, C1) [‖ ``x2`` (M, C2)], input masked by ``mask``
     (M,), ``weight`` packed by :func:`pack_conv_weight`; see the module docstring for the epilogue options.
-    ``vec`` is (B, >= N) with unit column stride; ``res_weight`` (N, C1 + C2) writes into ``res_out`` (M, N)."""
+    ``vec`` is (B, >= N) with unit column stride; ``res_weight`` (N, C1 + C2) writes into ``res_out`` (M, N).
+    ``ctx`` (B, C1 + C2, taps - 1): the input columns before each row's first frame (an incremental window,
+    :mod:`~cosyvoice_fast.kernels.estimator_window`); zeros when None."""
     m, c1 = x1.shape
     c2 = 0 if x2 is None else x2.shape[1]
     n = weight.shape[0]
@@ -137,6 +150,8 @@ def causal_conv(x1: Tensor, mask: Tensor, weight: Tensor, bias: Tensor, frames: 
         raise ValueError(f"causal_conv: {m} rows are not batch rows of {frames} frames with a ({m},) mask")
     if (res_weight is None) != (res_out is None) or (res_weight is not None and res_bias is None):
         raise ValueError("causal_conv: res_weight, res_bias and res_out go together")
+    if ctx is not None and ctx.shape != (m // frames, c1 + c2, taps - 1):
+        raise ValueError(f"causal_conv: ctx must be ({m // frames}, {c1 + c2}, {taps - 1}), got {tuple(ctx.shape)}")
     y = torch.empty(m, n, device=x1.device, dtype=x1.dtype)
     fp32 = weight.dtype == torch.float32
     tiles = pick_tiles(fp32, TUNING, FP32_TILES, INTERPRETER_TILES, m, TUNING_LARGE)
@@ -152,10 +167,11 @@ def causal_conv(x1: Tensor, mask: Tensor, weight: Tensor, bias: Tensor, frames: 
         x1, x2 if x2 is not None else x1, mask, weight, bias, lnw, lnb, vec if vec is not None else bias,
         residual if residual is not None else y, res_weight if res_weight is not None else weight,
         res_bias if res_bias is not None else bias, res_out if res_out is not None else y, y,
-        m, frames, n, c1, c2, vec.stride(0) if vec is not None else 0, float(eps),
+        ctx if ctx is not None else x1, m, frames, n, c1, c2, vec.stride(0) if vec is not None else 0,
+        *(ctx.stride() if ctx is not None else (0, 0, 0)), float(eps),
         TAPS=taps, HAS_X2=x2 is not None, HAS_LN=ln is not None, ACT=act, OUT_MASK=out_mask,
         HAS_VEC=vec is not None, HAS_RES=residual is not None, HAS_RW=res_weight is not None,
-        IEEE=fp32, BM=bm, BN=bn, BK=bk, num_warps=tiles["ln_warps"] if ln is not None else tiles["warps"],
+        HAS_CTX=ctx is not None, IEEE=fp32, BM=bm, BN=bn, BK=bk, num_warps=tiles["ln_warps"] if ln is not None else tiles["warps"],
         num_stages=tiles["stages"], **pdl_kwargs(x1, m))
     return y
 

@@ -37,6 +37,7 @@ from .estimator_common import pdl_kwargs
 from .estimator_conv import causal_conv, pack_conv_weight, row_epilogue
 from .estimator_cublas import use_many_rows
 from .estimator_linear import ACT_GELU, ACT_MISH, ACT_SILU, PRO_LN, PRO_MISH, PRO_NONE, PRO_SINUS, ffn, linear
+from .estimator_window import attention_cached, update_conv_context
 from .pdl import pdl_start
 
 
@@ -93,6 +94,28 @@ SPLIT_LN_MAX_ROWS = 1024
 
 def _ln(norm: nn.LayerNorm) -> tuple[Tensor, Tensor, float]:
     return norm.weight, norm.bias, float(norm.eps)
+
+
+class _Window:
+    """A :class:`~cosyvoice_fast.models.flow_incremental.StaticWindow`'s buffers handed out in layer order:
+    keys/values per attention layer, context columns per causal conv (the order the eager
+    :func:`~cosyvoice_fast.models.flow_incremental.estimator_increment` visits them), plus the one-element
+    device tensors ``start`` (the window's first absolute frame), ``valid`` (its real frames) and ``commit``
+    (the window frame whose left columns become the next context)."""
+
+    def __init__(self, win: object):
+        self.kv, self.ctx = win.kv, win.ctx
+        self.start, self.valid = win.pos[:1], win.valid
+        self.commit = {left: idx[:1] for left, idx in win.ctx_index.items()}
+        self.n_attn = self.n_conv = 0
+
+    def next_kv(self) -> Tensor:
+        self.n_attn += 1
+        return self.kv[self.n_attn - 1]
+
+    def next_ctx(self) -> Tensor:
+        self.n_conv += 1
+        return self.ctx[self.n_conv - 1]
 
 
 class FusedEstimator(nn.Module):
@@ -168,28 +191,40 @@ class FusedEstimator(nn.Module):
         self._packed, self._key = p, key
         return p
 
+    @staticmethod
+    def _conv(win: _Window | None, x: Tensor, mask: Tensor, weight: Tensor, bias: Tensor, frames: int,
+              **kw: object) -> Tensor:
+        """:func:`causal_conv`; in an incremental window it reads the conv's context columns and then stores
+        the new ones (after the conv has read the old)."""
+        if win is None:
+            return causal_conv(x, mask, weight, bias, frames, **kw)
+        ctx = win.next_ctx()
+        y = causal_conv(x, mask, weight, bias, frames, ctx=ctx, **kw)
+        update_conv_context(x, ctx, win.commit[ctx.shape[2]], frames, x2=kw.get("x2"))
+        return y
+
     def _resnet(self, i: int, r: nn.Module, h: Tensor, skip: Tensor | None, mask: Tensor, frames: int,
-                tall: Tensor, p: dict) -> Tensor:
+                tall: Tensor, p: dict, win: _Window | None = None) -> Tensor:
         w = p["resnets"][i]
         n = r.block1.block[0].weight.shape[0]
         res = torch.empty(h.shape[0], n, device=h.device, dtype=h.dtype)
         vec = tall[:, i * n:(i + 1) * n]
         split = self.resnet_split_ln if self.resnet_split_ln is not None else h.shape[0] <= SPLIT_LN_MAX_ROWS
+        conv = self._conv
         if split:
-            y1 = causal_conv(h, mask, w["w1"], r.block1.block[0].bias, frames, x2=skip, res_weight=w["wr"],
-                             res_bias=r.res_conv.bias, res_out=res)
+            y1 = conv(win, h, mask, w["w1"], r.block1.block[0].bias, frames, x2=skip, res_weight=w["wr"],
+                      res_bias=r.res_conv.bias, res_out=res)
             h1 = row_epilogue(y1, mask, _ln(r.block1.block[2]), frames, act=ACT_MISH, vec=vec)
-            y2 = causal_conv(h1, mask, w["w2"], r.block2.block[0].bias, frames)
+            y2 = conv(win, h1, mask, w["w2"], r.block2.block[0].bias, frames)
             return row_epilogue(y2, mask, _ln(r.block2.block[2]), frames, act=ACT_MISH, residual=res)
-        h1 = causal_conv(h, mask, w["w1"], r.block1.block[0].bias, frames, x2=skip, ln=_ln(r.block1.block[2]),
-                         act=ACT_MISH, out_mask=True, vec=vec, res_weight=w["wr"], res_bias=r.res_conv.bias,
-                         res_out=res)
-        return causal_conv(h1, mask, w["w2"], r.block2.block[0].bias, frames, ln=_ln(r.block2.block[2]),
-                           act=ACT_MISH, out_mask=True, residual=res)
+        h1 = conv(win, h, mask, w["w1"], r.block1.block[0].bias, frames, x2=skip, ln=_ln(r.block1.block[2]),
+                  act=ACT_MISH, out_mask=True, vec=vec, res_weight=w["wr"], res_bias=r.res_conv.bias, res_out=res)
+        return conv(win, h1, mask, w["w2"], r.block2.block[0].bias, frames, ln=_ln(r.block2.block[2]),
+                    act=ACT_MISH, out_mask=True, residual=res)
 
     def _transformer(self, blk: nn.Module, h: Tensor, mask: Tensor, batch: int, chunk: int, p: dict,
-                     normed: Tensor | None = None, next_ln: tuple[Tensor, Tensor, float] | None = None
-                     ) -> tuple[Tensor, Tensor | None]:
+                     normed: Tensor | None = None, next_ln: tuple[Tensor, Tensor, float] | None = None,
+                     win: _Window | None = None) -> tuple[Tensor, Tensor | None]:
         """One transformer block over the rows ``h``; returns the new rows and, when this block's last GEMM took
         the many-rows path with ``next_ln`` given, ``LayerNorm_next(new rows)`` written by its epilogue (else
         None).
@@ -198,14 +233,21 @@ class FusedEstimator(nn.Module):
         (:func:`~cosyvoice_fast.kernels.estimator_cublas.use_many_rows`) a LayerNorm is a launch of
         its own, so each residual-producing GEMM (out-projection, second feed-forward GEMM) also writes the
         following LayerNorm of its output and the next GEMM runs without a prologue; below that the fused
-        GEMMs apply the LayerNorm in their prologue for free, so nothing changes there."""
+        GEMMs apply the LayerNorm in their prologue for free, so nothing changes there.  In an incremental
+        window (``win``) attention also reads and extends the layer's cached keys and values, and the
+        out-projection is never folded into it."""
         a, ff = blk.attn1, blk.ff.net
         fuse_ln = use_many_rows(h.shape[0], ff[2].weight, PRO_NONE)
         if normed is None:
             qkv = linear(h, p["qkv"][id(a)], prologue=PRO_LN, ln=_ln(blk.norm1))
         else:
             qkv = linear(normed, p["qkv"][id(a)])
-        if self.attention_out_fused:
+        if win is not None:
+            o = attention_cached(qkv, win.next_kv(), win.start, win.valid, a.heads, a.head_dim, chunk)
+            n3 = torch.empty_like(h) if fuse_ln and not self.ffn_one_kernel else None
+            h = linear(o, a.to_out[0].weight, a.to_out[0].bias, residual=h,
+                       norm_out=None if n3 is None else (n3, _ln(blk.norm3)))
+        elif self.attention_out_fused:
             h = attention_out(qkv, mask, batch, a.heads, a.head_dim, chunk, a.to_out[0].weight, a.to_out[0].bias, h)
             n3 = None
         else:
@@ -227,26 +269,41 @@ class FusedEstimator(nn.Module):
         return h, n1
 
     def _transformers(self, tblocks: nn.ModuleList, h: Tensor, mask: Tensor, batch: int, chunk: int,
-                      p: dict) -> Tensor:
+                      p: dict, win: _Window | None = None) -> Tensor:
         """One group of consecutive transformer blocks; each block's last GEMM may write the next block's
         ``norm1`` of its output (see :meth:`_transformer`), which is why the group is walked here as a unit."""
         normed = None
         for j, blk in enumerate(tblocks):
             next_ln = _ln(tblocks[j + 1].norm1) if j + 1 < len(tblocks) else None
-            h, normed = self._transformer(blk, h, mask, batch, chunk, p, normed=normed, next_ln=next_ln)
+            h, normed = self._transformer(blk, h, mask, batch, chunk, p, normed=normed, next_ln=next_ln, win=win)
         return h
 
     def forward(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
                 streaming: bool = False) -> Tensor:
-        est, cfg = self.est, self.est.cfg
-        p = self.packed()
         b, _, frames = x.shape
         if mask.shape != (b, 1, frames):
             raise ValueError(f"estimator mask must be ({b}, 1, {frames}), got {tuple(mask.shape)}")
         m = mask.reshape(b * frames)
         if m.dtype != x.dtype or not m.is_contiguous():
             m = m.to(x.dtype).contiguous()
-        chunk = cfg.static_chunk_size if streaming else 0
+        return self._run(x, m, mu, t, spks, cond, self.est.cfg.static_chunk_size if streaming else 0, None)
+
+    def forward_window(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, win: object) -> Tensor:
+        """The estimator on an incremental window (every frame valid, chunk-causal attention over the
+        window's cached keys): :func:`~cosyvoice_fast.models.flow_incremental.estimator_increment` with a
+        :class:`~cosyvoice_fast.models.flow_incremental.StaticWindow` ``win`` (which must also carry ``valid``,
+        the window's real frame count as a one-element tensor)."""
+        chunk = self.est.cfg.static_chunk_size
+        if chunk <= 0:
+            raise ValueError("an incremental window needs chunk-causal attention (static_chunk_size > 0)")
+        m = torch.ones(x.shape[0] * x.shape[2], device=x.device, dtype=x.dtype)
+        return self._run(x, m, mu, t, spks, cond, chunk, _Window(win))
+
+    def _run(self, x: Tensor, m: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, chunk: int,
+             win: _Window | None) -> Tensor:
+        est = self.est
+        p = self.packed()
+        b, _, frames = x.shape
         tm = est.time_mlp
         temb = linear(t.reshape(b), tm.linear_1.weight, tm.linear_1.bias, prologue=PRO_SINUS, act=ACT_SILU,
                       freqs=p["freqs"])
@@ -255,21 +312,21 @@ class FusedEstimator(nn.Module):
         h = pack_inputs(x, mu, spks, cond)
         resnet, tblocks, down = est.down_blocks[0]
         i = 0
-        h = self._resnet(i, resnet, h, None, m, frames, tall, p)
-        h = self._transformers(tblocks, h, m, b, chunk, p)
+        h = self._resnet(i, resnet, h, None, m, frames, tall, p, win)
+        h = self._transformers(tblocks, h, m, b, chunk, p, win)
         skip = h
-        h = causal_conv(h, m, p["down"], down.bias, frames)
+        h = self._conv(win, h, m, p["down"], down.bias, frames)
         for resnet, tblocks in est.mid_blocks:
             i += 1
-            h = self._resnet(i, resnet, h, None, m, frames, tall, p)
-            h = self._transformers(tblocks, h, m, b, chunk, p)
+            h = self._resnet(i, resnet, h, None, m, frames, tall, p, win)
+            h = self._transformers(tblocks, h, m, b, chunk, p, win)
         resnet, tblocks, up = est.up_blocks[0]
         i += 1
-        h = self._resnet(i, resnet, h, skip, m, frames, tall, p)
-        h = self._transformers(tblocks, h, m, b, chunk, p)
-        h = causal_conv(h, m, p["up"], up.bias, frames)
+        h = self._resnet(i, resnet, h, skip, m, frames, tall, p, win)
+        h = self._transformers(tblocks, h, m, b, chunk, p, win)
+        h = self._conv(win, h, m, p["up"], up.bias, frames)
         fb = est.final_block.block
-        h = causal_conv(h, m, p["final"], fb[0].bias, frames, ln=_ln(fb[2]), act=ACT_MISH, out_mask=True)
+        h = self._conv(win, h, m, p["final"], fb[0].bias, frames, ln=_ln(fb[2]), act=ACT_MISH, out_mask=True)
         return linear(h, p["proj"], est.final_proj.bias, rowmask=m, out_btc=(b, frames))
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -325,13 +326,15 @@ def decode_increment(flow: nn.Module, mu: Tensor, spks: Tensor, cond: Tensor, x0
 
 
 def guided_solve(flow: nn.Module, x0: Tensor, mu: Tensor, spks: Tensor, cond: Tensor, windows: list,
-                 schedule: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                 schedule: tuple[Tensor, Tensor] | None = None,
+                 estimator: Callable[..., Tensor] | None = None) -> Tensor:
     """The classifier-free-guided Euler solve of the CFM, one estimator window per step (CFG batch of 2).
 
     ``windows`` decide where each step's keys/values and conv context come from: growing lists
     (:class:`Window`) or fixed-size buffers (:class:`StaticWindow`, the CUDA-graph path); the maths is the same.
     ``schedule``: the Euler ``(t, dt)`` on ``mu``'s device, precomputed (a graph capture cannot copy from the
-    host).  Returns the (1, 80, n) mel in fp32.
+    host).  ``estimator``: :func:`estimator_increment`'s signature without the module (default: that function
+    on the flow's estimator; the ``fused`` backend passes its kernels).  Returns the (1, 80, n) mel in fp32.
     """
     cfm = flow.decoder
     est = cfm.estimator
@@ -342,8 +345,9 @@ def guided_solve(flow: nn.Module, x0: Tensor, mu: Tensor, spks: Tensor, cond: Te
     g_cond = torch.cat([cond, torch.zeros_like(cond)]).to(dtype)
     w = cfm.cfg.inference_cfg_rate
     x = x0.to(dtype)
+    run = estimator or (lambda *a: estimator_increment(est, *a))
     for i, win in enumerate(windows):
-        v = estimator_increment(est, torch.cat([x, x]), g_mu, ts[i].reshape(1).expand(2), g_spks, g_cond, win)
+        v = run(torch.cat([x, x]), g_mu, ts[i].reshape(1).expand(2), g_spks, g_cond, win)
         x = x + dts[i] * ((1.0 + w) * v[:1] - w * v[1:])
     return x.float()
 
@@ -361,10 +365,13 @@ class StaticWindow:
     ``ctx``: per causal conv, its (B, C_in, kernel - 1) left columns; each conv reads them and writes back, in
     place, the columns left of position ``commit`` of the window (``ctx_index[kernel - 1]`` holds
     ``commit + arange(kernel - 1)``).  Positions, mask and indices are tensors, so they are graph inputs.
+    ``valid`` (one element): the window's real frames, for kernels that apply the mask's rule themselves.
     """
 
-    def __init__(self, kv: Tensor, ctx: list[Tensor], pos: Tensor, ctx_index: dict[int, Tensor], mask: Tensor):
+    def __init__(self, kv: Tensor, ctx: list[Tensor], pos: Tensor, ctx_index: dict[int, Tensor], mask: Tensor,
+                 valid: Tensor | None = None):
         self.kv, self.ctx, self.pos, self.ctx_index, self.mask = kv, ctx, pos, ctx_index, mask
+        self.valid = valid
         self._attn = self._conv = 0
 
     def conv(self, conv: nn.Conv1d, x: Tensor) -> Tensor:
