@@ -36,6 +36,7 @@ BACKEND_PRESETS = {
     "cudagraph": BackendConfig(llm="cudagraph", flow="cudagraph", vocoder="cudagraph"),
     "cudagraph-recompute": BackendConfig(llm="cudagraph", flow="cudagraph", vocoder="cudagraph", incremental=False),
     "fused": BackendConfig(llm="fused", flow="fused", vocoder="fused"),  # Triton kernels in the graphs
+    "fused-recompute": BackendConfig(llm="fused", flow="fused", vocoder="fused", incremental=False),
     "tensorrt": BackendConfig(llm="cudagraph", flow="tensorrt", vocoder="cudagraph"),
     "trtllm": BackendConfig(llm="trtllm", flow="tensorrt", vocoder="cudagraph"),
 }

@@ -390,11 +390,11 @@ BACKEND_CHOICES: dict[str, tuple[str, ...]] = {"llm": ("eager", "cudagraph", "fu
 class BackendConfig:
     """Which implementation runs each stage, and in which dtype.
 
-    ``incremental``: streaming chunks of the ``eager`` and ``cudagraph`` flows reuse the segment's flow state
-    (keys/values and conv context of the frames already made, and of the prompt, cached per voice) and compute
-    only their new frames; off, every chunk recomputes the whole prefix as upstream does.  Both give the same
-    streaming chunks (within float rounding); final chunks are upstream's full-attention pass either way.  The
-    ``tensorrt`` and ``fused`` flows always recompute (no state inputs); ``incremental`` as a flow name is the
+    ``incremental``: streaming chunks of the ``eager``, ``cudagraph`` and ``fused`` flows reuse the segment's
+    flow state (keys/values and conv context of the frames already made, and of the prompt, cached per voice)
+    and compute only their new frames; off, every chunk recomputes the whole prefix as upstream does.  Both give
+    the same streaming chunks (within float rounding); final chunks are upstream's full-attention pass either
+    way.  The ``tensorrt`` flow always recomputes (no state inputs); ``incremental`` as a flow name is the
     eager flow with the flag on.
     """
 

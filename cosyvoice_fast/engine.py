@@ -109,7 +109,7 @@ class Engine:
         inc = flow if isinstance(flow, IncrementalFlow) else getattr(flow, "incremental", None)
         if inc is None:
             raise ConfigError(f"flow backend {cfg.flow!r} with incremental={cfg.incremental} keeps no flow state; "
-                              "choose eager or cudagraph with incremental on")
+                              "choose eager, cudagraph or fused with incremental on")
         cache = self.frontend._cache()  # type: ignore[attr-defined]
         feats = cache.get(speaker)
         inputs = Frontend.build_inputs([torch.zeros(1, 1, dtype=torch.int32)], feats, "cross_lingual")

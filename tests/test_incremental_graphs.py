@@ -151,6 +151,26 @@ def test_prompt_state_is_computed_once_per_voice(flow):
     assert mem["prompt_state_bytes"] >= prompt_frames * inc.graphs.frame_bytes
 
 
+def test_new_voices_can_recompute_until_their_prompt_state_exists(flow):
+    """``new_voices="recompute"`` (the fused flow's setting): a voice's first two segments recompute every chunk
+    (the second one then caches the voice's prompt state), the third runs its streaming chunks incrementally
+    from that state; every chunk stays exact."""
+    inc = _graph_flow(flow, new_voices="recompute")
+    inputs = types.SimpleNamespace(**vars(_inputs(57, seed=8)), prompt_key="voice-8")
+    tokens = _tokens(100, 8)
+    calls = plan(57, 100, StreamParams())
+    recomputed = []
+    for _ in range(3):
+        before = inc.full.calls
+        outs, refs, states = _stream(inc, flow, inputs, tokens, StreamParams())
+        assert max(_max_err(outs, refs)) <= TOL
+        recomputed.append(inc.full.calls - before)
+    assert recomputed == [len(calls), len(calls), 1]  # the third: only the full-attention final chunk
+    assert isinstance(states[0], FlowState) and inc.prompt_hits == 1
+    with pytest.raises(ValueError, match="new_voices must be one of"):
+        _graph_flow(flow, new_voices="sometimes")
+
+
 def test_state_bytes_per_frame_matches_the_buffers(flow):
     per = state_bytes_per_frame(flow)["estimator"]
     assert IncrementalEstimatorGraphs(flow, max_frames=200, capture=False).frame_bytes == per

@@ -68,6 +68,7 @@ def test_flow_keys_name_what_is_built():
     assert key(flow="eager") == key(flow="incremental") == key(flow="incremental", incremental=False) == "incremental"
     assert key(flow="eager", incremental=False) == "eager"
     assert key(flow="cudagraph") == "cudagraph-incremental" and key(flow="cudagraph", incremental=False) == "cudagraph"
+    assert key(flow="fused") == "fused-incremental" and key(flow="fused", incremental=False) == "fused"
     assert key(flow="tensorrt") == key(flow="tensorrt", incremental=False) == "tensorrt"
     assert stage_keys(BackendConfig(dtype="bf16"))["vocoder"] == ("vocoder", "eager", "fp32")  # HiFT stays fp32
 

@@ -34,8 +34,8 @@ def stage_keys(config: BackendConfig) -> dict[str, StageKey]:
     flow = config.flow
     if flow in ("eager", "incremental"):
         flow = "incremental" if (config.incremental or flow == "incremental") else "eager"
-    elif flow == "cudagraph" and config.incremental:
-        flow = "cudagraph-incremental"
+    elif flow in ("cudagraph", "fused") and config.incremental:
+        flow += "-incremental"
     return {"llm": ("llm", config.llm, config.dtype), "flow": ("flow", flow, config.dtype),
             "vocoder": ("vocoder", config.vocoder, "fp32")}
 
@@ -75,11 +75,11 @@ def _build_flow(models: Any, name: str, flow: torch.nn.Module, engine: EngineCon
         return CudaGraphFlow(flow, models.config, incremental=name == "cudagraph-incremental",
                              buckets=engine.flow_buckets, rows=engine.flow_rows,
                              capture_at_start=engine.capture_at_start)
-    if name == "fused":
+    if name in ("fused", "fused-incremental"):
         from .fused_flow import FusedFlow
 
-        return FusedFlow(flow, models.config, buckets=engine.flow_buckets, rows=engine.flow_rows,
-                         capture_at_start=engine.capture_at_start)
+        return FusedFlow(flow, models.config, incremental=name == "fused-incremental", buckets=engine.flow_buckets,
+                         rows=engine.flow_rows, capture_at_start=engine.capture_at_start)
     from .tensorrt_flow import TensorRTFlow
 
     return TensorRTFlow(flow, models.config)

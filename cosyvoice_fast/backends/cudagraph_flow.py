@@ -223,6 +223,8 @@ class CudaGraphFlow:
     docstring for the bucket policy)."""
 
     max_batch = ROW_SIZES[-1] // 2  # requests per batched solve (2 CFG rows each)
+    #: what a streamed segment of a voice with no prompt state does (``IncrementalFlow``'s ``new_voices``)
+    new_voices = "incremental"
 
     def __init__(self, flow: torch.nn.Module, config: ModelConfig, granularity: int | None = None,
                  max_frames: int = DEFAULT_MAX_FRAMES, max_graphs: int = 128, incremental: bool = True,
@@ -254,7 +256,10 @@ class CudaGraphFlow:
         if incremental:
             from .cudagraph_incremental import DEFAULT_STATE_FRAMES, GraphIncrementalFlow
 
-            self.incremental = GraphIncrementalFlow(flow, self, config, max_frames=state_frames or DEFAULT_STATE_FRAMES)
+            # the captured estimator's own window maths when it has them (the fused kernels), else the eager ones
+            window = getattr(self.estimator.estimator, "forward_window", None)
+            self.incremental = GraphIncrementalFlow(flow, self, config, max_frames=state_frames or DEFAULT_STATE_FRAMES,
+                                                    estimator=window, new_voices=self.new_voices)
         if capture_at_start:
             self.capture_all(rows or (1,), progress)
 

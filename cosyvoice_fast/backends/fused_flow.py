@@ -6,9 +6,14 @@ instead of the eager estimator, so each Euler step replays a graph of a few hund
 about a thousand small ones.  Padding stays exact for the same reasons (causal convs, masked keys, masked
 inputs), and the fused attention needs no (rows, T, T) bias tensor.
 
-Streaming chunks always recompute the prefix (like the ``tensorrt`` flow): the incremental runner's state
-buffers are written by the eager estimator's math, which the fused kernels do not implement yet, and with a
-fast estimator step a full recompute of a chunk is already short.
+With ``incremental`` (the engine's default, as for ``cudagraph``) streaming chunks run on the incremental
+runner of :mod:`~cosyvoice_fast.backends.cudagraph_incremental` with these same kernels on its windows
+(:meth:`~cosyvoice_fast.kernels.estimator_fused.FusedEstimator.forward_window`): a chunk computes only the
+frames after the last committed chunk, reading the earlier frames' keys/values and conv context from the
+runner's buffers; final chunks, non-streaming requests and streams that join a batched solve recompute.
+A voice with no prompt state yet recomputes its segment (``new_voices = "recompute"``): a window over prompt and
+chunk together costs more than the recompute of the same frames (the window's conv-context launches and
+cached-key writes, BENCHMARKS.md), so incremental pays only from the voice's cached prompt state on.
 """
 
 from __future__ import annotations
@@ -39,8 +44,10 @@ def why_unavailable(flow: torch.nn.Module | None = None) -> str | None:
 
 
 class FusedFlow(CudaGraphFlow):
-    """Flow stage: graph-replayed encoder (exact shapes) and fused estimator (length and row buckets); the
-    ``cudagraph`` flow's constructor arguments (buckets, rows, capture at start-up) except ``incremental``."""
+    """Flow stage: graph-replayed encoder (exact shapes) and fused estimator (length and row buckets, and the
+    incremental runner's windows); the ``cudagraph`` flow's constructor arguments."""
+
+    new_voices = "recompute"
 
     def __init__(self, flow: torch.nn.Module, config: ModelConfig, **kwargs: Any):
         reason = why_unavailable(flow)
@@ -48,5 +55,5 @@ class FusedFlow(CudaGraphFlow):
             raise BackendUnavailable(reason)
         from ..kernels.estimator_fused import FusedEstimator
 
-        kwargs.pop("incremental", None)
-        super().__init__(flow, config, incremental=False, estimator=FusedEstimator, **kwargs)
+        kwargs.setdefault("incremental", False)
+        super().__init__(flow, config, estimator=FusedEstimator, **kwargs)

@@ -59,6 +59,10 @@ class StateCapacityError(RuntimeError):
 
 STATE_VERSION = 1
 FINAL_MODES = ("full", "incremental")
+NEW_VOICE_MODES = ("incremental", "recompute")
+#: ``seg.flow_state`` of a segment that recomputes because its voice had no prompt state yet
+#: (``new_voices="recompute"``); its voice is remembered at its final chunk like an incremental one's.
+NEW_VOICE = "full-new-voice"
 
 
 @dataclass
@@ -267,6 +271,11 @@ class IncrementalFlow:
     of such a voice starts from it, so its first chunk computes only the frames after the prompt's last
     complete chunk; a new voice's first chunk solves prompt and chunk together.
 
+    ``new_voices``: a segment whose voice has no prompt state yet starts from an empty state
+    (``"incremental"``, the default) or recomputes all its chunks (``"recompute"``: where an incremental
+    solve over prompt and chunk together is slower than the recompute of the same frames, as with the fused
+    kernels); either way the voice's prompt state is computed when it comes back.
+
     Each chunk reports ``seg.flow_info = (mode, estimator frames, state bytes)`` for the telemetry.
 
     Subclasses replace ``encoder`` (the encoder half, :func:`encode_increment`'s signature), ``decoder`` (the
@@ -276,9 +285,13 @@ class IncrementalFlow:
 
     layout = "slots"  # the state layout its decoder reads ("static" for the fixed-size graph buffers)
 
-    def __init__(self, flow: nn.Module, config: Any = None, final: str = "full", max_prompt_states: int = 8):
+    def __init__(self, flow: nn.Module, config: Any = None, final: str = "full", max_prompt_states: int = 8,
+                 new_voices: str = "incremental"):
         if final not in FINAL_MODES:
             raise ValueError(f"final must be one of {FINAL_MODES}, got {final!r}")
+        if new_voices not in NEW_VOICE_MODES:
+            raise ValueError(f"new_voices must be one of {NEW_VOICE_MODES}, got {new_voices!r}")
+        self.new_voices = new_voices
         check_estimator(flow.decoder.estimator)
         if flow.encoder.cfg.static_chunk_size <= 0 or flow.decoder.estimator.cfg.static_chunk_size <= 0:
             raise ValueError("incremental flow needs chunk-causal streaming attention")
@@ -383,8 +396,10 @@ class IncrementalFlow:
     # ------------------------------------------------------------------------------------------ chunks
     def chunk(self, seg: Any, inputs: Any, tokens: Tensor, call: ChunkCall, stream: bool = True) -> Tensor:
         """The mel (1, 80, new frames) of ``call``; same contract as ``EagerFlow.chunk``."""
-        if seg.flow_state == "full":  # this segment outgrew the state earlier: it stays on full recompute
+        if seg.flow_state in ("full", NEW_VOICE):  # outgrew the state earlier, or a new voice: full recompute
             if call.finalize:
+                if seg.flow_state == NEW_VOICE:
+                    self.remember_prompt(inputs)
                 seg.flow_state = None
             return self.full_chunk(inputs, tokens, call, stream)
         fresh = not isinstance(seg.flow_state, FlowState)
@@ -399,8 +414,13 @@ class IncrementalFlow:
             if fresh:
                 # A voice without a cached prompt state starts from an empty state: its first chunk then solves
                 # prompt and chunk together (one solve, as upstream's recompute) instead of paying for the
-                # prompt state first; that state is computed after the segment (remember_prompt).
-                state = self.initial_state(inputs, compute=False) or FlowState()
+                # prompt state first; that state is computed after the segment (remember_prompt).  With
+                # ``new_voices="recompute"`` such a segment recomputes every chunk instead.
+                state = self.initial_state(inputs, compute=False)
+                if state is None and self.new_voices == "recompute":
+                    seg.flow_state = NEW_VOICE
+                    return self.full_chunk(inputs, tokens, call, stream)
+                state = state or FlowState()
             else:
                 state = seg.flow_state
             before = state.frames_computed
