@@ -130,3 +130,16 @@ def fake_graphs(monkeypatch):
     import cosyvoice_fast.backends.graphs as graphs
 
     monkeypatch.setattr(graphs, "GraphCache", _FakeGraphCache)
+
+
+@pytest.fixture
+def flow_cuda_fp32(tiny_models):
+    """The fixture's flow on the GPU in fp32 with TF32 off (fp32 parity means fp32), restored afterwards."""
+    import copy
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield copy.deepcopy(tiny_models.flow).cuda().eval()
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved

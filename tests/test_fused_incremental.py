@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import types
 
 import pytest
 import torch
@@ -27,7 +26,7 @@ from cosyvoice_fast.models.flow_incremental import static_mask  # noqa: E402
 from cosyvoice_fast.schedule import plan  # noqa: E402
 
 from test_incremental_flow import SCHEDULES, TOL, _inputs, _max_err, _tokens  # noqa: E402
-from test_incremental_graphs import Recompute, _stream  # noqa: E402
+from test_incremental_graphs import Recompute, _cuda, _stream  # noqa: E402
 
 
 @pytest.mark.parametrize("start,n,valid,chunk", [(0, 20, 20, 8), (16, 13, 9, 8), (40, 5, 5, 20), (24, 40, 33, 8)])
@@ -111,30 +110,14 @@ def test_fused_window_equals_the_eager_window_maths(flow):
         assert (c_f - c_e).abs().max().item() <= TOL
 
 
-@pytest.fixture
-def flow_cuda(tiny_models):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield copy.deepcopy(tiny_models.flow).cuda().eval()
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
-
-
-def _cuda(inputs, dtype=torch.float32):
-    return types.SimpleNamespace(embedding=inputs.embedding.cuda().to(dtype),
-                                 flow_prompt_speech_token=inputs.flow_prompt_speech_token.cuda(),
-                                 prompt_feat=inputs.prompt_feat.cuda().to(dtype), prompt_key="v")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("schedule", ["default", "first7_hop13_la0"])
-def test_gpu_captured_fused_windows_equal_full_recompute_fp32(flow_cuda, schedule):
-    inc = _fused_flow(flow_cuda)
+def test_gpu_captured_fused_windows_equal_full_recompute_fp32(flow_cuda_fp32, schedule):
+    inc = _fused_flow(flow_cuda_fp32)
     captured = inc.graphs.capture_all()
     inputs, tokens = _cuda(_inputs(57, seed=31)), _tokens(160, 31).cuda()
     for _ in range(3):
-        outs, refs, _ = _stream(inc, flow_cuda, inputs, tokens, SCHEDULES[schedule])
+        outs, refs, _ = _stream(inc, flow_cuda_fp32, inputs, tokens, SCHEDULES[schedule])
         assert max(_max_err(outs, refs)) <= TOL
     assert inc.graphs.replays >= 3 * (len(outs) - 1) and inc.graphs.eager_calls == 0
     assert inc.graphs.captures == captured

@@ -212,18 +212,6 @@ def test_prompt_state_round_trips_through_a_dict(flow):
 # ------------------------------------------------------------------------------------------------ GPU (captured)
 
 
-@pytest.fixture
-def flow_cuda(tiny_models):
-    import copy
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity means fp32
-    yield copy.deepcopy(tiny_models.flow).cuda().eval()
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 def _cuda(inputs, dtype=torch.float32):
     return types.SimpleNamespace(embedding=inputs.embedding.cuda().to(dtype),
                                  flow_prompt_speech_token=inputs.flow_prompt_speech_token.cuda(),
@@ -232,17 +220,17 @@ def _cuda(inputs, dtype=torch.float32):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("schedule", ["default", "first7_hop13_la0"])
-def test_gpu_captured_chunks_equal_full_recompute_fp32(flow_cuda, schedule):
+def test_gpu_captured_chunks_equal_full_recompute_fp32(flow_cuda_fp32, schedule):
     """Every shape is captured at start-up; the passes only replay.  (Capturing on first use failed here: the
     first pass solves prompt + chunk, a repeat pass of the same voice starts from its cached prompt state and
     solves other shapes, so a third pass could still capture a new one.)"""
-    inc = GraphIncrementalFlow(flow_cuda, Recompute(flow_cuda))
+    inc = GraphIncrementalFlow(flow_cuda_fp32, Recompute(flow_cuda_fp32))
     assert inc.graphs.capture
     captured = inc.graphs.capture_all()
     assert captured == len(inc.graphs.shapes(400)) == inc.graphs.captures and inc.graphs.frozen
     inputs, tokens = _cuda(_inputs(57, seed=31)), _tokens(160, 31).cuda()
     for _ in range(3):  # without, then with the voice's cached prompt state
-        outs, refs, _ = _stream(inc, flow_cuda, inputs, tokens, SCHEDULES[schedule])
+        outs, refs, _ = _stream(inc, flow_cuda_fp32, inputs, tokens, SCHEDULES[schedule])
         assert max(_max_err(outs, refs)) <= TOL
     assert inc.graphs.replays >= 3 * (len(outs) - 1) and inc.graphs.eager_calls == 0
     assert inc.graphs.captures == captured  # nothing captured while serving

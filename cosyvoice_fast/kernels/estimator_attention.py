@@ -75,18 +75,23 @@ def _attn_step(q, base, k_off, v_off, mask_row, rj, rd, T, limit, qk_scale, stri
 
 
 @triton.jit
-def _attn_kernel(qkv_ptr, mask_ptr, o_ptr, T, chunk, qk_scale,
-                 H: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 PDL: tl.constexpr):
+def _query_tile(qkv_ptr, T, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr):
+    """This program's place in a (query tiles, B·H) grid over q/k/v rows ``(B·T, 3·H·D)``: (query tile, batch
+    row, head, row stride, query frames, head-dim lanes, valid queries, the batch row's first q/k/v row)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh - b * H
     stride = 3 * H * D
     ri = pid_m * BM + tl.arange(0, BM)
-    rd = tl.arange(0, D)
-    i_ok = ri < T
-    base = qkv_ptr + b * T * stride
+    return pid_m, b, h, stride, ri, tl.arange(0, D), ri < T, qkv_ptr + b * T * stride
+
+
+@triton.jit
+def _attn_kernel(qkv_ptr, mask_ptr, o_ptr, T, chunk, qk_scale,
+                 H: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 PDL: tl.constexpr):
+    pid_m, b, h, stride, ri, rd, i_ok, base = _query_tile(qkv_ptr, T, H, D, BM)
     pdl_start(PDL)
     q = tl.load(base + ri[:, None] * stride + h * D + rd[None, :], mask=i_ok[:, None], other=0.0)
     if chunk > 0:

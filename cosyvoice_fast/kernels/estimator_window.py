@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .estimator_attention import _online_update, attention_tiles
+from .estimator_attention import _online_update, _query_tile, attention_tiles
 from .estimator_common import pdl_kwargs
 from .pdl import pdl_start
 
@@ -37,15 +37,7 @@ from .pdl import pdl_start
 def _attn_cached_kernel(qkv_ptr, kv_ptr, o_ptr, start_ptr, valid_ptr, T, chunk, qk_scale,
                         s_kind, s_b, s_h, s_t, H: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh - b * H
-    stride = 3 * H * D
-    ri = pid_m * BM + tl.arange(0, BM)
-    rd = tl.arange(0, D)
-    i_ok = ri < T
-    base = qkv_ptr + b * T * stride
+    pid_m, b, h, stride, ri, rd, i_ok, base = _query_tile(qkv_ptr, T, H, D, BM)
     cache = kv_ptr + b * s_b + h * s_h
     start = tl.load(start_ptr)
     end = start + tl.load(valid_ptr)
