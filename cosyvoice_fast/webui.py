@@ -35,7 +35,8 @@ TIPS = {
     "incremental_flow": "Streaming chunks reuse the flow's keys/values of the frames already made (and of the "
                         "voice's prompt, cached per voice), so each chunk costs its own frames instead of the "
                         "whole prefix. Off = upstream's full recompute per chunk (same audio to float rounding; "
-                        "eager and cudagraph flows; TensorRT always recomputes).",
+                        "eager, cudagraph and fused flows; fused streams a voice incrementally from its third "
+                        "request on; TensorRT always recomputes).",
     "token_hop_len_first": "Tokens in the first chunk. Fewer: first audio sooner (less LM decoding before the first "
                            "flow call) but a short first chunk with less context. 25 = upstream (padded so prompt + "
                            "chunk fills whole 25-token attention chunks).",
