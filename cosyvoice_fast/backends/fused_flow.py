@@ -45,7 +45,9 @@ def why_unavailable(flow: torch.nn.Module | None = None) -> str | None:
 
 class FusedFlow(CudaGraphFlow):
     """Flow stage: graph-replayed encoder (exact shapes) and fused estimator (length and row buckets, and the
-    incremental runner's windows); the ``cudagraph`` flow's constructor arguments."""
+    incremental runner's windows); the ``cudagraph`` flow's constructor arguments, except that ``incremental``
+    is off unless asked for (the engine passes ``BackendConfig.incremental``; a stage built directly, as the
+    profilers do, recomputes and allocates no state buffers)."""
 
     new_voices = "recompute"
 
