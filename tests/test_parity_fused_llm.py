@@ -127,15 +127,20 @@ class _CpuFusedLLM(fused_llm.FusedLLM):
         return len(jobs)
 
 
-def test_fused_backend_batched_rounds_equal_eager(lm, cfg, case, monkeypatch):
+@pytest.mark.parametrize("prefill", ["eager", "fused"])
+def test_fused_backend_batched_rounds_equal_eager(lm, cfg, case, prefill, monkeypatch):
     """The whole backend (slots, batched rounds of two requests, per-row positions, sampling) over the fused
-    step, with graph replays run directly: both requests draw the eager backend's tokens."""
+    step, with graph replays run directly: both requests draw the eager backend's tokens.  ``fused``: both
+    prompts in one batched prefill on the fused kernels (padded to a bucket, keys straight into the slots);
+    ``eager``: no prefill bucket, each prompt through the model's own prefill."""
     monkeypatch.setattr(fused_llm, "why_unavailable", lambda llm: None)
     monkeypatch.setattr(cudagraph_llm, "why_unavailable", lambda llm: None)
-    stage = _CpuFusedLLM(lm, cfg, slots=2, max_len=64, kv_buckets=(48,), prefill_buckets=(), progress=False,
-                         splits=1)
     inputs = ModelInputs(text_segments=[case["text"]], prompt_text=case["prompt_text"],
                          llm_prompt_speech_token=case["prompt_speech_token"])
+    n_in = lm.build_lm_input(case["text"], case["prompt_text"], case["prompt_speech_token"]).shape[1]
+    buckets = () if prefill == "eager" else (n_in + 3,)  # padding positions too
+    stage = _CpuFusedLLM(lm, cfg, slots=2, max_len=n_in + 3 + STEPS + 8, kv_buckets=(n_in + STEPS + 8,),
+                         prefill_buckets=buckets, progress=False, splits=1)
     n = STEPS
     ref = [generate_alone(EagerLLM(lm, cfg), inputs, case["text"], torch.Generator().manual_seed(s), n, True)
            for s in (1, 2)]
@@ -143,3 +148,4 @@ def test_fused_backend_batched_rounds_equal_eager(lm, cfg, case, monkeypatch):
     assert got == ref
     assert stage.batched_rows == 2 * (n - 1) and stage.batched_steps == n - 1  # every step carried both rows
     assert stage.slots_in_use == 0
+    assert (stage.prefiller.calls, stage.prefiller.rows_done) == ((0, 0) if prefill == "eager" else (1, 2))

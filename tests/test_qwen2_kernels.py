@@ -254,3 +254,37 @@ def test_fused_decoder_passes_prefill_through_and_rejects_bad_calls(monkeypatch)
         monkeypatch.delenv("TRITON_INTERPRET")
         with pytest.raises(RuntimeError, match="need CUDA tensors.*TRITON_INTERPRET=1"):
             decode_step(dec, x[:, :1], pos[:1], caches[0])
+
+
+@torch.inference_mode()
+def test_prefill_rows_equal_the_decoder_per_prompt_and_fill_only_their_slot_rows(monkeypatch):
+    """Two prompts of 20 positions through the fused prefill (small attention tiles, so queries span several
+    blocks and keys several tiles; 16 rows per program, so the RoPE and SiLU kernels have a ragged last block)
+    against the decoder's own cached prefill of each prompt alone."""
+    from cosyvoice_fast.kernels import qwen2_prefill
+
+    monkeypatch.setattr(qwen2_prefill, "BLOCK_M", 16)
+    monkeypatch.setattr(qwen2_prefill, "BLOCK_N", 16)
+    dec = _decoder(6).fuse_projections()
+    length, max_len = 20, 24
+    pool = KVCache.for_config(CFG, max_len, 4, device=DEV)
+    for t in pool.k + pool.v:
+        t.fill_(float("nan"))
+    slots = torch.tensor([3, 1], device=DEV)
+    last = torch.tensor([length - 1, 12], device=DEV)
+    x = torch.randn(2, length, CFG.hidden_size, device=DEV)
+    got = FusedDecoder(dec).prefill_rows(x, slots, last, pool)
+    assert got.shape == (2, CFG.hidden_size)
+    for r in range(2):
+        ref_cache = KVCache.for_config(CFG, max_len, 1, device=DEV)
+        ref = dec(x[r:r + 1], torch.arange(length, device=DEV), ref_cache, kv_len=length)
+        assert _err(got[r], ref[0, int(last[r])]) <= 1e-4
+        for a, b in zip(pool.k + pool.v, ref_cache.k + ref_cache.v):
+            assert _err(a[int(slots[r]), :, :length], b[0, :, :length]) <= 1e-5
+            assert a[int(slots[r]), :, length:].isnan().all()  # nothing past the prompt
+    for t in pool.k + pool.v:  # rows no prompt owns are untouched
+        assert t[0].isnan().all() and t[2].isnan().all()
+    with pytest.raises(ValueError, match=r"needs slots and last of shape \(2,\), got \(3,\) and \(2,\)"):
+        qwen2_prefill.prefill_rows(dec, x, torch.tensor([0, 1, 2], device=DEV), last, pool)
+    with pytest.raises(ValueError, match="a prefill of 30 positions does not fit a cache of 24"):
+        qwen2_prefill.prefill_rows(dec, torch.randn(2, 30, CFG.hidden_size, device=DEV), slots, last, pool)

@@ -126,7 +126,8 @@ class CudaGraphLLM:
     ``prefill_buckets`` are the padded input lengths whose prefill is captured too (eager prefill costs one
     kernel launch per op, tens of ms of CPU time at 0.5B); longer inputs prefill eagerly; ``()`` turns it off.
     Each length gets graphs for 1, 2, 4, ... rows while ``rows x length <= prefill_tokens`` (and rows <=
-    ``slots``), which bounds the scratch activations of the largest prefill.
+    ``slots``), which bounds the scratch activations of the largest prefill.  ``fused_prefill`` (default:
+    whenever the decoder offers one, as the ``fused`` backend's does) runs those graphs on the fused kernels.
     Everything is allocated and captured here, so the first request pays nothing.
 
     A :meth:`decode` call steps all its states in one graph replay (see the module docstring).
@@ -144,7 +145,8 @@ class CudaGraphLLM:
     def __init__(self, llm: torch.nn.Module, config: ModelConfig, *, slots: int = 16, max_len: int = 2048,
                  kv_buckets: Sequence[int] | None = None, prefill_buckets: Sequence[int] = (64, 128, 256, 512),
                  progress: bool = True, prefill_tokens: int = PREFILL_TOKENS,
-                 device_ras: bool | None = None, decode_ahead: bool | None = None):
+                 device_ras: bool | None = None, decode_ahead: bool | None = None,
+                 fused_prefill: bool | None = None):
         reason = why_unavailable(llm)
         if reason is not None:
             raise BackendUnavailable(reason)
@@ -196,7 +198,8 @@ class CudaGraphLLM:
             self._q_again = torch.ones(slots, vocab, dtype=f32, device=dev) if self.device_ras else None
             self.prefiller = BatchedPrefill(
                 llm, SlotRows(self._cache, self._bias, self._q, self._logp, self._token, self._limit),
-                buckets=[b for b in prefill_buckets if 0 < b <= max_len], slots=slots, max_tokens=prefill_tokens)
+                buckets=[b for b in prefill_buckets if 0 < b <= max_len], slots=slots, max_tokens=prefill_tokens,
+                fused=fused_prefill)
             # batched step inputs: with device_ras a column per slot that the graph advances itself (StepFeed);
             # else row 0 = fed tokens, row 1 = positions (idle rows sit at max_len - 1), copied in per step
             self._feed = StepFeed(slots, max_len, win, self._philox.DRAW_OFFSET, dev) if self.device_ras else None

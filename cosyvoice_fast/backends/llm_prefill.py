@@ -7,7 +7,9 @@ instead.  Each request's LM input sits in its own row of a scratch batch, zero-p
 (causal masking keeps the padding out of them), and runs through a scratch KV cache; the graph then copies every
 row's keys/values, its masked log-probs and its first draw into the rows of the slot it was given.  Slots are an
 index tensor, not a shape, so one graph serves any slots; rows a call leaves empty point at a spare cache row
-that no slot owns.  Inputs longer than every captured length run the eager SDPA prefill, one at a time.
+that no slot owns.  Inputs longer than every captured length run the eager SDPA prefill, one at a time.  A
+decoder with a fused prefill (the ``fused`` backend's, :mod:`..kernels.qwen2_prefill`) skips the scratch cache:
+it writes each row's keys/values straight into its slot row, nine launches per layer instead of ~25.
 
 The runner owns the per-slot buffers (KV cache rows, eos mask, exponential variates, log-probs, tokens) and
 draws each request's variates from its own generator before :meth:`BatchedPrefill.run`; this module only
@@ -59,10 +61,12 @@ class BatchedPrefill:
     """Prefill graphs for ``buckets`` (padded input lengths), each for 1, 2, 4, ... rows within
     ``max_tokens`` positions (:func:`~.llm_buckets.prefill_row_counts`) and ``slots``.
 
-    ``calls`` / ``rows_done`` count replays and the requests they carried.  Not thread-safe: the runner's lock
+    ``fused``: run the decoder's fused prefill (default: whenever the decoder has one).  ``calls`` /
+    ``rows_done`` count replays and the requests they carried.  Not thread-safe: the runner's lock
     serialises it with the decode graphs (they share one graph memory pool)."""
 
-    def __init__(self, llm: Any, rows: SlotRows, *, buckets: Sequence[int], slots: int, max_tokens: int):
+    def __init__(self, llm: Any, rows: SlotRows, *, buckets: Sequence[int], slots: int, max_tokens: int,
+                 fused: bool | None = None):
         self.llm = llm
         self.rows = rows
         self.buckets = tuple(sorted(set(buckets)))
@@ -80,21 +84,30 @@ class BatchedPrefill:
         self._row = torch.arange(rows_in, device=dev)
         self._index = torch.zeros(2, rows_in, dtype=torch.long, device=dev)  # last real position, slot
         self._index[1].fill_(self.spare)
-        self._cache = llm.new_cache(n_in, batch=rows_in) if self.buckets else None
+        # a decoder with its own fused prefill writes straight into the slot rows: no scratch cache to copy from
+        can_fuse = callable(getattr(llm.decoder, "prefill_rows", None))
+        if fused and not can_fuse:
+            raise ValueError("fused prefill needs a decoder with prefill_rows (the 'fused' LLM backend's)")
+        self._fused = can_fuse if fused is None else fused
+        self._cache = llm.new_cache(n_in, batch=rows_in) if self.buckets and not self._fused else None
 
     def _math(self, n: int, rows: int) -> None:
         """What a graph replays: ``rows`` inputs of up to ``n`` positions through the scratch cache, then each
         row's keys/values, masked log-probs and draw copied into its slot's rows (``_index[1]``)."""
         r = self.rows
-        hidden = self.llm.decoder(self._emb[:rows, :n], self._pos[:n], self._cache.head(rows), kv_len=n)
         dst = self._index[1, :rows]
-        last = hidden[self._row[:rows], self._index[0, :rows]]  # (rows, H): each row's last real position
+        if self._fused:  # (rows, H) at each row's last real position; keys/values already in the slot rows
+            last = self.llm.decoder.prefill_rows(self._emb[:rows, :n], dst, self._index[0, :rows], r.cache)
+        else:
+            hidden = self.llm.decoder(self._emb[:rows, :n], self._pos[:n], self._cache.head(rows), kv_len=n)
+            last = hidden[self._row[:rows], self._index[0, :rows]]  # (rows, H): each row's last real position
         logp, token = nucleus_pick_rows(self.llm.log_probs(last), r.bias.index_select(0, dst),
                                         r.q.index_select(0, dst), r.limit)
         r.logp.index_copy_(0, dst, logp)
         r.token.index_copy_(0, dst, token)
-        for src, out in zip(self._cache.k + self._cache.v, r.cache.k + r.cache.v):
-            out[:, :, :n].index_copy_(0, dst, src[:rows, :, :n])
+        if not self._fused:
+            for src, out in zip(self._cache.k + self._cache.v, r.cache.k + r.cache.v):
+                out[:, :, :n].index_copy_(0, dst, src[:rows, :, :n])
 
     def jobs(self) -> list[tuple[dict, tuple[int, int], Callable[[], None]]]:
         """Every graph to capture: ``(where it goes, its key, the math it replays)``."""

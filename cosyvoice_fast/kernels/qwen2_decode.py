@@ -10,7 +10,9 @@ of :mod:`.qwen2_proj`.
 
 :class:`FusedDecoder` is a drop-in for :class:`~cosyvoice_fast.models.qwen2.Qwen2Decoder` *as a CUDA-graph
 runner calls it*: ``decoder(inputs_embeds, pos, cache, kv_len=...)``.  One-token calls with a cache take the
-fused path; everything else (prefill, cache-less passes) goes to the wrapped decoder unchanged.  The cache is
+fused path; everything else (cache-less passes, the eager prefill of inputs longer than every prefill
+graph) goes to the wrapped decoder unchanged.  :meth:`FusedDecoder.prefill_rows` is the prefill the batched
+prefill graphs replay (:mod:`.qwen2_prefill`).  The cache is
 the model's own :class:`~cosyvoice_fast.models.qwen2.KVCache` (per layer (B, Hkv, max_len, D) buffers, rows may
 be views of a larger pool), written at the row's position as the eager path writes it.  Nothing here reads a
 tensor on the host, so the step can be captured in a CUDA graph; scratch tensors come from the caching
@@ -29,6 +31,7 @@ from . import qwen2_attention as attn_k
 from . import qwen2_gemv as gemv_k
 from . import qwen2_proj as proj_k
 from .estimator_common import can_run_on
+from .qwen2_prefill import prefill_rows
 
 
 def kernels_per_step(n_layers: int) -> int:
@@ -146,3 +149,9 @@ class FusedDecoder:
         if cache is None or inputs_embeds.shape[1] != 1:
             return self.decoder(inputs_embeds, pos, cache, kv_len)
         return decode_step(self.decoder, inputs_embeds, pos, cache, kv_len, self.splits)
+
+    def prefill_rows(self, inputs_embeds: torch.Tensor, slots: torch.Tensor, last: torch.Tensor,
+                     cache: KVCache) -> torch.Tensor:
+        """:func:`~.qwen2_prefill.prefill_rows` on the wrapped decoder: prompts straight into their slot rows
+        (what the batched prefill graphs replay)."""
+        return prefill_rows(self.decoder, inputs_embeds, slots, last, cache)

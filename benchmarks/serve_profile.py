@@ -1,0 +1,93 @@
+"""Where a serving run's GPU time goes: ``python -m cosyvoice_fast.bench`` under ``torch.profiler`` (CUDA
+activity only), kernel time summed per stage.
+
+    PYTHONUNBUFFERED=1 python benchmarks/serve_profile.py --out $OUT -- --synthetic full --backends fused ...
+
+Everything after ``--`` goes to the bench unchanged (its warm-up wave is profiled too: the shares, not the
+totals, are the result).  A kernel's stage comes from its name: the Triton kernels of
+``cosyvoice_fast.kernels.estimator_*`` are the flow estimator's, ``qwen2_*``/``philox``/``nucleus_*`` the LLM's,
+``hift_*`` the vocoder's; every other kernel (cuBLAS, cuDNN, PyTorch's own) is listed by name under "other".
+Results: ``OUT/serve_profile.json`` (per stage: kernel ms, launches; the 60 costliest kernel names).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pkgutil
+import runpy
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+STAGE_OF_MODULE = (("estimator_", "flow estimator"), ("qwen2_", "llm"), ("philox", "llm"), ("nucleus", "llm"),
+                   ("hift_", "vocoder"))
+
+
+def kernel_stages() -> dict[str, str]:
+    """Triton kernel name -> stage, from the ``cosyvoice_fast.kernels`` modules that define them."""
+    import triton
+
+    from cosyvoice_fast import kernels
+
+    out: dict[str, str] = {}
+    for info in pkgutil.iter_modules(kernels.__path__):
+        stage = next((s for prefix, s in STAGE_OF_MODULE if info.name.startswith(prefix)), None)
+        if stage is None:
+            continue
+        mod = importlib.import_module(f"cosyvoice_fast.kernels.{info.name}")
+        for name, obj in vars(mod).items():
+            if isinstance(obj, triton.runtime.jit.JITFunction):
+                out[name] = stage
+    return out
+
+
+def main(argv: list[str]) -> None:
+    if "--" not in argv:
+        raise SystemExit(__doc__)
+    split = argv.index("--")
+    mine, bench_args = argv[:split], argv[split + 1:]
+    out = Path(mine[mine.index("--out") + 1])
+    out.mkdir(parents=True, exist_ok=True)
+    stages = kernel_stages()
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        sys.argv = ["cosyvoice_fast.bench", *bench_args, "--out", str(out / "bench")]
+        try:
+            runpy.run_module("cosyvoice_fast.bench", run_name="__main__", alter_sys=True)
+        except SystemExit as e:  # the bench's own exit: the profile is still summed
+            if e.code not in (None, 0):
+                raise
+    wall = time.perf_counter() - t0
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            rec = by_name[e.name]
+            rec[0] += e.device_time
+            rec[1] += 1
+    by_stage: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for name, (us, n) in by_name.items():
+        stage = next((s for k, s in stages.items() if name.startswith(k)), "other")
+        by_stage[stage][0] += us
+        by_stage[stage][1] += n
+    total = sum(us for us, _ in by_stage.values())
+    result = {
+        "gpu": torch.cuda.get_device_name(), "bench_args": bench_args, "wall_s": wall,
+        "kernel_ms_total": total / 1e3,
+        "stages": {s: {"kernel_ms": us / 1e3, "share": us / total, "launches": n}
+                   for s, (us, n) in sorted(by_stage.items(), key=lambda kv: -kv[1][0])},
+        "top_kernels": [{"name": name[:120], "ms": us / 1e3, "launches": n,
+                         "stage": next((s for k, s in stages.items() if name.startswith(k)), "other")}
+                        for name, (us, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:60]],
+    }
+    (out / "serve_profile.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result["stages"], indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
