@@ -18,6 +18,8 @@ kernels (weights loaded before the PDL wait, :mod:`cosyvoice_fast.kernels.qwen2_
    so that drift between passes shows;
 6. ``gemv_rows``: steps of 1..16 rows on the looped kernels and on the GEMV kernels (``Tiles.gemv_rows``),
    and the GEMV step's error at 4 and 16 rows.
+7. ``cublas_rows``: steps of 1..64 rows on the fused projections and on cuBLAS GEMMs with the Triton glue
+   (``Tiles.cublas_rows``), two passes in turn.
 
 ``--steps gemv,graph`` runs only the named steps (default: all).
 
@@ -121,7 +123,7 @@ def main() -> int:
     out = Path(a.out) / ("decode_step_check.json" if not a.graph_only else f"decode_step_graph_{a.label}.json")
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                      "context": CONTEXT, "bucket": BUCKET, "correctness": [], "graph": [], "variants": [],
-                     "backend": [], "gemv": [], "gemv_rows": []}
+                     "backend": [], "gemv": [], "gemv_rows": [], "cublas_rows": []}
     runner = StepRunner(out, results, step_timeout=240, budget_s=a.budget)
     lm16 = _lm(torch.bfloat16)
     default = qwen2_proj.TILES
@@ -226,8 +228,25 @@ def main() -> int:
         finally:
             qwen2_proj.TILES = default
 
+    def run_cublas_rows() -> None:
+        """Steps of 1..64 rows on the fused projections against cuBLAS GEMMs with the Triton glue
+        (``Tiles.cublas_rows``, :func:`cosyvoice_fast.kernels.qwen2_hybrid.decode_rows`), two passes in turn."""
+        try:
+            for rnd in range(2):
+                for rows in (1, 2, 4, 8, 16, 32, 64):
+                    fn = profile_llm.decode_math(lm16, "fused", rows, CONTEXT, MAX_LEN, BUCKET)
+                    for name, first in (("fused", 0), ("cublas", 1)):
+                        qwen2_proj.TILES = dataclasses.replace(default, cublas_rows=first)
+                        results["cublas_rows"].append({"kernels": name, "pass": rnd, "rows": rows,
+                                                       "graph_ms": round(profile_llm.graph_ms(fn, iters=200), 4)})
+                        print(results["cublas_rows"][-1], flush=True)
+                        runner.save()
+        finally:
+            qwen2_proj.TILES = default
+
     for name, fn in (("correctness", run_correctness), ("graph", run_graph), ("backend", run_backend),
-                     ("variants", run_variants), ("gemv", run_gemv), ("gemv_rows", run_gemv_rows)):
+                     ("variants", run_variants), ("gemv", run_gemv), ("gemv_rows", run_gemv_rows),
+                     ("cublas_rows", run_cublas_rows)):
         if name in steps:
             runner.run(name, fn, store=False)
             torch.cuda.empty_cache()

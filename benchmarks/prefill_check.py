@@ -1,4 +1,4 @@
-"""One GPU call for the fused prefill (:mod:`cosyvoice_fast.kernels.qwen2_prefill`) at CosyVoice2-0.5B shapes
+"""One GPU call for the fused prefill (:mod:`cosyvoice_fast.kernels.qwen2_hybrid`) at CosyVoice2-0.5B shapes
 (seeded random weights) against the graph-replayed prefill of the model's own decoder.
 
     PYTHONUNBUFFERED=1 python benchmarks/prefill_check.py --out $OUT [--steps errors,graphs,kernels]
@@ -37,7 +37,7 @@ def _stats(a: torch.Tensor, ref: torch.Tensor) -> dict:
 
 
 def errors() -> dict:
-    from cosyvoice_fast.kernels.qwen2_prefill import prefill_rows
+    from cosyvoice_fast.kernels.qwen2_hybrid import prefill_rows
     from cosyvoice_fast.models.qwen2 import KVCache
     from cosyvoice_fast.synthetic import random_full_size_lm
 

@@ -190,11 +190,14 @@ def test_final_rmsnorm_matches_the_module():
 @torch.inference_mode()
 # steps looped, or GEMV for one row (the 3-row step looped) or for all three rows (a 4-row block with one
 # padding row); the GEMV q/k/v and o-projection with one column per program too
-@pytest.mark.parametrize("gemv,early,small,gemv_rows", [(False, False, 4, 1), (True, True, 4, 1),
-                                                         (True, True, 1, 4)])
-def test_decode_steps_equal_the_decoder_per_row_and_shared_positions(gemv, early, small, gemv_rows, monkeypatch):
+# ... or all three rows on cuBLAS GEMMs with the Triton glue (cublas_rows=2, .qwen2_hybrid.decode_rows)
+@pytest.mark.parametrize("gemv,early,small,gemv_rows,cublas_rows", [(False, False, 4, 1, 0), (True, True, 4, 1, 0),
+                                                                     (True, True, 1, 4, 0), (True, True, 4, 1, 2)])
+def test_decode_steps_equal_the_decoder_per_row_and_shared_positions(gemv, early, small, gemv_rows, cublas_rows,
+                                                                     monkeypatch):
     monkeypatch.setattr(proj_k, "TILES", proj_k.Tiles(gemv=gemv, early_tile=early, down_split=2, down_chunk=64,
-                                                      gemv_small_cols=small, gemv_rows=gemv_rows))
+                                                      gemv_small_cols=small, gemv_rows=gemv_rows,
+                                                      cublas_rows=cublas_rows))
     dec = _decoder(4)
     rows, max_len = 3, 24
     caches = [KVCache.for_config(CFG, max_len, rows, device=DEV) for _ in range(2)]
@@ -230,6 +233,8 @@ def test_tiles_are_validated_by_field():
         proj_k.Tiles(gemv=1)
     with pytest.raises(ValueError, match="Tiles.down_chunk must be a power of two >= 16, got 100"):
         proj_k.Tiles(down_chunk=100)
+    with pytest.raises(ValueError, match=r"Tiles.cublas_rows must be an int in 0..1024 \(0: never\), got -1"):
+        proj_k.Tiles(cublas_rows=-1)
 
 
 def test_attention_splits_fill_the_gpu_for_few_rows_and_stay_powers_of_two():
@@ -261,10 +266,10 @@ def test_prefill_rows_equal_the_decoder_per_prompt_and_fill_only_their_slot_rows
     """Two prompts of 20 positions through the fused prefill (small attention tiles, so queries span several
     blocks and keys several tiles; 16 rows per program, so the RoPE and SiLU kernels have a ragged last block)
     against the decoder's own cached prefill of each prompt alone."""
-    from cosyvoice_fast.kernels import qwen2_prefill
+    from cosyvoice_fast.kernels import qwen2_hybrid
 
-    monkeypatch.setattr(qwen2_prefill, "BLOCK_M", 16)
-    monkeypatch.setattr(qwen2_prefill, "BLOCK_N", 16)
+    monkeypatch.setattr(qwen2_hybrid, "BLOCK_M", 16)
+    monkeypatch.setattr(qwen2_hybrid, "BLOCK_N", 16)
     dec = _decoder(6).fuse_projections()
     length, max_len = 20, 24
     pool = KVCache.for_config(CFG, max_len, 4, device=DEV)
@@ -285,6 +290,6 @@ def test_prefill_rows_equal_the_decoder_per_prompt_and_fill_only_their_slot_rows
     for t in pool.k + pool.v:  # rows no prompt owns are untouched
         assert t[0].isnan().all() and t[2].isnan().all()
     with pytest.raises(ValueError, match=r"needs slots and last of shape \(2,\), got \(3,\) and \(2,\)"):
-        qwen2_prefill.prefill_rows(dec, x, torch.tensor([0, 1, 2], device=DEV), last, pool)
+        qwen2_hybrid.prefill_rows(dec, x, torch.tensor([0, 1, 2], device=DEV), last, pool)
     with pytest.raises(ValueError, match="a prefill of 30 positions does not fit a cache of 24"):
-        qwen2_prefill.prefill_rows(dec, torch.randn(2, 30, CFG.hidden_size, device=DEV), slots, last, pool)
+        qwen2_hybrid.prefill_rows(dec, torch.randn(2, 30, CFG.hidden_size, device=DEV), slots, last, pool)

@@ -8,7 +8,7 @@ instead.  Each request's LM input sits in its own row of a scratch batch, zero-p
 row's keys/values, its masked log-probs and its first draw into the rows of the slot it was given.  Slots are an
 index tensor, not a shape, so one graph serves any slots; rows a call leaves empty point at a spare cache row
 that no slot owns.  Inputs longer than every captured length run the eager SDPA prefill, one at a time.  A
-decoder with a fused prefill (the ``fused`` backend's, :mod:`..kernels.qwen2_prefill`) skips the scratch cache:
+decoder with a fused prefill (the ``fused`` backend's, :mod:`..kernels.qwen2_hybrid`) skips the scratch cache:
 it writes each row's keys/values straight into its slot row, nine launches per layer instead of ~25.
 
 The runner owns the per-slot buffers (KV cache rows, eos mask, exponential variates, log-probs, tokens) and

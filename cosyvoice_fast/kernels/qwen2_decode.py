@@ -1,5 +1,9 @@
 """One Qwen2 decode step (one token per row, static KV cache) as 5 Triton kernels per layer + 3 per step.
 
+From ``Tiles.cublas_rows`` rows on, the step runs :func:`~.qwen2_hybrid.decode_rows` instead: cuBLAS GEMMs with
+Triton kernels for RoPE/cache write, attention and SiLU*mul (9 launches per layer), which beats these
+weight-streaming projections once many rows share each weight tile.
+
 Per layer: (1) RMSNorm + q/k/v + bias + RoPE + KV-cache write, (2) decode attention split over keys with the
 split merge in the same kernel, (3) o-projection + residual, (4) RMSNorm + gate/up + SiLU*mul, (5) the
 down projection split over K, whose last split adds the partial sums to the residual.  Per step: the copy of
@@ -12,7 +16,7 @@ of :mod:`.qwen2_proj`.
 runner calls it*: ``decoder(inputs_embeds, pos, cache, kv_len=...)``.  One-token calls with a cache take the
 fused path; everything else (cache-less passes, the eager prefill of inputs longer than every prefill
 graph) goes to the wrapped decoder unchanged.  :meth:`FusedDecoder.prefill_rows` is the prefill the batched
-prefill graphs replay (:mod:`.qwen2_prefill`).  The cache is
+prefill graphs replay (:mod:`.qwen2_hybrid`).  The cache is
 the model's own :class:`~cosyvoice_fast.models.qwen2.KVCache` (per layer (B, Hkv, max_len, D) buffers, rows may
 be views of a larger pool), written at the row's position as the eager path writes it.  Nothing here reads a
 tensor on the host, so the step can be captured in a CUDA graph; scratch tensors come from the caching
@@ -31,7 +35,7 @@ from . import qwen2_attention as attn_k
 from . import qwen2_gemv as gemv_k
 from . import qwen2_proj as proj_k
 from .estimator_common import can_run_on
-from .qwen2_prefill import prefill_rows
+from .qwen2_hybrid import decode_rows, prefill_rows
 
 
 def kernels_per_step(n_layers: int) -> int:
@@ -76,14 +80,16 @@ def decode_step(decoder: Qwen2Decoder, inputs_embeds: torch.Tensor, pos: torch.T
     n_heads, n_kv, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     kv_len = cache.max_len if kv_len is None else min(int(kv_len), cache.max_len)
     positions = _positions(pos, rows)
+    splits = attn_k.attention_splits(rows, n_kv) if splits is None else int(splits)
+    if splits < 1 or splits & (splits - 1):
+        raise ValueError(f"attention splits must be a power of two >= 1, got {splits}")
+    if 0 < proj_k.TILES.cublas_rows <= rows:  # many rows: cuBLAS GEMMs with the Triton glue
+        return decode_rows(decoder, inputs_embeds, positions, cache, kv_len, splits)
     dev = inputs_embeds.device
     resid = torch.empty(rows, hidden, dtype=torch.float32, device=dev)
     resid.copy_(inputs_embeds.reshape(rows, hidden))
     q = torch.empty(rows, n_heads, head_dim, dtype=dtype, device=dev)
     attn = torch.empty(rows, n_heads, head_dim, dtype=dtype, device=dev)
-    splits = attn_k.attention_splits(rows, n_kv) if splits is None else int(splits)
-    if splits < 1 or splits & (splits - 1):
-        raise ValueError(f"attention splits must be a power of two >= 1, got {splits}")
     o_part = torch.empty(rows, n_heads, splits, head_dim, dtype=torch.float32, device=dev)
     m_part = torch.empty(rows, n_heads, splits, dtype=torch.float32, device=dev)
     l_part = torch.empty(rows, n_heads, splits, dtype=torch.float32, device=dev)
@@ -152,6 +158,6 @@ class FusedDecoder:
 
     def prefill_rows(self, inputs_embeds: torch.Tensor, slots: torch.Tensor, last: torch.Tensor,
                      cache: KVCache) -> torch.Tensor:
-        """:func:`~.qwen2_prefill.prefill_rows` on the wrapped decoder: prompts straight into their slot rows
+        """:func:`~.qwen2_hybrid.prefill_rows` on the wrapped decoder: prompts straight into their slot rows
         (what the batched prefill graphs replay)."""
         return prefill_rows(self.decoder, inputs_embeds, slots, last, cache)

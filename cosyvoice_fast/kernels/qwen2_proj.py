@@ -61,6 +61,7 @@ class Tiles:
     gemv_cols: int = 8  # output columns per program of those kernels (gate/up, down)
     gemv_small_cols: int = 4  # the same for q/k/v (per half-head) and the o-projection: ~2 MB matrices
     down_chunk: int = 512  # K elements per split of their down projection
+    cublas_rows: int = 32  # steps of at least this many rows take cuBLAS GEMMs (.qwen2_hybrid); 0: never
 
     def __post_init__(self) -> None:
         for name in ("qkv", "oproj", "gate_up", "down", "attn_keys", "k_bytes", "down_chunk", "attn_programs"):
@@ -73,6 +74,8 @@ class Tiles:
                 raise ValueError(f"Tiles.{name} must be a power of two in 1..64, got {v}")
         if not 1 <= self.gemv_rows <= 16:
             raise ValueError(f"Tiles.gemv_rows must be 1..16, got {self.gemv_rows}")
+        if not isinstance(self.cublas_rows, int) or not 0 <= self.cublas_rows <= 1024:
+            raise ValueError(f"Tiles.cublas_rows must be an int in 0..1024 (0: never), got {self.cublas_rows!r}")
         if not 1 <= self.down_split <= 16:
             raise ValueError(f"Tiles.down_split must be 1..16, got {self.down_split}")
         for name in ("pdl", "early_tile", "gemv"):

@@ -1,16 +1,20 @@
-"""A Qwen2 prefill with cuBLAS GEMMs and three Triton kernels per layer for everything between them.
+"""Qwen2 passes with cuBLAS GEMMs and Triton kernels for everything between them: the prefill, and decode
+steps of many rows.
 
 Why: the graph-replayed prefill of the model's own decoder launches ~25 kernels per layer (RoPE in pieces, cache
 writes, mask and SDPA, the SwiGLU pieces, residual adds), plus a copy per layer and cache from a scratch cache
 into the slots.  A one-request prefill of ~128 positions is bound by those ~600 launches, not by its
-arithmetic; at 16 requests the GEMMs take over.  The fused decode projections (:mod:`.qwen2_proj`), which
-stream weights for a few rows, lose to cuBLAS from a few hundred rows on.  So here the four projections stay
-cuBLAS calls (the residual adds ride in ``addmm``) and the glue is:
+arithmetic; at 16 requests the GEMMs take over.  The fused decode projections (:mod:`.qwen2_proj`) stream
+weights from few programs per row block, which is right for one or two rows but falls behind cuBLAS as rows
+grow (a decode step's weights are read once either way).  So here the four projections stay cuBLAS calls (the
+residual adds ride in ``addmm``) and the glue is:
 
-- :func:`rope_kv`: bias-added q/k/v rows -> rotated q to a scratch, rotated k and v straight into each prompt's
-  slot row of the cache at the position (no scratch cache, no copies);
-- :func:`prefill_attention`: causal attention of each prompt over its own slot row (query blocks of
-  ``BLOCK_M`` positions per program, key tiles up to the diagonal, online softmax; GQA by indexing);
+- :func:`rope_kv`: bias-added q/k/v rows -> rotated q to a scratch, rotated k and v straight into the cache row
+  at the position (a prefill's rows are the positions of prompts and go to each prompt's slot row: no scratch
+  cache, no copies; a decode step's rows are slots, each at its own position);
+- attention: :func:`prefill_attention` (causal, each prompt over its own slot row; query blocks of ``BLOCK_M``
+  positions per program, key tiles up to the diagonal, online softmax; GQA by indexing) or the decode step's
+  split attention (:func:`~.qwen2_attention.decode_attention`);
 - :func:`silu_mul`: ``silu(gate) * up`` of the fused gate/up GEMM's output.
 
 Nine launches per layer.  The residual stream is the model dtype, as in the eager decoder; each residual add is
@@ -30,6 +34,7 @@ import triton.language as tl
 
 from ..models.qwen2 import KVCache, Qwen2Decoder
 from .pdl import pdl_start
+from .qwen2_attention import decode_attention
 from .qwen2_proj import dot_precision, launch_options
 
 #: query positions per attention program, and keys per tile of its walk
@@ -39,10 +44,12 @@ ROWS_PER_PROGRAM = 16
 
 
 @triton.jit
-def _rope_kv_kernel(qkv_ptr, freq_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, ROWS, T, stride_cb, stride_ch, stride_cp,
-                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr):
-    """Program (row block, head of q|k|v): rows are prompt positions (row ``r`` = position ``r % T`` of prompt
-    ``r // T``); q and k heads rotate (half-split pairs), q goes to its scratch, k/v to the prompt's slot row."""
+def _rope_kv_kernel(qkv_ptr, freq_ptr, slot_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, ROWS, T, stride_cb, stride_ch,
+                    stride_cp, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BR: tl.constexpr,
+                    PER_ROW: tl.constexpr, PDL: tl.constexpr):
+    """Program (row block, head of q|k|v): q and k heads rotate (half-split pairs), q goes to its scratch, k/v to
+    the cache.  Rows are prompt positions (row ``r`` = position ``r % T`` of prompt ``r // T``, cache row
+    ``slot[r // T]``), or with ``PER_ROW`` decode rows (position ``pos[r]``, cache row ``r``)."""
     pdl_start(PDL)
     HALF: tl.constexpr = D // 2
     r = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -52,7 +59,10 @@ def _rope_kv_kernel(qkv_ptr, freq_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, ROWS, T,
     src = qkv_ptr + r[:, None] * ((HQ + 2 * HKV) * D) + head * D + d[None, :]
     x1 = tl.load(src, mask=rmask[:, None], other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=rmask[:, None], other=0.0).to(tl.float32)
-    pos = r % T
+    if PER_ROW:
+        pos = tl.load(pos_ptr + r, mask=rmask, other=0)
+    else:
+        pos = r % T
     rot = head < HQ + HKV
     ang = pos.to(tl.float32)[:, None] * tl.load(freq_ptr + d)[None, :]
     c = tl.where(rot, tl.cos(ang), 1.0)
@@ -69,8 +79,11 @@ def _rope_kv_kernel(qkv_ptr, freq_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, ROWS, T,
         if head >= HQ + HKV:
             kvh = head - HQ - HKV
             c_ptr = vc_ptr
-        slot = tl.load(slot_ptr + r // T, mask=rmask, other=0)
-        dst = c_ptr + (slot * stride_cb + kvh * stride_ch + pos * stride_cp)[:, None] + d[None, :]
+        if PER_ROW:
+            crow = r.to(tl.int64)
+        else:
+            crow = tl.load(slot_ptr + r // T, mask=rmask, other=0)
+        dst = c_ptr + (crow * stride_cb + kvh * stride_ch + pos * stride_cp)[:, None] + d[None, :]
         tl.store(dst, o1.to(kc_ptr.dtype.element_ty), mask=rmask[:, None])
         tl.store(dst + HALF, o2.to(kc_ptr.dtype.element_ty), mask=rmask[:, None])
 
@@ -131,18 +144,27 @@ def _check_prompts(rows: int, length: int, slots: torch.Tensor) -> int:
     return rows // length
 
 
-def rope_kv(qkv: torch.Tensor, inv_freq: torch.Tensor, length: int, slots: torch.Tensor, q_out: torch.Tensor,
-            k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """q/k/v rows (R·T, (Hq + 2·Hkv)·D), bias included -> ``q_out`` (R·T, Hq, D) rotated; rotated k and v of
-    prompt ``r``'s positions ``0..T-1`` into cache row ``slots[r]`` (T = ``length``)."""
+def rope_kv(qkv: torch.Tensor, inv_freq: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor,
+            v_cache: torch.Tensor, *, length: int = 1, slots: torch.Tensor | None = None,
+            positions: torch.Tensor | None = None) -> None:
+    """q/k/v rows (rows, (Hq + 2·Hkv)·D), bias included -> ``q_out`` (rows, Hq, D) rotated, and rotated k and v
+    into the cache: with ``slots``, rows are prompt ``r``'s positions ``0..T-1`` (T = ``length``) going to cache
+    row ``slots[r]``; with ``positions`` (rows,) int64, row ``b`` goes to cache row ``b`` at ``positions[b]``."""
     rows = qkv.shape[0]
-    _check_prompts(rows, length, slots)
+    if (slots is None) == (positions is None):
+        raise ValueError("rope_kv takes either slots (a prefill) or positions (a decode step)")
+    if slots is not None:
+        _check_prompts(rows, length, slots)
+    elif positions.shape != (rows,):
+        raise ValueError(f"rope_kv: positions {tuple(positions.shape)} for {rows} rows")
     n_heads, head_dim = q_out.shape[1], q_out.shape[2]
     n_kv = k_cache.shape[1]
     grid = (triton.cdiv(rows, ROWS_PER_PROGRAM), n_heads + 2 * n_kv)
-    _rope_kv_kernel[grid](qkv, inv_freq, slots, q_out, k_cache, v_cache, rows, length, k_cache.stride(0),
-                          k_cache.stride(1), k_cache.stride(2), HQ=n_heads, HKV=n_kv, D=head_dim,
-                          BR=ROWS_PER_PROGRAM, **launch_options(qkv, 1))
+    per_row = positions is not None
+    _rope_kv_kernel[grid](qkv, inv_freq, positions if per_row else slots, positions if per_row else slots,
+                          q_out, k_cache, v_cache, rows, length, k_cache.stride(0), k_cache.stride(1),
+                          k_cache.stride(2), HQ=n_heads, HKV=n_kv, D=head_dim, BR=ROWS_PER_PROGRAM,
+                          PER_ROW=per_row, **launch_options(qkv, 1))
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -189,10 +211,40 @@ def prefill_rows(decoder: Qwen2Decoder, inputs_embeds: torch.Tensor, slots: torc
     for i, layer in enumerate(decoder.layers):
         a, mlp = layer.self_attn, layer.mlp
         qkv = F.linear(layer.input_layernorm(x), a.qkv_weight, a.qkv_bias)
-        rope_kv(qkv, inv_freq, length, slots, q, cache.k[i], cache.v[i])
+        rope_kv(qkv, inv_freq, q, cache.k[i], cache.v[i], length=length, slots=slots)
         prefill_attention(q, cache.k[i], cache.v[i], slots, length, attn)
         x = torch.addmm(x, attn.view(rows, n_heads * head_dim), a.o_proj.weight.t())
         silu_mul(F.linear(layer.post_attention_layernorm(x), mlp.gate_up_weight), act)
         x = torch.addmm(x, act, mlp.down_proj.weight.t())
     picked = x.view(n_prompts, length, hidden)[torch.arange(n_prompts, device=dev), last]
     return decoder.norm(picked)
+
+
+def decode_rows(decoder: Qwen2Decoder, inputs_embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                kv_len: int, splits: int) -> torch.Tensor:
+    """One decode step of ``B`` rows (``inputs_embeds`` (B, 1, H), row ``b`` at ``positions[b]`` (B,) int64 in
+    cache row ``b``, attending over its positions ``< min(pos + 1, kv_len)`` with ``splits`` key splits):
+    :func:`~.qwen2_decode.decode_step`'s function for many rows, on cuBLAS GEMMs.  Returns (B, 1, H)."""
+    decoder.fuse_projections()
+    cfg = decoder.cfg
+    rows, _, hidden = inputs_embeds.shape
+    dev, dtype = inputs_embeds.device, inputs_embeds.dtype
+    n_heads, n_kv, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q = torch.empty(rows, n_heads, head_dim, dtype=dtype, device=dev)
+    attn = torch.empty(rows, n_heads, head_dim, dtype=dtype, device=dev)
+    act = torch.empty(rows, cfg.intermediate_size, dtype=dtype, device=dev)
+    o_part = torch.empty(rows, n_heads, splits, head_dim, dtype=torch.float32, device=dev)
+    m_part = torch.empty(rows, n_heads, splits, dtype=torch.float32, device=dev)
+    l_part = torch.empty(rows, n_heads, splits, dtype=torch.float32, device=dev)
+    counters = torch.zeros(rows, n_kv, dtype=torch.int32, device=dev)  # each layer's merge puts them back to 0
+    x = inputs_embeds.reshape(rows, hidden)
+    inv_freq = decoder.rotary.inv_freq
+    for i, layer in enumerate(decoder.layers):
+        a, mlp = layer.self_attn, layer.mlp
+        qkv = F.linear(layer.input_layernorm(x), a.qkv_weight, a.qkv_bias)
+        rope_kv(qkv, inv_freq, q, cache.k[i], cache.v[i], positions=positions)
+        decode_attention(q, cache.k[i], cache.v[i], positions, kv_len, attn, o_part, m_part, l_part, counters)
+        x = torch.addmm(x, attn.view(rows, n_heads * head_dim), a.o_proj.weight.t())
+        silu_mul(F.linear(layer.post_attention_layernorm(x), mlp.gate_up_weight), act)
+        x = torch.addmm(x, act, mlp.down_proj.weight.t())
+    return decoder.norm(x).view(rows, 1, hidden)
