@@ -79,6 +79,7 @@ class Variant:
     autocast: str | None = None  # None, "all" (the whole forward) or "conv_stack" (decode's filter network)
     graph: bool = False
     fused: bool = False  # the ``fused`` vocoder's module: residual units as fused Triton passes (kernels/hift_snake)
+    time_major: bool = False  # with ``fused``: the conv stack on time-major activations (no cuDNN transposes)
 
 
 VARIANTS = {
@@ -91,6 +92,7 @@ VARIANTS = {
     "cudagraph_fp32_tf32": Variant(tf32=True, graph=True),
     "cudagraph_fused_no_tf32": Variant(tf32=False, graph=True, fused=True),
     "cudagraph_fused_tf32": Variant(tf32=True, graph=True, fused=True),
+    "cudagraph_fused_tf32_time_major": Variant(tf32=True, graph=True, fused=True, time_major=True),
 }
 
 
@@ -233,7 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             from cosyvoice_fast.kernels.hift_snake import fuse_hift
 
             state["fused"] = build_hift(args.model_dir)
-            state["fused_blocks"] = fuse_hift(state["fused"])
+            state["fused_blocks"] = fuse_hift(state["fused"], time_major=False)
+            state["fused_time_major"] = build_hift(args.model_dir)
+            fuse_hift(state["fused_time_major"], time_major=True)
         state["inputs"] = {}
         g = torch.Generator(device=DEVICE_TYPE).manual_seed(0)
         for frames, rows in shapes:
@@ -262,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if v.graph:
             from cosyvoice_fast.backends.graphs import capture
 
-            module = state["fused"] if v.fused else hift
+            module = (state["fused_time_major"] if v.time_major else state["fused"]) if v.fused else hift
             # a pool of its own: the graph and its memory go when this shape is done
             graph, wav_static = capture(lambda: forward(module, mel, noise), torch.device(DEVICE_TYPE),
                                         torch.cuda.graph_pool_handle(), warmup=args.warmup)
@@ -332,6 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     runner.run(f"profile_fp32_tf32_rows{PROFILE_ROWS}", lambda: profile_rows16(hift))
     if "fused" in state:
         runner.run(f"profile_fused_tf32_rows{PROFILE_ROWS}", lambda: profile_rows16(state["fused"]))
+        runner.run(f"profile_fused_time_major_tf32_rows{PROFILE_ROWS}",
+                   lambda: profile_rows16(state["fused_time_major"]))
 
     print_summary(res, shapes)
     failed = [k for k, s in res.get("step_status", {}).items() if s != "ok"]

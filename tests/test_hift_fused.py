@@ -59,6 +59,25 @@ def test_snake_pass_matches_the_module_formula(bias, residual, alpha, write_sum)
         assert (act - ref).abs().max().item() <= 2e-5 * max(1.0, ref.abs().max().item())
 
 
+def test_snake_pass_keeps_a_time_major_layout_and_its_values():
+    """Time-major (B, C, T) tensors (strides (T·C, 1, C), what cuDNN's NHWC convolutions read and write) go
+    through the same pass without a copy to channel-major: same values, same layout out; a residual in the
+    other layout is read correctly too."""
+    from cosyvoice_fast.models.hift import time_major
+
+    g = torch.Generator().manual_seed(3)
+    b, c, t = 2, 70, 90  # neither a tile multiple
+    x = torch.randn(b, c, t, generator=g).to(DEV)
+    res = torch.randn(b, c, t, generator=g).to(DEV)
+    bias, alpha = torch.randn(c, generator=g).to(DEV), torch.rand(c, generator=g).to(DEV) + 0.1
+    want = snake_pass(x, bias=bias, residual=res, alpha=alpha, write_sum=True)
+    for residual in (time_major(res), res):
+        got = snake_pass(time_major(x), bias=bias, residual=residual, alpha=alpha, write_sum=True)
+        for g_, w in zip(got, want):
+            assert g_.stride() == (t * c, 1, c)
+            assert (g_ - w).abs().max().item() <= 1e-6
+
+
 def test_snake_pass_refuses_what_it_cannot_compute():
     with pytest.raises(ValueError, match=r"takes a \(B, C, T\) fp32 tensor, got \(3, 4\)"):
         snake_pass(torch.zeros(3, 4), alpha=torch.ones(4))
@@ -74,14 +93,21 @@ def test_fused_block_needs_folded_weights(tiny_models):
         FusedSnakeResBlock(blk)
 
 
-def test_fused_hift_decode_is_as_close_to_float64_as_eager(tiny_models):
-    """Whole filter pass (every resblock and source resblock fused) on the fixture's HiFT weights."""
+@pytest.mark.parametrize("time_major", [True, False])
+def test_fused_hift_decode_is_as_close_to_float64_as_eager(tiny_models, time_major):
+    """Whole filter pass (every resblock and source resblock fused) on the fixture's HiFT weights, its conv
+    stack on time-major activations or not."""
     hift = tiny_models.hift
     plain = hift.remove_weight_norm().eval().to(DEV)
     fused = hift.remove_weight_norm().eval().to(DEV)
     n_blocks = len(fused.resblocks) + len(fused.source_resblocks)
-    assert fuse_hift(fused) == n_blocks
-    assert fuse_hift(fused) == 0  # already swapped: nothing left to fuse
+    assert not fused.time_major
+    assert fuse_hift(fused, time_major=time_major) == n_blocks
+    assert fused.time_major == time_major and not plain.time_major
+    with_4d = sum(hasattr(m, "weight4") for m in fused.modules())
+    assert with_4d == (0 if not time_major else 2 + 2 * len(fused.ups) + sum(
+        len(b.block.convs1) + len(b.block.convs2) for b in (*fused.resblocks, *fused.source_resblocks)))
+    assert fuse_hift(fused, time_major=time_major) == 0  # already swapped: nothing left to fuse
     g = torch.Generator().manual_seed(1)
     frames = 24
     mel = (torch.randn(2, plain.cfg.in_channels, frames, generator=g) - 5).to(DEV)

@@ -3,8 +3,9 @@
 Same graphs, batching and start-up captures as :class:`~cosyvoice_fast.backends.cudagraph_vocoder.
 CudaGraphVocoder`; only the captured module differs: its Snake residual blocks are
 :class:`~cosyvoice_fast.kernels.hift_snake.FusedSnakeResBlock` (Snake, conv bias and residual add in one pass
-each), so a filter pass launches about half as many kernels and moves about half as many bytes.  HiFT stays
-fp32 (bf16 was not faster and cost ~37 dB SNR, BENCHMARKS.md).
+each), so a filter pass launches about half as many kernels and moves about half as many bytes; and its conv
+stack runs time-major (:func:`~cosyvoice_fast.models.hift.conv_time_major`), so cuDNN's NHWC convolutions need
+no layout transposes around them.  HiFT stays fp32 (bf16 was not faster and cost ~37 dB SNR, BENCHMARKS.md).
 """
 
 from __future__ import annotations

@@ -24,52 +24,68 @@ import triton
 import triton.language as tl
 from torch import Tensor, nn
 
-from ..models.hift import Snake, SnakeResBlock
+from ..models.hift import Snake, SnakeResBlock, conv_time_major, weight_4d
 
 
 @triton.jit
-def _snake_pass_kernel(x_ptr, bias_ptr, res_ptr, alpha_ptr, sum_ptr, act_ptr, C, T, eps,
+def _snake_pass_kernel(x_ptr, bias_ptr, res_ptr, alpha_ptr, sum_ptr, act_ptr, C, T, sb, sc, st, eps,
                        HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, WRITE_SUM: tl.constexpr,
-                       SNAKE: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)  # one (batch, channel) row of a contiguous (B, C, T) tensor
-    t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = t < T
-    off = row.to(tl.int64) * T + t
-    ch = row % C
+                       SNAKE: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
+    """Program (batch row, channel block, time block) of (B, C, T) tensors that share the strides ``sb, sc, st``
+    (channel-major or time-major: whichever stride is 1 is the contiguous direction of the tile)."""
+    b = tl.program_id(0)
+    ch = tl.program_id(1) * BC + tl.arange(0, BC)
+    t = tl.program_id(2) * BT + tl.arange(0, BT)
+    m = (ch < C)[:, None] & (t < T)[None, :]
+    off = b.to(tl.int64) * sb + ch[:, None] * sc + t[None, :].to(tl.int64) * st
     z = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        z = z + tl.load(bias_ptr + ch).to(tl.float32)
+        z = z + tl.load(bias_ptr + ch, mask=ch < C, other=0.0).to(tl.float32)[:, None]
     if HAS_RES:
         z = tl.load(res_ptr + off, mask=m, other=0.0).to(tl.float32) + z
     if WRITE_SUM:
         tl.store(sum_ptr + off, z, mask=m)
     if SNAKE:
-        a = tl.load(alpha_ptr + ch).to(tl.float32)
+        a = tl.load(alpha_ptr + ch, mask=ch < C, other=1.0).to(tl.float32)[:, None]
         s = tl.sin(z * a)
         tl.store(act_ptr + off, z + (1.0 / (a + eps)) * (s * s), mask=m)
 
 
+def _dense(x: Tensor) -> Tensor:
+    """``x`` itself when channel-major or time-major (the layouts the kernel's tiles read), else a
+    channel-major copy."""
+    b, c, t = x.shape
+    if x.stride() in ((c * t, t, 1), (c * t, 1, c)):
+        return x
+    return x.contiguous()
+
+
 def snake_pass(x: Tensor, bias: Tensor | None = None, residual: Tensor | None = None, alpha: Tensor | None = None,
                write_sum: bool = False) -> tuple[Tensor | None, Tensor | None]:
-    """``z = x + bias + residual`` over a contiguous fp32 (B, C, T) tensor (bias per channel), then
-    ``(z if write_sum, snake_alpha(z) if alpha is given)``, in one pass."""
+    """``z = x + bias + residual`` over an fp32 (B, C, T) tensor (bias per channel), then
+    ``(z if write_sum, snake_alpha(z) if alpha is given)``, in one pass.  Channel-major and time-major
+    (:func:`~cosyvoice_fast.models.hift.time_major`) inputs keep their layout in the outputs."""
     if x.dim() != 3 or x.dtype != torch.float32:
         raise ValueError(f"snake_pass takes a (B, C, T) fp32 tensor, got {tuple(x.shape)} {x.dtype}")
     if alpha is None and not write_sum:
         raise ValueError("snake_pass would compute nothing: give alpha, write_sum=True, or both")
-    x = x.contiguous()
+    x = _dense(x)
     b, c, t = x.shape
-    res = residual.contiguous() if residual is not None else x
-    if res.shape != x.shape:
-        raise ValueError(f"residual shape {tuple(res.shape)} differs from the input's {tuple(x.shape)}")
+    res = x
+    if residual is not None:
+        if residual.shape != x.shape:
+            raise ValueError(f"residual shape {tuple(residual.shape)} differs from the input's {tuple(x.shape)}")
+        res = residual if residual.stride() == x.stride() else torch.empty_like(x).copy_(residual)
     total = torch.empty_like(x) if write_sum else None
     act = torch.empty_like(x) if alpha is not None else None
-    block = min(2048, max(128, triton.next_power_of_2(t)))
-    grid = (b * c, triton.cdiv(t, block))
+    time_major = x.stride(1) == 1 and c > 1
+    bc, bt = (64, 64) if time_major else (4, min(1024, max(128, triton.next_power_of_2(t))))
+    grid = (b, triton.cdiv(c, bc), triton.cdiv(t, bt))
     _snake_pass_kernel[grid](x, bias if bias is not None else x, res, alpha if alpha is not None else x,
-                             total if total is not None else x, act if act is not None else x, c, t, Snake.EPS,
+                             total if total is not None else x, act if act is not None else x, c, t,
+                             x.stride(0), x.stride(1), x.stride(2), Snake.EPS,
                              HAS_BIAS=bias is not None, HAS_RES=residual is not None, WRITE_SUM=write_sum,
-                             SNAKE=alpha is not None, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+                             SNAKE=alpha is not None, BC=bc, BT=bt, num_warps=4)
     return total, act
 
 
@@ -88,20 +104,38 @@ class FusedSnakeResBlock(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         blk = self.block
         units = list(zip(blk.activations1, blk.convs1, blk.activations2, blk.convs2))
-        x = x.float().contiguous()
+        x = _dense(x.float())
         _, y = snake_pass(x, alpha=units[0][0].alpha)
         for i, (_, c1, act2, c2) in enumerate(units):
-            t = F.conv1d(y, c1.weight, None, c1.stride, c1.padding, c1.dilation)
+            t = self._conv(c1, y)
             _, t = snake_pass(t, bias=c1.bias, alpha=act2.alpha)
-            t = F.conv1d(t, c2.weight, None, c2.stride, c2.padding, c2.dilation)
+            t = self._conv(c2, t)
             nxt = units[i + 1][0].alpha if i + 1 < len(units) else None
             x, y = snake_pass(t, bias=c2.bias, residual=x, alpha=nxt, write_sum=True)
         return x
 
+    @staticmethod
+    def _conv(conv: nn.Module, x: Tensor) -> Tensor:
+        """The bias-free convolution: time-major through its 4-D weight when it has one and ``x`` is
+        time-major, else :func:`torch.nn.functional.conv1d`."""
+        w4 = getattr(conv, "weight4", None)
+        if w4 is not None and x.stride(1) == 1 and x.shape[1] > 1:
+            return conv_time_major(conv, w4, x, bias=False)
+        return F.conv1d(x, conv.weight, None, conv.stride, conv.padding, conv.dilation)
 
-def fuse_hift(plain: nn.Module) -> int:
+
+def fuse_hift(plain: nn.Module, time_major: bool = True) -> int:
     """Swap every :class:`SnakeResBlock` of a weight-norm-folded HiFT (``remove_weight_norm()``'s copy, owned by
-    the caller) for a :class:`FusedSnakeResBlock` in place; returns how many were swapped."""
+    the caller) for a :class:`FusedSnakeResBlock` in place, and set its ``time_major`` layout (see
+    :func:`~cosyvoice_fast.models.hift.time_major`; with it every convolution gets a ``weight4`` buffer, a copy
+    of its weight made here); returns how many blocks were swapped."""
+    plain.time_major = time_major
+    if time_major:  # every convolution of the filter network (not f0's) gets its 4-D channels-last weight
+        parts = (plain.conv_pre, plain.ups, plain.source_downs, plain.resblocks, plain.source_resblocks,
+                 plain.conv_post)
+        for conv in (m for part in parts for m in part.modules()):
+            if isinstance(conv, (nn.Conv1d, nn.ConvTranspose1d)) and not hasattr(conv, "weight4"):
+                conv.register_buffer("weight4", weight_4d(conv), persistent=False)
     n = 0
     for lists in (plain.resblocks, plain.source_resblocks):
         for i, blk in enumerate(lists):

@@ -56,6 +56,34 @@ def istft(spec: Tensor, n_fft: int, hop: int, window: Tensor) -> Tensor:
     return signal[:, start:end] / envelope[:, start:end]
 
 
+def time_major(x: Tensor) -> Tensor:
+    """The same (B, C, T) values stored time-major (strides (T·C, 1, C)).  cuDNN's fast fp32/TF32 convolutions
+    work in that layout (NHWC) and wrap two layout transposes around each call on channel-major tensors; a
+    conv stack kept time-major (:func:`conv_time_major`) skips them.  Elementwise ops keep the layout."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def weight_4d(conv: nn.Module) -> Tensor:
+    """A 1-D convolution's weight as the channels-last 4-D weight of the equivalent 2-D convolution (kernel 1 x
+    K): what :func:`conv_time_major` takes, made once (a copy: it goes stale if the weight changes)."""
+    return conv.weight.detach().unsqueeze(2).contiguous(memory_format=torch.channels_last)
+
+
+def conv_time_major(conv: nn.Module, weight4: Tensor, x: Tensor, bias: bool = True) -> Tensor:
+    """``conv(x)`` (a ``Conv1d`` or ``ConvTranspose1d``, groups 1) for a time-major ``x``, computed as the 2-D
+    convolution of its (B, C, 1, T) view, which is channels-last: PyTorch hands cuDNN NHWC tensors, so no
+    transposes run (PyTorch's 1-D path would make the input channel-major first).  Returns time-major
+    (B, C', T'); ``bias=False`` leaves the bias out (the fused residual units add it in their pass)."""
+    x4 = x.unsqueeze(2)
+    b = conv.bias if bias else None
+    stride, padding, dilation = (1, conv.stride[0]), (0, conv.padding[0]), (1, conv.dilation[0])
+    if isinstance(conv, nn.ConvTranspose1d):
+        y = F.conv_transpose2d(x4, weight4, b, stride, padding, (0, conv.output_padding[0]), 1, dilation)
+    else:
+        y = F.conv2d(x4, weight4, b, stride, padding, dilation)
+    return y.squeeze(2)
+
+
 def _same_padding(kernel: int, dilation: int) -> int:
     return (kernel - 1) * dilation // 2
 
@@ -84,7 +112,14 @@ class SnakeResBlock(nn.Module):
 
 
 class HiFTGenerator(nn.Module):
-    """CosyVoice2's vocoder; attribute names match the keys of ``hift.pt``."""
+    """CosyVoice2's vocoder; attribute names match the keys of ``hift.pt``.
+
+    ``time_major`` (off by default; a speed setting, not a weight): :meth:`decode` runs its conv stack on
+    time-major activations (see :func:`time_major`), through :func:`conv_time_major` for every convolution that
+    carries a ``weight4`` buffer (:func:`weight_4d`; the fused vocoder's private copy gets them).  Same maths;
+    on a GPU, cuDNN may pick other algorithms (float rounding)."""
+
+    time_major = False
 
     def __init__(self, cfg: HiFTConfig):
         super().__init__()
@@ -158,22 +193,31 @@ class HiFTGenerator(nn.Module):
         Deterministic: all randomness is in ``source``.
         """
         s_spec = self._source_spectrum(source)
-        x = self.conv_pre(mel)
+        if self.time_major:
+            mel, s_spec = time_major(mel), time_major(s_spec)
+        conv = self._conv
+        x = conv(self.conv_pre, mel)
         last = len(self.ups) - 1
         for i, (up, down, src_block) in enumerate(zip(self.ups, self.source_downs, self.source_resblocks)):
-            x = up(F.leaky_relu(x, self.cfg.lrelu_slope))
+            x = conv(up, F.leaky_relu(x, self.cfg.lrelu_slope))
             if i == last:
                 # the transposed convs yield T*120 steps; the STFT of T*480 samples has one frame more
                 x = F.pad(x, (1, 0), mode="reflect")
-            x = x + src_block(down(s_spec))
+                if self.time_major:  # the pad's output is channel-major again
+                    x = time_major(x)
+            x = x + src_block(conv(down, s_spec))
             blocks = self.resblocks[i * self.num_kernels:(i + 1) * self.num_kernels]
             acc = blocks[0](x)
             for block in blocks[1:]:
                 acc = acc + block(x)
             x = acc / self.num_kernels
-        x = self.conv_post(F.leaky_relu(x))  # default 0.01 slope here, as trained
+        x = conv(self.conv_post, F.leaky_relu(x))  # default 0.01 slope here, as trained
         wav = self._waveform(x)
         return wav.clamp(-self.cfg.audio_limit, self.cfg.audio_limit)
+
+    def _conv(self, conv: nn.Module, x: Tensor) -> Tensor:
+        w4 = getattr(conv, "weight4", None)
+        return conv_time_major(conv, w4, x) if self.time_major and w4 is not None else conv(x)
 
     # ------------------------------------------------------------------------------------------ full call
 
