@@ -28,17 +28,19 @@ def why_unavailable() -> str | None:
 
 
 class FusedVocoder(CudaGraphVocoder):
-    """HiFT in CUDA graphs with fused residual units; :class:`CudaGraphVocoder`'s constructor arguments."""
+    """HiFT in CUDA graphs with fused residual units; :class:`CudaGraphVocoder`'s constructor arguments, plus
+    ``time_major``: run the conv stack time-major (see :func:`~cosyvoice_fast.kernels.hift_snake.fuse_hift`)."""
 
-    def __init__(self, hift: torch.nn.Module, **kwargs):
+    def __init__(self, hift: torch.nn.Module, time_major: bool = True, **kwargs):
         reason = why_unavailable()
         if reason is not None:
             raise BackendUnavailable(reason)
+        self.time_major = time_major
         super().__init__(hift, **kwargs)
 
     def _plain_model(self, hift: torch.nn.Module) -> torch.nn.Module:
         from ..kernels.hift_snake import fuse_hift
 
         plain = super()._plain_model(hift)
-        fuse_hift(plain)
+        fuse_hift(plain, time_major=self.time_major)
         return plain

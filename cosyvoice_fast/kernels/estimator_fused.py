@@ -242,16 +242,14 @@ class FusedEstimator(nn.Module):
             qkv = linear(h, p["qkv"][id(a)], prologue=PRO_LN, ln=_ln(blk.norm1))
         else:
             qkv = linear(normed, p["qkv"][id(a)])
-        if win is not None:
-            o = attention_cached(qkv, win.next_kv(), win.start, win.valid, a.heads, a.head_dim, chunk)
-            n3 = torch.empty_like(h) if fuse_ln and not self.ffn_one_kernel else None
-            h = linear(o, a.to_out[0].weight, a.to_out[0].bias, residual=h,
-                       norm_out=None if n3 is None else (n3, _ln(blk.norm3)))
-        elif self.attention_out_fused:
+        if self.attention_out_fused and win is None:
             h = attention_out(qkv, mask, batch, a.heads, a.head_dim, chunk, a.to_out[0].weight, a.to_out[0].bias, h)
             n3 = None
         else:
-            o = attention(qkv, mask, batch, a.heads, a.head_dim, chunk)
+            if win is not None:
+                o = attention_cached(qkv, win.next_kv(), win.start, win.valid, a.heads, a.head_dim, chunk)
+            else:
+                o = attention(qkv, mask, batch, a.heads, a.head_dim, chunk)
             n3 = torch.empty_like(h) if fuse_ln and not self.ffn_one_kernel else None
             h = linear(o, a.to_out[0].weight, a.to_out[0].bias, residual=h,
                        norm_out=None if n3 is None else (n3, _ln(blk.norm3)))
