@@ -3,8 +3,9 @@ activity only), kernel time summed per stage.
 
     PYTHONUNBUFFERED=1 python benchmarks/serve_profile.py --out $OUT -- --synthetic full --backends fused ...
 
-Everything after ``--`` goes to the bench unchanged (its warm-up wave is profiled too: the shares, not the
-totals, are the result).  A kernel's stage comes from its name: the Triton kernels of
+Everything after ``--`` goes to the bench (``--gpu-busy`` is added: the profiler runs exactly while the bench's
+GPU-busy sampler does, i.e. over the timed waves of every concurrency, not start-up or warm-up).  The profiler
+slows the run down, so the shares, not the totals, are the result.  A kernel's stage comes from its name: the Triton kernels of
 ``cosyvoice_fast.kernels.estimator_*`` are the flow estimator's, ``qwen2_*``/``philox``/``nucleus_*`` the LLM's,
 ``hift_*`` the vocoder's; every other kernel (cuBLAS, cuDNN, PyTorch's own) is listed by name under "other".
 Results: ``OUT/serve_profile.json`` (per stage: kernel ms, launches; the 60 costliest kernel names).
@@ -24,6 +25,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cosyvoice_fast import gpu_busy  # noqa: E402
 
 STAGE_OF_MODULE = (("estimator_", "flow estimator"), ("qwen2_", "llm"), ("philox", "llm"), ("nucleus", "llm"),
                    ("hift_", "vocoder"))
@@ -55,21 +58,49 @@ def main(argv: list[str]) -> None:
     out = Path(mine[mine.index("--out") + 1])
     out.mkdir(parents=True, exist_ok=True)
     stages = kernel_stages()
+    # CPU ops on a machine without a GPU: only to check this script's plumbing (every op lands in "other")
+    on_gpu = torch.cuda.is_available()
+    activity = torch.profiler.ProfilerActivity.CUDA if on_gpu else torch.profiler.ProfilerActivity.CPU
+    device_type = torch.autograd.DeviceType.CUDA if on_gpu else torch.autograd.DeviceType.CPU
+    profiles: list[torch.profiler.profile] = []
+    sampler = gpu_busy.GpuBusy
+
+    class ProfiledBusy:
+        """The bench's GPU-busy sampler with the profiler running alongside it (the timed waves)."""
+
+        def __init__(self, dev: torch.device):
+            self.inner = sampler(dev)
+            self.prof = torch.profiler.profile(activities=[activity])
+
+        def __enter__(self):  # noqa: ANN204
+            self.prof.__enter__()
+            return self.inner.__enter__()
+
+        def __exit__(self, *exc: object) -> None:
+            self.inner.__exit__(*exc)
+            if on_gpu:
+                torch.cuda.synchronize()
+            self.prof.__exit__(*exc)
+            profiles.append(self.prof)
+
+    gpu_busy.GpuBusy = ProfiledBusy  # the bench imports it when runpy runs it below
     t0 = time.perf_counter()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        sys.argv = ["cosyvoice_fast.bench", *bench_args, "--out", str(out / "bench")]
-        try:
-            runpy.run_module("cosyvoice_fast.bench", run_name="__main__", alter_sys=True)
-        except SystemExit as e:  # the bench's own exit: the profile is still summed
-            if e.code not in (None, 0):
-                raise
+    sys.argv = ["cosyvoice_fast.bench", *bench_args, "--gpu-busy", "--out", str(out / "bench")]
+    try:
+        runpy.run_module("cosyvoice_fast.bench", run_name="__main__", alter_sys=True)
+    except SystemExit as e:  # the bench's own exit: the profile is still summed
+        if e.code not in (None, 0):
+            raise
+    finally:
+        gpu_busy.GpuBusy = sampler
     wall = time.perf_counter() - t0
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            rec = by_name[e.name]
-            rec[0] += e.device_time
-            rec[1] += 1
+    for prof in profiles:
+        for e in prof.events():
+            if e.device_type == device_type:
+                rec = by_name[e.name]
+                rec[0] += e.device_time if on_gpu else e.cpu_time
+                rec[1] += 1
     by_stage: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for name, (us, n) in by_name.items():
         stage = next((s for k, s in stages.items() if name.startswith(k)), "other")
@@ -77,7 +108,7 @@ def main(argv: list[str]) -> None:
         by_stage[stage][1] += n
     total = sum(us for us, _ in by_stage.values())
     result = {
-        "gpu": torch.cuda.get_device_name(), "bench_args": bench_args, "wall_s": wall,
+        "gpu": torch.cuda.get_device_name() if on_gpu else "cpu", "bench_args": bench_args, "wall_s": wall, "profiled_sections": len(profiles),
         "kernel_ms_total": total / 1e3,
         "stages": {s: {"kernel_ms": us / 1e3, "share": us / total, "launches": n}
                    for s, (us, n) in sorted(by_stage.items(), key=lambda kv: -kv[1][0])},
