@@ -206,21 +206,29 @@ def main() -> int:
         finally:
             qwen2_proj.TILES = default
 
+    def rows_ab(key: str, rows_list: tuple[int, ...], settings: dict[str, dict]) -> None:
+        """Two passes in turn: per row count, the decoder step's graph ms under each named ``Tiles`` change,
+        appended to ``results[key]``."""
+        try:
+            for rnd in range(2):
+                for rows in rows_list:
+                    fn = profile_llm.decode_math(lm16, "fused", rows, CONTEXT, MAX_LEN, BUCKET)
+                    for name, change in settings.items():
+                        qwen2_proj.TILES = dataclasses.replace(default, **change)
+                        results[key].append({"kernels": name, "pass": rnd, "rows": rows,
+                                             "graph_ms": round(profile_llm.graph_ms(fn, iters=200), 4)})
+                        print(results[key][-1], flush=True)
+                        runner.save()
+        finally:
+            qwen2_proj.TILES = default
+
     def run_gemv_rows() -> None:
-        """Steps of 1..16 rows on the looped kernels against the GEMV kernels (``Tiles.gemv_rows``), two passes
-        in turn, and the GEMV step's fp32 error against eager at 4 and 16 rows."""
+        """Steps of 1..16 rows on the looped kernels against the GEMV kernels (``Tiles.gemv_rows``), and the
+        GEMV step's fp32 error against eager at 4 and 16 rows."""
+        rows_ab("gemv_rows", (1, 2, 4, 8, 16), {"looped": {"gemv_rows": 1}, "gemv": {"gemv_rows": 16}})
         lm32 = _lm(torch.float32)
         lm16_same = copy.deepcopy(lm32).to(torch.bfloat16)
         try:
-            for rnd in range(2):
-                for rows in (1, 2, 4, 8, 16):
-                    fn = profile_llm.decode_math(lm16, "fused", rows, CONTEXT, MAX_LEN, BUCKET)
-                    for name, most in (("looped", 1), ("gemv", 16)):
-                        qwen2_proj.TILES = dataclasses.replace(default, gemv_rows=most)
-                        results["gemv_rows"].append({"kernels": name, "pass": rnd, "rows": rows,
-                                                     "graph_ms": round(profile_llm.graph_ms(fn, iters=200), 4)})
-                        print(results["gemv_rows"][-1], flush=True)
-                        runner.save()
             qwen2_proj.TILES = dataclasses.replace(default, gemv_rows=16)
             for rows in (4, 16):
                 results["gemv_rows"].append({"correctness": correctness(lm32, lm16_same, rows)})
@@ -230,19 +238,8 @@ def main() -> int:
 
     def run_cublas_rows() -> None:
         """Steps of 1..64 rows on the fused projections against cuBLAS GEMMs with the Triton glue
-        (``Tiles.cublas_rows``, :func:`cosyvoice_fast.kernels.qwen2_hybrid.decode_rows`), two passes in turn."""
-        try:
-            for rnd in range(2):
-                for rows in (1, 2, 4, 8, 16, 32, 64):
-                    fn = profile_llm.decode_math(lm16, "fused", rows, CONTEXT, MAX_LEN, BUCKET)
-                    for name, first in (("fused", 0), ("cublas", 1)):
-                        qwen2_proj.TILES = dataclasses.replace(default, cublas_rows=first)
-                        results["cublas_rows"].append({"kernels": name, "pass": rnd, "rows": rows,
-                                                       "graph_ms": round(profile_llm.graph_ms(fn, iters=200), 4)})
-                        print(results["cublas_rows"][-1], flush=True)
-                        runner.save()
-        finally:
-            qwen2_proj.TILES = default
+        (``Tiles.cublas_rows``, :func:`cosyvoice_fast.kernels.qwen2_hybrid.decode_rows`)."""
+        rows_ab("cublas_rows", (1, 2, 4, 8, 16, 32, 64), {"fused": {"cublas_rows": 0}, "cublas": {"cublas_rows": 1}})
 
     for name, fn in (("correctness", run_correctness), ("graph", run_graph), ("backend", run_backend),
                      ("variants", run_variants), ("gemv", run_gemv), ("gemv_rows", run_gemv_rows),

@@ -17,7 +17,6 @@ Results: ``OUT/prefill_check.json``.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.steps import StepRunner, require_cuda  # noqa: E402
+from cosyvoice_fast.kernels.estimator_profile import replay_ms  # noqa: E402
 
 SHAPES = ((64, 1), (128, 1), (256, 1), (512, 1), (128, 4), (128, 16), (256, 16))
 
@@ -94,17 +94,7 @@ def graphs(stages: dict) -> dict:
             if graph is None:
                 rows_out[f"{n}x{rows}"] = None
                 continue
-            for _ in range(3):
-                graph.replay()
-            times = []
-            for _ in range(30):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                graph.replay()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b))
-            rows_out[f"{n}x{rows}"] = {"ms_p50": statistics.median(times), "ms_min": min(times)}
+            rows_out[f"{n}x{rows}"] = {"ms_p50": replay_ms(graph, iters=30)}
         out[name] = rows_out
     return out
 

@@ -26,6 +26,23 @@ from .qwen2_proj import dot_precision, launch_options
 
 
 @triton.jit
+def kv_tile_step(q, kc_ptr, vc_ptr, off, smask, allowed, scale, m, l_sum, acc, PREC: tl.constexpr):
+    """One key/value tile of an online softmax: scores of ``q`` against the keys at ``off`` (rows ``smask``),
+    ``allowed`` (broadcast to the scores) masking the rest; returns the updated running max, sum and
+    unnormalised output.  Shared by the decode splits and the prefill's causal blocks."""
+    k = tl.load(kc_ptr + off, mask=smask[:, None], other=0.0)
+    sc = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+    sc = tl.where(allowed, sc, float("-inf"))
+    m_new = tl.maximum(m, tl.max(sc, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(sc - m_new[:, None])
+    l_sum = l_sum * alpha + tl.sum(p, axis=1)
+    v = tl.load(vc_ptr + off, mask=smask[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_sum, acc
+
+
+@triton.jit
 def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, o_ptr, m_ptr, l_ptr, cnt_ptr, kv_len, scale,
                        stride_cb, stride_ch, stride_cp,
                        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
@@ -53,17 +70,8 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, o_ptr, m_ptr, l_
     for s0 in range(start, end, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
         smask = s < end
-        off = base + s[:, None] * stride_cp + dd[None, :]
-        k = tl.load(kc_ptr + off, mask=smask[:, None], other=0.0)
-        sc = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-        sc = tl.where(smask[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(sc - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        v = tl.load(vc_ptr + off, mask=smask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m = m_new
+        m, l_sum, acc = kv_tile_step(q, kc_ptr, vc_ptr, base + s[:, None] * stride_cp + dd[None, :], smask,
+                                     smask[None, :], scale, m, l_sum, acc, PREC)
     out_rows = out_ptr + b * (HQ * D) + heads[:, None] * D + dd[None, :]
     if SPLITS == 1:
         tl.store(out_rows, (acc / l_sum[:, None]).to(out_ptr.dtype.element_ty), mask=imask[:, None])

@@ -34,8 +34,8 @@ import triton.language as tl
 
 from ..models.qwen2 import KVCache, Qwen2Decoder
 from .pdl import pdl_start
-from .qwen2_attention import decode_attention
-from .qwen2_proj import dot_precision, launch_options
+from .qwen2_attention import decode_attention, kv_tile_step
+from .qwen2_proj import dot_precision, launch_options, rotate_store
 
 #: query positions per attention program, and keys per tile of its walk
 BLOCK_M, BLOCK_N = 64, 64
@@ -61,31 +61,12 @@ def _rope_kv_kernel(qkv_ptr, freq_ptr, slot_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
     x2 = tl.load(src + HALF, mask=rmask[:, None], other=0.0).to(tl.float32)
     if PER_ROW:
         pos = tl.load(pos_ptr + r, mask=rmask, other=0)
+        crow = r
     else:
         pos = r % T
-    rot = head < HQ + HKV
-    ang = pos.to(tl.float32)[:, None] * tl.load(freq_ptr + d)[None, :]
-    c = tl.where(rot, tl.cos(ang), 1.0)
-    s = tl.where(rot, tl.sin(ang), 0.0)
-    o1 = x1 * c - x2 * s
-    o2 = x2 * c + x1 * s
-    if head < HQ:
-        dst = q_ptr + r[:, None] * (HQ * D) + head * D + d[None, :]
-        tl.store(dst, o1.to(q_ptr.dtype.element_ty), mask=rmask[:, None])
-        tl.store(dst + HALF, o2.to(q_ptr.dtype.element_ty), mask=rmask[:, None])
-    else:
-        kvh = head - HQ
-        c_ptr = kc_ptr
-        if head >= HQ + HKV:
-            kvh = head - HQ - HKV
-            c_ptr = vc_ptr
-        if PER_ROW:
-            crow = r.to(tl.int64)
-        else:
-            crow = tl.load(slot_ptr + r // T, mask=rmask, other=0)
-        dst = c_ptr + (crow * stride_cb + kvh * stride_ch + pos * stride_cp)[:, None] + d[None, :]
-        tl.store(dst, o1.to(kc_ptr.dtype.element_ty), mask=rmask[:, None])
-        tl.store(dst + HALF, o2.to(kc_ptr.dtype.element_ty), mask=rmask[:, None])
+        crow = tl.load(slot_ptr + r // T, mask=rmask, other=0)
+    rotate_store(x1, x2, head, d, d < HALF, r, rmask, pos, crow, freq_ptr, q_ptr, kc_ptr, vc_ptr,
+                 stride_cb, stride_ch, stride_cp, HQ, HKV, D)
 
 
 @triton.jit
@@ -109,20 +90,11 @@ def _prefill_attn_kernel(q_ptr, kc_ptr, vc_ptr, slot_ptr, out_ptr, T, scale, str
     l_sum = tl.zeros([BM], dtype=tl.float32)
     acc = tl.zeros([BM, D], dtype=tl.float32)
     end = tl.minimum(qb * BM + BM, T)
-    for s0 in range(0, end, BN):
+    for s0 in range(0, end, BN):  # key 0 is always allowed: the running max is finite from the first tile on
         s = s0 + tl.arange(0, BN)
         smask = s < end
-        off = base + s[:, None] * stride_cp + dd[None, :]
-        k = tl.load(kc_ptr + off, mask=smask[:, None], other=0.0)
-        sc = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-        sc = tl.where(smask[None, :] & (s[None, :] <= t[:, None]), sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, axis=1))  # key 0 is always allowed: finite from the first tile on
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(sc - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        v = tl.load(vc_ptr + off, mask=smask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m = m_new
+        m, l_sum, acc = kv_tile_step(q, kc_ptr, vc_ptr, base + s[:, None] * stride_cp + dd[None, :], smask,
+                                     smask[None, :] & (s[None, :] <= t[:, None]), scale, m, l_sum, acc, PREC)
     tl.store(out_ptr + q_rows, (acc / l_sum[:, None]).to(out_ptr.dtype.element_ty), mask=tmask[:, None])
 
 

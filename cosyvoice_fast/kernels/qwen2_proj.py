@@ -116,22 +116,18 @@ def _normed_tile(x_ptr, rows, rmask, k, K, rstd, nw_ptr):
 
 
 @triton.jit
-def rope_store(acc1, acc2, head, d, dmask, rows, rmask, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
-               stride_cb, stride_ch, stride_cp, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
-    """The q/k/v epilogue: bias, RoPE on q and k heads (half-split pairs ``d``, ``d + D/2``), then q to its
-    scratch rows and k/v into the cache rows at each row's position."""
+def rotate_store(x1, x2, head, d, dmask, rows, rmask, pos, crow, freq_ptr, q_ptr, kc_ptr, vc_ptr,
+                 stride_cb, stride_ch, stride_cp, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
+    """fp32 columns ``d`` and ``d + D/2`` of one q, k or v head for ``rows``: RoPE on q and k heads (half-split
+    pairing: out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin; v heads do not rotate), then q to its scratch rows
+    and k/v into cache rows ``crow`` at positions ``pos``."""
     HALF: tl.constexpr = D // 2
-    col1 = head * D + d
-    acc1 += tl.load(b_ptr + col1, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    acc2 += tl.load(b_ptr + col1 + HALF, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    pos = tl.load(pos_ptr + rows, mask=rmask, other=0)
-    # q and k heads rotate (half-split pairing: out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin); v heads do not
     rot = head < HQ + HKV
     ang = pos.to(tl.float32)[:, None] * tl.load(freq_ptr + d, mask=dmask, other=0.0)[None, :]
     c = tl.where(rot, tl.cos(ang), 1.0)
     s = tl.where(rot, tl.sin(ang), 0.0)
-    o1 = acc1 * c - acc2 * s
-    o2 = acc2 * c + acc1 * s
+    o1 = x1 * c - x2 * s
+    o2 = x2 * c + x1 * s
     m2 = rmask[:, None] & dmask[None, :]
     if head < HQ:
         base = q_ptr + rows[:, None] * (HQ * D) + head * D + d[None, :]
@@ -143,9 +139,23 @@ def rope_store(acc1, acc2, head, d, dmask, rows, rmask, b_ptr, freq_ptr, pos_ptr
         if head >= HQ + HKV:
             kvh = head - HQ - HKV
             c_ptr = vc_ptr
-        off = rows[:, None] * stride_cb + kvh * stride_ch + pos[:, None] * stride_cp + d[None, :]
+        off = crow[:, None] * stride_cb + kvh * stride_ch + pos[:, None] * stride_cp + d[None, :]
         tl.store(c_ptr + off, o1.to(kc_ptr.dtype.element_ty), mask=m2)
         tl.store(c_ptr + off + HALF, o2.to(kc_ptr.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def rope_store(acc1, acc2, head, d, dmask, rows, rmask, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
+               stride_cb, stride_ch, stride_cp, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
+    """The q/k/v epilogue of a decode step: bias, then :func:`rotate_store` with each row's own position and
+    cache row."""
+    HALF: tl.constexpr = D // 2
+    col1 = head * D + d
+    acc1 += tl.load(b_ptr + col1, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    acc2 += tl.load(b_ptr + col1 + HALF, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    pos = tl.load(pos_ptr + rows, mask=rmask, other=0)
+    rotate_store(acc1, acc2, head, d, dmask, rows, rmask, pos, rows, freq_ptr, q_ptr, kc_ptr, vc_ptr,
+                 stride_cb, stride_ch, stride_cp, HQ, HKV, D)
 
 
 @triton.jit
