@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.steps import StepRunner, require_cuda  # noqa: E402
-from cosyvoice_fast.kernels.estimator_profile import replay_ms  # noqa: E402
+from cosyvoice_fast.kernels.estimator_profile import replay_median_ms  # noqa: E402
 
 SHAPES = ((64, 1), (128, 1), (256, 1), (512, 1), (128, 4), (128, 16), (256, 16))
 
@@ -94,7 +94,7 @@ def graphs(stages: dict) -> dict:
             if graph is None:
                 rows_out[f"{n}x{rows}"] = None
                 continue
-            rows_out[f"{n}x{rows}"] = {"ms_p50": replay_ms(graph, iters=30)}
+            rows_out[f"{n}x{rows}"] = {"ms_p50": replay_median_ms(graph, iters=30)}
         out[name] = rows_out
     return out
 

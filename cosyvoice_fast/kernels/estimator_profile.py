@@ -53,10 +53,10 @@ def graph_replay_ms(fn: Callable[[], object], iters: int = 50, warmup: int = 3) 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return replay_ms(graph, iters, warmup)
+    return replay_median_ms(graph, iters, warmup)
 
 
-def replay_ms(graph: torch.cuda.CUDAGraph, iters: int = 50, warmup: int = 3) -> float:
+def replay_median_ms(graph: torch.cuda.CUDAGraph, iters: int = 50, warmup: int = 3) -> float:
     """Median GPU time (ms) of one replay of a captured ``graph`` (each replay timed by its own events)."""
     for _ in range(warmup):
         graph.replay()
