@@ -92,8 +92,9 @@ class BatchedPrefill:
         self._cache = llm.new_cache(n_in, batch=rows_in) if self.buckets and not self._fused else None
 
     def _math(self, n: int, rows: int) -> None:
-        """What a graph replays: ``rows`` inputs of up to ``n`` positions through the scratch cache, then each
-        row's keys/values, masked log-probs and draw copied into its slot's rows (``_index[1]``)."""
+        """What a graph replays: ``rows`` inputs of up to ``n`` positions through the decoder, then each row's
+        masked log-probs and draw into its slot's rows (``_index[1]``).  Keys/values go through the scratch cache
+        and are copied into the slot rows afterwards, or with the fused prefill straight into the slot rows."""
         r = self.rows
         dst = self._index[1, :rows]
         if self._fused:  # (rows, H) at each row's last real position; keys/values already in the slot rows
