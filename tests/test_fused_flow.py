@@ -53,6 +53,58 @@ def test_fused_equals_eager_on_padded_batched_rows(small, streaming, options):
     assert (out[1:2, :, :17] - alone).abs().max().item() <= PAD_TOL
 
 
+def _in_capacity(z: torch.Tensor, rows: int, frames: int) -> torch.Tensor:
+    """``z`` inside a NaN-filled capacity buffer of ``rows`` batch rows (and ``frames`` frames when it has a time
+    axis): what a graph's static input looks like when a replay uses only part of its bucket."""
+    shape = (rows, *z.shape[1:-1], frames) if z.dim() == 3 else (rows, *z.shape[1:])
+    buf = torch.full(shape, float("nan"), dtype=z.dtype)
+    buf[(slice(0, z.shape[0]),) + ((Ellipsis, slice(0, z.shape[-1])) if z.dim() == 3 else ())] = z
+    return buf
+
+
+@pytest.mark.parametrize("streaming,options", [(True, {}), (False, {"resnet_split_ln": False}),
+                                               (True, {"ffn_one_kernel": True, "attention_out_fused": True,
+                                                       "resnet_split_ln": True})])
+def test_ragged_extent_computes_only_the_live_rows_and_frames(small, streaming, options):
+    """Under an extent ``[rows, frames]`` the kernels read and write only that part of capacity buffers (5 rows x
+    41 frames, NaN everywhere else) and give the forward over exactly those 3 rows x 30 frames (one of them
+    right-padded to 17 real frames), to float rounding (the attention's key tiles follow the capacity)."""
+    valid = [30, 17, 30]
+    args = estimator_inputs(small.cfg, len(valid), 30, torch.float32, "cpu", valid=valid, seed=5)
+    fused = FusedEstimator(small, **options)
+    cap = tuple(_in_capacity(z, 5, 41) for z in args)
+    with torch.no_grad():
+        ref = fused(*args, streaming)
+        out = fused(*cap, streaming, extent=torch.tensor([3, 30], dtype=torch.int32))
+    assert out.shape == (5, small.cfg.out_channels, 41)
+    live = out[:3, :, :30]
+    assert torch.isfinite(live).all()
+    assert (live - ref).abs().max().item() <= PAD_TOL
+    assert not live[1, :, 17:].any()
+    with pytest.raises(ValueError, match="2-element int32"):
+        fused(*cap, streaming, extent=torch.tensor([3, 30]))
+
+
+def test_ragged_extent_on_the_many_rows_path(two_blocks, monkeypatch):
+    """The many-rows path (cuBLAS or tall Triton products, their epilogue passes, the folded LayerNorms) under
+    an extent: fp16 capacity buffers with NaN outside the live part give the unpadded forward's result to fp16
+    rounding (cuBLAS blocks the capacity's longer product its own way)."""
+    from cosyvoice_fast.kernels import estimator_cublas
+
+    _, est16 = two_blocks
+    args = estimator_inputs(est16.cfg, 2, 24, torch.float16, "cpu", valid=[24, 13], seed=12)
+    cap = tuple(_in_capacity(z, 4, 37) for z in args)
+    monkeypatch.setattr(estimator_cublas, "MANY_ROWS_M", 8)
+    for product in ("cublas", "triton"):
+        monkeypatch.setitem(estimator_cublas.MANY_ROWS, "product", product)
+        with torch.no_grad():
+            ref = FusedEstimator(est16)(*args, True).float()
+            live = FusedEstimator(est16)(*cap, True, extent=torch.tensor([2, 24], dtype=torch.int32))[:2, :, :24]
+        assert torch.isfinite(live).all(), product
+        assert (live.float() - ref).abs().max().item() <= 2e-2 * max(1.0, ref.abs().max().item()), product
+        assert not live[1, :, 13:].any()
+
+
 def test_fused_estimator_refuses_what_it_does_not_compute():
     with pytest.raises(ValueError, match="one U-Net level"):
         FusedEstimator(CausalConditionalDecoder(DecoderConfig(channels=(32, 32), attention_head_dim=16,
@@ -85,14 +137,19 @@ def test_graph_runner_captures_the_fused_estimator(small, fake_graphs):
     """The ``cudagraph`` flow's runner (length and row buckets, static buffers) drives the fused estimator."""
     from cosyvoice_fast.backends.cudagraph_flow import GraphEstimator
 
-    runner = GraphEstimator(FusedEstimator(small), torch.device("cpu"), granularity=20, max_frames=60)
-    for rows, frames in ((3, 37), (2, 13)):  # buckets 40 x 4 (a padding row), then 20 x 2
+    runner = GraphEstimator(FusedEstimator(small), torch.device("cpu"), granularity=20, max_frames=60, ragged=True)
+    assert runner.ragged
+    for rows, frames in ((3, 37), (2, 13), (1, 22)):  # buckets 40 x 4 (a padding row), 20 x 2, then 40 x 2
         args = estimator_inputs(small.cfg, rows, frames, torch.float32, "cpu", seed=frames)
         with torch.no_grad():
             ref = small(*args, True)
         out = runner(*args, True)
         assert out.shape == ref.shape and (out - ref).abs().max().item() <= TOL
-    assert runner.captures == 2 and runner.eager_calls == 0
+        with torch.inference_mode():  # what the next replay leaves alone may be anything
+            for g in runner.caches[True].graphs.values():
+                for buf in g.inputs[:6]:
+                    buf.fill_(float("nan"))
+    assert runner.captures == 3 and runner.eager_calls == 0
 
 
 @pytest.fixture(scope="module")
@@ -337,6 +394,31 @@ def test_gpu_full_size_padding_is_exact(full, monkeypatch, path):
                 alone = fused(*(z[row:row + 1, ..., :n] if z.dim() == 3 else z[row:row + 1] for z in args), True)
                 assert (out[row:row + 1, :, :n] - alone).float().abs().max().item() <= tol
                 assert not out[row, :, n:].any()
+
+
+@_gpu
+@pytest.mark.parametrize("rows,frames,streaming", [(2, 206, True), (10, 306, True), (10, 450, False)])
+def test_gpu_ragged_replays_equal_padded_replays(full, rows, frames, streaming):
+    """Full size, bf16, the flow's graph runner: a replay over only the live part of its bucket (ragged extent;
+    10 rows of a 16-row graph, frames short of the 250/400/500-frame bucket, rows of several lengths; the
+    1500-frame bucket sets the engine's graph budget, which fits 16 rows of 500) equals the
+    padded replay of the same graph shape bit for bit (every kernel is row-local or reads only live rows, and
+    cuBLAS sees the same capacity shapes), and its stale capacity is never read."""
+    from cosyvoice_fast.backends.cudagraph_flow import GraphEstimator
+
+    _, est16 = full
+    runners = [GraphEstimator(FusedEstimator(est16), torch.device("cuda"), granularity=50,
+                              buckets=(250, 400, 500, 1500), ragged=ragged) for ragged in (True, False)]
+    valid = [frames - 37 * (i % 3) for i in range(rows)]
+    big = estimator_inputs(est16.cfg, 16, 500, torch.bfloat16, seed=4)
+    args = estimator_inputs(est16.cfg, rows, frames, torch.bfloat16, valid=valid, seed=5)
+    with torch.inference_mode():
+        for r in runners:  # a replay of the whole bucket first leaves real data in the graph's every buffer
+            r(*(z[:rows, ..., :r.bucket(frames)] if z.dim() == 3 else z[:rows] for z in big), streaming)
+        ragged, padded = (r(*args, streaming) for r in runners)
+    assert runners[0].ragged and runners[0].eager_calls == runners[1].eager_calls == 0
+    assert torch.isfinite(ragged).all()
+    assert torch.equal(ragged, padded)
 
 
 @_gpu

@@ -101,13 +101,22 @@ def why_unavailable(flow: torch.nn.Module) -> str | None:
 class GraphEstimator:
     """Callable with the estimator's signature ``(x, mask, mu, t, spks, cond, streaming) -> velocity`` that
     pads to the length bucket and to the row bucket (:data:`ROW_SIZES`; 2 = one request's CFG pair) and
-    replays a captured graph of ``estimator``."""
+    replays a captured graph of ``estimator``.
+
+    ``ragged=True`` with an estimator that supports it (``ragged = True``: the fused kernels) adds one graph
+    input, the ``extent`` ``[rows, frames]`` of each replay (:mod:`~cosyvoice_fast.kernels.estimator_common`):
+    the kernels then compute only those rows and frames of the bucket, and the padded parts of the static
+    inputs need no clearing.  Off by default: a part-filled batched solve gets 17-30 % faster, but every
+    kernel reads the extent before its first load, which made full solves (the benchmark's bursts of first
+    chunks) ~3 % slower, and the end-to-end throughput did not move (BENCHMARKS.md, session 18)."""
 
     def __init__(self, estimator: torch.nn.Module, device: torch.device, granularity: int = 50,
-                 max_frames: int = DEFAULT_MAX_FRAMES, max_graphs: int = 128, buckets: Sequence[int] | None = None):
+                 max_frames: int = DEFAULT_MAX_FRAMES, max_graphs: int = 128, buckets: Sequence[int] | None = None,
+                 ragged: bool = False):
         from .graphs import GraphCache
 
         self.estimator = estimator
+        self.ragged = ragged and bool(getattr(estimator, "ragged", False))
         self.device = device
         self.granularity = granularity
         #: configured lengths (``EngineConfig.flow_buckets``): a call pads up to the next one; None: every
@@ -124,7 +133,10 @@ class GraphEstimator:
     def _fn(self, streaming: bool):
         est = self.estimator
 
-        def run(x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor) -> tuple[Tensor]:
+        def run(x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
+                *extent: Tensor) -> tuple[Tensor]:
+            if extent:
+                return (est(x, mask, mu, t, spks, cond, streaming, extent=extent[0]),)
             return (est(x, mask, mu, t, spks, cond, streaming),)
 
         return run
@@ -152,9 +164,12 @@ class GraphEstimator:
     def _example(self, frames: int, dtype: torch.dtype, rows: int = 2) -> tuple[Tensor, ...]:
         b, c = rows, self.estimator.cfg.out_channels
         z = torch.zeros(b, c, frames, device=self.device, dtype=dtype)
-        return (z, torch.ones(b, 1, frames, device=self.device, dtype=dtype), z.clone(),
-                torch.zeros(b, device=self.device, dtype=dtype), torch.zeros(b, c, device=self.device, dtype=dtype),
-                z.clone())
+        example = (z, torch.ones(b, 1, frames, device=self.device, dtype=dtype), z.clone(),
+                   torch.zeros(b, device=self.device, dtype=dtype), torch.zeros(b, c, device=self.device, dtype=dtype),
+                   z.clone())
+        if self.ragged:  # the whole bucket live while capturing
+            example += (torch.tensor([b, frames], device=self.device, dtype=torch.int32),)
+        return example
 
     def bucket(self, frames: int) -> int:
         """The captured length serving ``frames`` (may exceed ``max_frames``: then the call runs eagerly)."""
@@ -199,14 +214,17 @@ class GraphEstimator:
             if on_gpu and self._last_replay is not None:
                 # static buffers are shared: a replay enqueued by another thread/stream must finish first
                 torch.cuda.current_stream(x.device).wait_event(self._last_replay)
-            xs, ms, mus, ts, ss, cs = g.inputs
+            xs, ms, mus, ts, ss, cs = g.inputs[:6]
             for dst, src in ((xs, x), (ms, mask), (mus, mu), (cs, cond)):
                 dst[:rows, ..., :frames].copy_(src)
-                if frames < bucket:
+                if frames < bucket and not self.ragged:
                     dst[:rows, ..., frames:].zero_()  # masked anyway; zeros keep stale values (and NaN*0) out
             ts[:rows].copy_(t.reshape(-1).expand(rows))
             ss[:rows].copy_(spks)
-            if rows < prows:  # padding rows: all zero, mask 0 (output 0); stale rows of a bigger batch cleared
+            if self.ragged:  # the kernels read only this extent: the rest of the buffers is never looked at
+                g.inputs[6][0].fill_(rows)
+                g.inputs[6][1].fill_(frames)
+            elif rows < prows:  # padding rows: all zero, mask 0 (output 0); stale rows of a bigger batch cleared
                 for buf in (xs, ms, mus, ts, ss, cs):
                     buf[rows:].zero_()
             g.graph.replay()
@@ -230,13 +248,14 @@ class CudaGraphFlow:
                  max_frames: int = DEFAULT_MAX_FRAMES, max_graphs: int = 128, incremental: bool = True,
                  state_frames: int | None = None, buckets: Sequence[int] | None = None,
                  rows: Sequence[int] | None = None, capture_at_start: bool = False, progress: bool = True,
-                 estimator: Callable[[torch.nn.Module], torch.nn.Module] | None = None):
+                 estimator: Callable[[torch.nn.Module], torch.nn.Module] | None = None, ragged: bool = False):
         """``buckets`` / ``rows`` (``EngineConfig.flow_buckets`` / ``flow_rows``): the estimator lengths and
         requests per solve to serve from graphs; with ``capture_at_start`` every one of them (both attention
         modes), every encoder bucket and every incremental shape is captured here and nothing is captured later
         (uncaptured shapes run eagerly).  ``estimator`` maps the
         model's estimator (projections already fused) to the module the graphs capture instead of it (the
-        ``fused`` backend's kernels)."""
+        ``fused`` backend's kernels); ``ragged`` replays its graphs over only each solve's rows and frames when
+        that module supports it (:class:`GraphEstimator`)."""
         reason = why_unavailable(flow)
         if reason is not None:
             raise BackendUnavailable(reason)
@@ -246,7 +265,7 @@ class CudaGraphFlow:
         est.fuse_projections()  # q/k/v as one GEMM per attention block: same values, fewer kernels per step
         gran = granularity or est.cfg.static_chunk_size or 50
         self.estimator = GraphEstimator(estimator(est) if estimator else est, next(flow.parameters()).device, gran,
-                                        max_frames, max_graphs, buckets)
+                                        max_frames, max_graphs, buckets, ragged)
         if rows:
             self.max_batch = min(max(rows), ROW_SIZES[-1] // 2)
         self.encoder = GraphEncoder(flow, next(flow.parameters()).device, buckets,

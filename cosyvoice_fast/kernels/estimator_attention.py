@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .estimator_common import interpreting, pdl_kwargs
+from .estimator_common import _live_rows, extent_args, interpreting, pdl_kwargs
 from .pdl import pdl_start
 
 
@@ -88,11 +88,17 @@ def _query_tile(qkv_ptr, T, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
-def _attn_kernel(qkv_ptr, mask_ptr, o_ptr, T, chunk, qk_scale,
-                 H: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 PDL: tl.constexpr):
+def _attn_kernel(qkv_ptr, mask_ptr, o_ptr, ext_ptr, T, chunk, qk_scale,
+                 H: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, EXT: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, PDL: tl.constexpr):
+    # a ragged launch: batch rows and query tiles past the live extent are capacity (the extent is a graph
+    # input, read before the wait)
+    live, T = _live_rows(0, T, ext_ptr, EXT)
     pid_m, b, h, stride, ri, rd, i_ok, base = _query_tile(qkv_ptr, T, H, D, BM)
     pdl_start(PDL)
+    if EXT > 0:
+        if b >= live // T or pid_m * BM >= T:
+            return
     q = tl.load(base + ri[:, None] * stride + h * D + rd[None, :], mask=i_ok[:, None], other=0.0)
     if chunk > 0:
         limit = (ri // chunk + 1) * chunk
@@ -118,9 +124,11 @@ def attention_tiles(frames: int) -> dict:
 
 
 def attention(qkv: Tensor, mask: Tensor, batch: int, heads: int, head_dim: int, chunk: int,
-              out: Tensor | None = None, tiles: dict | None = None) -> Tensor:
+              out: Tensor | None = None, tiles: dict | None = None, extent: Tensor | None = None) -> Tensor:
     """Multi-head attention over ``qkv`` (B·T, 3·H·D) with the key ``mask`` (B·T,) and chunk rule ``chunk``
-    (0 = full attention); returns (B·T, H·D).  ``tiles`` overrides :func:`attention_tiles` (benchmarks)."""
+    (0 = full attention); returns (B·T, H·D).  ``tiles`` overrides :func:`attention_tiles` (benchmarks).
+    ``extent``: a ragged launch (:mod:`~cosyvoice_fast.kernels.estimator_common`), batch row ``b`` at rows
+    ``b·T ..`` of the live frame count ``T``; the tiles are chosen for the capacity."""
     rows = qkv.shape[0]
     if qkv.dim() != 2 or qkv.shape[1] != 3 * heads * head_dim or not qkv.is_contiguous():
         raise ValueError(f"attention: qkv must be contiguous (B*T, {3 * heads * head_dim}), got {tuple(qkv.shape)}")
@@ -132,9 +140,10 @@ def attention(qkv: Tensor, mask: Tensor, batch: int, heads: int, head_dim: int, 
     out = torch.empty(rows, heads * head_dim, device=qkv.device, dtype=qkv.dtype) if out is None else out
     tiles = attention_tiles(t) if tiles is None else tiles
     grid = (triton.cdiv(t, tiles["bm"]), batch * heads)
-    _attn_kernel[grid](qkv, mask, out, t, int(chunk), (1.0 / math.sqrt(head_dim)) * 1.4426950408889634,
-                       H=heads, D=head_dim, IEEE=qkv.dtype == torch.float32, BM=tiles["bm"], BN=tiles["bn"],
-                       num_warps=tiles["warps"], num_stages=tiles["stages"], **pdl_kwargs(qkv, rows))
+    _attn_kernel[grid](qkv, mask, out, **extent_args(extent, qkv), T=t, chunk=int(chunk),
+                       qk_scale=(1.0 / math.sqrt(head_dim)) * 1.4426950408889634, H=heads, D=head_dim,
+                       IEEE=qkv.dtype == torch.float32, BM=tiles["bm"], BN=tiles["bn"], num_warps=tiles["warps"],
+                       num_stages=tiles["stages"], **pdl_kwargs(qkv, rows))
     return out
 
 
@@ -158,11 +167,12 @@ def _attn_head(base, q_off, k_off, v_off, mask_row, ri, i_ok, rd, T, chunk, hi, 
 
 
 @triton.jit
-def _attn_out_kernel(qkv_ptr, mask_ptr, wo_ptr, bo_ptr, res_ptr, y_ptr, T, C, chunk, qk_scale,
-                     H: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BC: tl.constexpr, PDL: tl.constexpr):
+def _attn_out_kernel(qkv_ptr, mask_ptr, wo_ptr, bo_ptr, res_ptr, y_ptr, ext_ptr, T, C, chunk, qk_scale,
+                     H: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, EXT: tl.constexpr, BM: tl.constexpr,
+                     BN: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr):
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
+    live, T = _live_rows(0, T, ext_ptr, EXT)  # a ragged launch: rows and tiles past the live extent are capacity
     stride = 3 * H * D
     ri = pid_m * BM + tl.arange(0, BM)
     rd = tl.arange(0, D)
@@ -176,6 +186,9 @@ def _attn_out_kernel(qkv_ptr, mask_ptr, wo_ptr, bo_ptr, res_ptr, y_ptr, T, C, ch
     else:
         hi = T
     pdl_start(PDL)
+    if EXT > 0:
+        if b >= live // T or pid_m * BM >= T:
+            return
     out = tl.zeros([BM, BC], dtype=tl.float32)
     for h in range(H):
         o = _attn_head(base, h * D, (H + h) * D, (2 * H + h) * D, mask_ptr + b * T, ri, i_ok, rd, T, chunk, hi,
@@ -193,8 +206,9 @@ def _attn_out_kernel(qkv_ptr, mask_ptr, wo_ptr, bo_ptr, res_ptr, y_ptr, T, C, ch
 
 
 def attention_out(qkv: Tensor, mask: Tensor, batch: int, heads: int, head_dim: int, chunk: int, wo: Tensor,
-                  bo: Tensor, residual: Tensor, out: Tensor | None = None) -> Tensor:
-    """``residual + attention(...) @ wo.T + bo`` in one kernel: (B·T, C) for ``wo`` (C, H·D)."""
+                  bo: Tensor, residual: Tensor, out: Tensor | None = None, extent: Tensor | None = None) -> Tensor:
+    """``residual + attention(...) @ wo.T + bo`` in one kernel: (B·T, C) for ``wo`` (C, H·D) (``extent``: a
+    ragged launch, as :func:`attention`)."""
     rows, c = residual.shape
     if qkv.dim() != 2 or qkv.shape != (rows, 3 * heads * head_dim) or not qkv.is_contiguous():
         raise ValueError(f"attention_out: qkv must be contiguous ({rows}, {3 * heads * head_dim}), "
@@ -210,7 +224,8 @@ def attention_out(qkv: Tensor, mask: Tensor, batch: int, heads: int, head_dim: i
     bm = 64 if interpreting() else 16
     bn = 64 if t > 32 else 16
     _attn_out_kernel[(triton.cdiv(t, bm), batch)](
-        qkv, mask, wo, bo, residual, out, t, c, int(chunk), (1.0 / math.sqrt(head_dim)) * 1.4426950408889634,
-        H=heads, D=head_dim, IEEE=qkv.dtype == torch.float32, BM=bm, BN=bn,
+        qkv, mask, wo, bo, residual, out, **extent_args(extent, qkv), T=t, C=c, chunk=int(chunk),
+        qk_scale=(1.0 / math.sqrt(head_dim)) * 1.4426950408889634, H=heads, D=head_dim,
+        IEEE=qkv.dtype == torch.float32, BM=bm, BN=bn,
         BC=max(16, triton.next_power_of_2(c)), num_warps=4, **pdl_kwargs(qkv, rows))
     return out

@@ -5,6 +5,20 @@
 epilogue, and ``linear`` dispatches to the cuBLAS path; keeping the shared pieces here lets each of the two
 import the other's needs at module level without an import cycle.  The two interpreter checks
 (:func:`interpreting`, :func:`can_run_on`) live here too and serve every kernel module, the LLM's included.
+
+**Ragged extents.**  A CUDA graph fixes every launch's grid at capture, so a solve padded up to its graph's
+bucket (rows and frames) used to pay for every padded frame.  Each row kernel of the estimator therefore takes
+an optional ``extent``: a 2-element int32 device tensor ``[B, T]``, the live batch rows and frames of this
+replay, written before each replay (:class:`~cosyvoice_fast.backends.cudagraph_flow.GraphEstimator`).  Under
+it the activations are laid out as ``B·T`` rows -- row ``b·T + t`` -- inside the capacity ``B_cap·T_cap``
+buffers, so all padding sits past row ``B·T``: a program whose tile starts there returns at once, convolutions
+and attention find batch row ``b`` at ``b·T``, and the final projection stores into the capacity (B, N, T)
+output by the live ``T``.  cuBLAS products and ``F.layer_norm`` still run over the capacity rows (garbage in,
+garbage out in rows nobody reads).  The extent is written before the forward is launched (a graph input,
+filled before each replay) and never while it runs, so kernels read it *before* their PDL wait: a dependent
+load after the wait would add a memory round trip to every launch of the chain.  A skipping program still
+returns only after :func:`~.pdl.pdl_start`, so a kernel completes only after the one before it
+(programmatic dependent launch stays transitive).
 """
 
 from __future__ import annotations
@@ -34,7 +48,7 @@ PRO_NONE, PRO_LN, PRO_MISH, PRO_SINUS = 0, 1, 2, 3
 #: (:mod:`~cosyvoice_fast.kernels.estimator_oneshot`) instead of the row-tiled kernel, except the Mish and
 #: sinusoidal prologues (the time embedding) and a ``norm_out`` request.  300 rows: one request's CFG pair up to
 #: the flow's 150-frame bucket, where every measured length ran faster on both an H100 and an H200; at the
-#: 200-frame bucket an H200 ran slower, and at the 250-frame bucket (the benchmark's first chunk) an H100 showed
+#: 200-frame bucket an H200 ran slower, and at the 250-frame bucket an H100 showed
 #: no end-to-end gain (BENCHMARKS.md, session 15).
 LAUNCH = {"pdl": True, "pdl_max_rows": 1024, "early_weights": True, "oneshot": True, "oneshot_max_rows": 300}
 
@@ -94,6 +108,29 @@ def _act(x, ACT: tl.constexpr):
         n = e * (e + 2.0)
         x = tl.where(x > 20.0, x, x * n / (n + 2.0))
     return x
+
+
+def extent_args(extent: Tensor | None, like: Tensor, out_btc: object = None) -> dict:
+    """The ``ext_ptr`` / ``EXT`` launch arguments of a row kernel for an optional ragged ``extent`` (see the
+    module docstring), after checking it is a 2-element int32 tensor on ``like``'s device.  ``EXT`` is 0 (no
+    extent), 1 (ragged rows) or 2 (ragged rows stored into a (B, N, T) output, ``out_btc`` given: the store
+    splits rows by the live frame count)."""
+    if extent is None:
+        return {"ext_ptr": like, "EXT": 0}
+    if extent.dtype != torch.int32 or extent.numel() != 2 or extent.device != like.device:
+        raise ValueError(f"extent must be a 2-element int32 tensor [batch rows, frames] on {like.device}, got "
+                         f"{extent.dtype} with {extent.numel()} elements on {extent.device}")
+    return {"ext_ptr": extent, "EXT": 2 if out_btc is not None else 1}
+
+
+@triton.jit
+def _live_rows(M, T, ext_ptr, EXT: tl.constexpr):
+    """(rows, frames per batch row) of this launch: the capacity ``M`` and ``T`` it was launched for, or under a
+    ragged extent (``EXT`` > 0) the live ``B·T`` and ``T`` read from ``ext_ptr``."""
+    if EXT > 0:
+        T = tl.load(ext_ptr + 1)
+        M = tl.load(ext_ptr) * T
+    return M, T
 
 
 @triton.jit

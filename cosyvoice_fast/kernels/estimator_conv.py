@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .estimator_common import pdl_kwargs
+from .estimator_common import _live_rows, extent_args, pdl_kwargs
 from .estimator_linear import _act, _mm, _pow2, interpreting, pick_tiles, spread_tiles
 from .pdl import pdl_start
 
@@ -77,13 +77,16 @@ def _conv_src(acc, racc, x_ptr, C_src, c_base, w_ptr, rw_ptr, mask_ptr, ctx_ptr,
 
 @triton.jit
 def _conv_kernel(x1_ptr, x2_ptr, mask_ptr, w_ptr, b_ptr, lnw_ptr, lnb_ptr, vec_ptr, res_ptr, rw_ptr, rb_ptr,
-                 rout_ptr, y_ptr, ctx_ptr, M, T, N, C1, C2, stride_vec, s_cb, s_cc, s_ct, eps,
+                 rout_ptr, y_ptr, ctx_ptr, ext_ptr, M, T, N, C1, C2, stride_vec, s_cb, s_cc, s_ct, eps,
                  TAPS: tl.constexpr, HAS_X2: tl.constexpr, HAS_LN: tl.constexpr, ACT: tl.constexpr,
                  OUT_MASK: tl.constexpr, HAS_VEC: tl.constexpr, HAS_RES: tl.constexpr, HAS_RW: tl.constexpr,
-                 HAS_CTX: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 PDL: tl.constexpr):
+                 HAS_CTX: tl.constexpr, IEEE: tl.constexpr, EXT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, PDL: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    # a ragged launch: rows b·T + t of the live extent (a graph input: read before the wait); tiles past it are
+    # capacity
+    M, T = _live_rows(M, T, ext_ptr, EXT)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -94,6 +97,9 @@ def _conv_kernel(x1_ptr, x2_ptr, mask_ptr, w_ptr, b_ptr, lnw_ptr, lnb_ptr, vec_p
     C_all = C1 + C2
     K_total = TAPS * C_all
     pdl_start(PDL)
+    if EXT > 0:
+        if pid_m * BM >= M:
+            return
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     racc = tl.zeros([BM, BN], dtype=tl.float32)
     acc, racc = _conv_src(acc, racc, x1_ptr, C1, 0, w_ptr, rw_ptr, mask_ptr, ctx_ptr, s_cb, s_cc, s_ct, b, rm,
@@ -133,12 +139,13 @@ def causal_conv(x1: Tensor, mask: Tensor, weight: Tensor, bias: Tensor, frames: 
                 taps: int = 3, ln: tuple[Tensor, Tensor, float] | None = None, act: int = 0,
                 out_mask: bool = False, vec: Tensor | None = None, residual: Tensor | None = None,
                 res_weight: Tensor | None = None, res_bias: Tensor | None = None,
-                res_out: Tensor | None = None, ctx: Tensor | None = None) -> Tensor:
+                res_out: Tensor | None = None, ctx: Tensor | None = None, extent: Tensor | None = None) -> Tensor:
     """Causal conv over rows ``b·frames + t`` of ``x1`` (M, C1) [‖ ``x2`` (M, C2)], input masked by ``mask``
     (M,), ``weight`` packed by :func:`pack_conv_weight`; see the module docstring for the epilogue options.
     ``vec`` is (B, >= N) with unit column stride; ``res_weight`` (N, C1 + C2) writes into ``res_out`` (M, N).
     ``ctx`` (B, C1 + C2, taps - 1): the input columns before each row's first frame (an incremental window,
-    :mod:`~cosyvoice_fast.kernels.estimator_window`); zeros when None."""
+    :mod:`~cosyvoice_fast.kernels.estimator_window`); zeros when None.  ``extent``: a ragged launch
+    (:mod:`~cosyvoice_fast.kernels.estimator_common`), rows ``b·T + t`` of the live frame count ``T``."""
     m, c1 = x1.shape
     c2 = 0 if x2 is None else x2.shape[1]
     n = weight.shape[0]
@@ -163,12 +170,13 @@ def causal_conv(x1: Tensor, mask: Tensor, weight: Tensor, bias: Tensor, frames: 
     bk = _pow2(max(c1, c2), 16, (32 if fp32 else 64) if ln is not None else tiles["bk"])
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     lnw, lnb, eps = ln if ln is not None else (bias, bias, 0.0)
+    s_cb, s_cc, s_ct = ctx.stride() if ctx is not None else (0, 0, 0)
     _conv_kernel[grid](
         x1, x2 if x2 is not None else x1, mask, weight, bias, lnw, lnb, vec if vec is not None else bias,
         residual if residual is not None else y, res_weight if res_weight is not None else weight,
         res_bias if res_bias is not None else bias, res_out if res_out is not None else y, y,
-        ctx if ctx is not None else x1, m, frames, n, c1, c2, vec.stride(0) if vec is not None else 0,
-        *(ctx.stride() if ctx is not None else (0, 0, 0)), float(eps),
+        ctx if ctx is not None else x1, **extent_args(extent, x1), M=m, T=frames, N=n, C1=c1, C2=c2,
+        stride_vec=vec.stride(0) if vec is not None else 0, s_cb=s_cb, s_cc=s_cc, s_ct=s_ct, eps=float(eps),
         TAPS=taps, HAS_X2=x2 is not None, HAS_LN=ln is not None, ACT=act, OUT_MASK=out_mask,
         HAS_VEC=vec is not None, HAS_RES=residual is not None, HAS_RW=res_weight is not None,
         HAS_CTX=ctx is not None, IEEE=fp32, BM=bm, BN=bn, BK=bk, num_warps=tiles["ln_warps"] if ln is not None else tiles["warps"],
@@ -177,15 +185,19 @@ def causal_conv(x1: Tensor, mask: Tensor, weight: Tensor, bias: Tensor, frames: 
 
 
 @triton.jit
-def _row_kernel(x_ptr, mask_ptr, lnw_ptr, lnb_ptr, vec_ptr, res_ptr, y_ptr, M, T, N, stride_vec, eps,
-                ACT: tl.constexpr, HAS_VEC: tl.constexpr, HAS_RES: tl.constexpr, BM: tl.constexpr,
-                BN: tl.constexpr, PDL: tl.constexpr):
+def _row_kernel(x_ptr, mask_ptr, lnw_ptr, lnb_ptr, vec_ptr, res_ptr, y_ptr, ext_ptr, M, T, N, stride_vec, eps,
+                ACT: tl.constexpr, HAS_VEC: tl.constexpr, HAS_RES: tl.constexpr, EXT: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
+    M, T = _live_rows(M, T, ext_ptr, EXT)  # a ragged launch: tiles past the live rows are capacity
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.arange(0, BN)
     m_ok = rm < M
     n_ok = rn < N
     ok = m_ok[:, None] & n_ok[None, :]
     pdl_start(PDL)
+    if EXT > 0:
+        if tl.program_id(0) * BM >= M:
+            return
     x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=ok, other=0.0).to(tl.float32)
     mean = tl.sum(x, axis=1) / N
     xc = tl.where(ok, x - mean[:, None], 0.0)
@@ -203,17 +215,18 @@ def _row_kernel(x_ptr, mask_ptr, lnw_ptr, lnb_ptr, vec_ptr, res_ptr, y_ptr, M, T
 
 
 def row_epilogue(x: Tensor, mask: Tensor, ln: tuple[Tensor, Tensor, float], frames: int, *, act: int = 0,
-                 vec: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
+                 vec: Tensor | None = None, residual: Tensor | None = None, extent: Tensor | None = None) -> Tensor:
     """``act(LayerNorm(x)) * mask (+ vec[b]) (+ residual)`` over rows ``b·frames + t`` of contiguous x (M, N):
-    the LayerNorm epilogue of :func:`causal_conv` as its own pass."""
+    the LayerNorm epilogue of :func:`causal_conv` as its own pass (``extent``: a ragged launch)."""
     m, n = x.shape
     if not x.is_contiguous() or mask.numel() != m or m % frames:
         raise ValueError(f"row_epilogue: need contiguous x (M, N) with a (M,) mask and M a multiple of {frames}")
     y = torch.empty_like(x)
     bm = 64 if interpreting() else 8
     _row_kernel[(triton.cdiv(m, bm),)](x, mask, ln[0], ln[1], vec if vec is not None else x,
-                                      residual if residual is not None else x, y, m, frames, n,
-                                      vec.stride(0) if vec is not None else 0, float(ln[2]), ACT=act,
-                                      HAS_VEC=vec is not None, HAS_RES=residual is not None, BM=bm,
-                                      BN=_pow2(n), num_warps=4, **pdl_kwargs(x, m))
+                                      residual if residual is not None else x, y, **extent_args(extent, x), M=m,
+                                      T=frames, N=n, stride_vec=vec.stride(0) if vec is not None else 0,
+                                      eps=float(ln[2]), ACT=act, HAS_VEC=vec is not None,
+                                      HAS_RES=residual is not None, BM=bm, BN=_pow2(n), num_warps=4,
+                                      **pdl_kwargs(x, m))
     return y

@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .estimator_common import PRO_LN, PRO_NONE, _epilogue_store, _norm_rows_store, _pow2, interpreting
+from .estimator_common import (PRO_LN, PRO_NONE, _epilogue_store, _live_rows, _norm_rows_store, _pow2, extent_args,
+                               interpreting)
 from .estimator_tall import linear_tall
 
 #: Rows from which :func:`~cosyvoice_fast.kernels.estimator_linear.linear` hands 16-bit GEMMs to this path: one
@@ -65,9 +66,15 @@ def use_many_rows(m: int, weight: Tensor, prologue: int) -> bool:
 
 
 @triton.jit
-def _epilogue_kernel(y_ptr, b_ptr, r_ptr, rowmask_ptr, out_ptr, M, N, stride_rm, rows_per_b, stride_ob,
+def _epilogue_kernel(y_ptr, b_ptr, r_ptr, rowmask_ptr, out_ptr, ext_ptr, M, N, stride_rm, rows_per_b, stride_ob,
                      stride_ot, stride_on, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
-                     ROWMASK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                     ROWMASK: tl.constexpr, EXT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    if EXT > 0:  # a ragged launch: tiles past the live rows are capacity (estimator_common)
+        M, t_live = _live_rows(M, rows_per_b, ext_ptr, EXT)
+        if tl.program_id(0) * BM >= M:
+            return
+        if EXT == 2:
+            rows_per_b = t_live
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     m_ok = rm < M
@@ -78,11 +85,16 @@ def _epilogue_kernel(y_ptr, b_ptr, r_ptr, rowmask_ptr, out_ptr, M, N, stride_rm,
 
 
 @triton.jit
-def _epilogue_norm_kernel(y_ptr, b_ptr, r_ptr, rowmask_ptr, out_ptr, g_ptr, beta_ptr, norm_ptr, M, N, stride_rm,
-                          stride_om, stride_on, stride_nm, eps, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-                          HAS_RES: tl.constexpr, ROWMASK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+def _epilogue_norm_kernel(y_ptr, b_ptr, r_ptr, rowmask_ptr, out_ptr, g_ptr, beta_ptr, norm_ptr, ext_ptr, M, N,
+                          stride_rm, stride_om, stride_on, stride_nm, eps, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+                          HAS_RES: tl.constexpr, ROWMASK: tl.constexpr, EXT: tl.constexpr, BM: tl.constexpr,
+                          BN: tl.constexpr):
     """:func:`_epilogue_kernel` for a row-major output whose rows fit one tile (``BN >= N``), which also stores
     ``LayerNorm(row as stored)`` to ``norm_ptr`` (:func:`~cosyvoice_fast.kernels.estimator_common._norm_rows_store`)."""
+    if EXT > 0:  # a ragged launch: tiles past the live rows are capacity
+        M, _t = _live_rows(M, 1, ext_ptr, EXT)
+        if tl.program_id(0) * BM >= M:
+            return
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.arange(0, BN)
     m_ok = rm < M
@@ -96,7 +108,7 @@ def _epilogue_norm_kernel(y_ptr, b_ptr, r_ptr, rowmask_ptr, out_ptr, g_ptr, beta
 
 def _launch_epilogue_norm(y: Tensor, bias: Tensor | None, act: int, residual: Tensor | None,
                           rowmask: Tensor | None, out: Tensor,
-                          norm_out: tuple[Tensor, tuple[Tensor, Tensor, float]]) -> None:
+                          norm_out: tuple[Tensor, tuple[Tensor, Tensor, float]], extent: Tensor | None = None) -> None:
     """The epilogue pass that also writes ``norm_out[0] = LayerNorm(out)`` with ``norm_out[1]``'s parameters.
 
     The LayerNorm normalises each row *as stored* (rounded to ``out``'s dtype), not the fp32 sum it was
@@ -110,9 +122,9 @@ def _launch_epilogue_norm(y: Tensor, bias: Tensor | None, act: int, residual: Te
     bm = 64 if interpreting() else max(1, min(32, 4096 // bn))  # about 4K fp32 values per program
     _epilogue_norm_kernel[(triton.cdiv(m, bm),)](
         y, bias if bias is not None else y, residual if residual is not None else y,
-        rowmask if rowmask is not None else y, out, g, beta, dst, m, n,
-        residual.stride(0) if residual is not None else 0, out.stride(0), out.stride(1), dst.stride(0),
-        float(eps),
+        rowmask if rowmask is not None else y, out, g, beta, dst, M=m, N=n,
+        stride_rm=residual.stride(0) if residual is not None else 0, stride_om=out.stride(0),
+        stride_on=out.stride(1), stride_nm=dst.stride(0), eps=float(eps), **extent_args(extent, y),
         HAS_BIAS=bias is not None, ACT=act, HAS_RES=residual is not None, ROWMASK=rowmask is not None,
         BM=bm, BN=bn, num_warps=4 if bn <= 256 else 8)
 
@@ -120,27 +132,31 @@ def _launch_epilogue_norm(y: Tensor, bias: Tensor | None, act: int, residual: Te
 def linear_cublas(x: Tensor, weight: Tensor, bias: Tensor | None, *, prologue: int,
                   ln: tuple[Tensor, Tensor, float] | None, act: int, residual: Tensor | None,
                   rowmask: Tensor | None, out: Tensor, rows_per_b: int, out_strides: tuple[int, int, int],
-                  norm_out: tuple[Tensor, tuple[Tensor, Tensor, float]] | None = None) -> Tensor:
+                  norm_out: tuple[Tensor, tuple[Tensor, Tensor, float]] | None = None,
+                  extent: Tensor | None = None) -> Tensor:
     """``linear``'s contract on the many-rows path; ``out`` and its ``(batch, frame, channel)`` strides come from
     :func:`~cosyvoice_fast.kernels.estimator_linear.linear`, which validated the arguments (``norm_out`` only
-    with a row-major ``out``)."""
+    with a row-major ``out``).  Under a ragged ``extent`` the Triton kernels skip the capacity rows; the cuBLAS
+    product and the LayerNorm prologue still cover them."""
     m, k = x.shape
     n = weight.shape[0]
     a = x if prologue == PRO_NONE else F.layer_norm(x, (k,), ln[0], ln[1], ln[2])
     if tall_product(act, residual, norm_out):
         return linear_tall(a, weight, bias, act=act, residual=residual, rowmask=rowmask, out=out,
-                           rows_per_b=rows_per_b, out_strides=out_strides, norm_out=norm_out)
+                           rows_per_b=rows_per_b, out_strides=out_strides, norm_out=norm_out, extent=extent)
     plain = bias is None and act == 0 and residual is None and rowmask is None and norm_out is None
     if plain and out.dim() == 2 and out.is_contiguous():
         return torch.mm(a, weight.t(), out=out)
     y = torch.mm(a, weight.t())
     if norm_out is not None:
-        _launch_epilogue_norm(y, bias, act, residual, rowmask, out, norm_out)
+        _launch_epilogue_norm(y, bias, act, residual, rowmask, out, norm_out, extent)
         return out
     bm, bn = (64, 64) if interpreting() else (32, _pow2(n, 16, 128))
     _epilogue_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
         y, bias if bias is not None else y, residual if residual is not None else y,
-        rowmask if rowmask is not None else y, out, m, n, residual.stride(0) if residual is not None else 0,
-        rows_per_b, *out_strides, HAS_BIAS=bias is not None, ACT=act, HAS_RES=residual is not None,
-        ROWMASK=rowmask is not None, BM=bm, BN=bn, num_warps=4)
+        rowmask if rowmask is not None else y, out, M=m, N=n,
+        stride_rm=residual.stride(0) if residual is not None else 0, rows_per_b=rows_per_b,
+        stride_ob=out_strides[0], stride_ot=out_strides[1], stride_on=out_strides[2],
+        **extent_args(extent, y, out_strides if out_strides[0] else None), HAS_BIAS=bias is not None, ACT=act,
+        HAS_RES=residual is not None, ROWMASK=rowmask is not None, BM=bm, BN=bn, num_warps=4)
     return out

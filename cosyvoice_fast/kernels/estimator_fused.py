@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from ..models.flow_decoder import _GELU_APPROXIMATION, CausalConditionalDecoder, SelfAttention
 from .estimator_attention import attention, attention_out
-from .estimator_common import pdl_kwargs
+from .estimator_common import _live_rows, extent_args, pdl_kwargs
 from .estimator_conv import causal_conv, pack_conv_weight, row_epilogue
 from .estimator_cublas import use_many_rows
 from .estimator_linear import ACT_GELU, ACT_MISH, ACT_SILU, PRO_LN, PRO_MISH, PRO_NONE, PRO_SINUS, ffn, linear
@@ -42,15 +42,21 @@ from .pdl import pdl_start
 
 
 @triton.jit
-def _pack_kernel(x_ptr, mu_ptr, spk_ptr, cond_ptr, out_ptr, T, C, sxb, sxc, smb, smc, ssb, scb, scc,
-                 BT: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr):
-    """(B, C, T) x, mu, cond and (B, C) speaker -> rows ``b·T + t`` of ``[x | mu | spk | cond]`` (4·C wide)."""
+def _pack_kernel(x_ptr, mu_ptr, spk_ptr, cond_ptr, mask_ptr, out_ptr, mout_ptr, ext_ptr, T, C, sxb, sxc, smb, smc,
+                 ssb, scb, scc, skb, BT: tl.constexpr, BC: tl.constexpr, EXT: tl.constexpr, PDL: tl.constexpr):
+    """(B, C, T) x, mu, cond and (B, C) speaker -> rows ``b·T + t`` of ``[x | mu | spk | cond]`` (4·C wide);
+    under a ragged extent ``T`` is the live frame count (the inputs keep their capacity strides) and the
+    (B, 1, T) mask is packed into rows the same way."""
     b = tl.program_id(1)
     rt = tl.program_id(0) * BT + tl.arange(0, BT)
     rc = tl.arange(0, BC)
+    live, T = _live_rows(0, T, ext_ptr, EXT)  # a graph input: read before the wait
     ok = (rt[:, None] < T) & (rc[None, :] < C)
     row = out_ptr + (b * T + rt[:, None]) * (4 * C)
     pdl_start(PDL)
+    if EXT > 0:
+        if b >= live // T or tl.program_id(0) * BT >= T:
+            return
     x = tl.load(x_ptr + b * sxb + rc[None, :] * sxc + rt[:, None], mask=ok, other=0.0)
     tl.store(row + rc[None, :], x, mask=ok)
     mu = tl.load(mu_ptr + b * smb + rc[None, :] * smc + rt[:, None], mask=ok, other=0.0)
@@ -59,10 +65,27 @@ def _pack_kernel(x_ptr, mu_ptr, spk_ptr, cond_ptr, out_ptr, T, C, sxb, sxc, smb,
     tl.store(row + 2 * C + rc[None, :], tl.zeros([BT, BC], dtype=s.dtype) + s[None, :], mask=ok)
     c = tl.load(cond_ptr + b * scb + rc[None, :] * scc + rt[:, None], mask=ok, other=0.0)
     tl.store(row + 3 * C + rc[None, :], c, mask=ok)
+    if EXT > 0:
+        t_ok = rt < T
+        keep = tl.load(mask_ptr + b * skb + rt, mask=t_ok, other=0.0)
+        tl.store(mout_ptr + b * T + rt, keep.to(mout_ptr.dtype.element_ty), mask=t_ok)
 
 
 def pack_inputs(x: Tensor, mu: Tensor, spks: Tensor, cond: Tensor) -> Tensor:
     """The estimator's concatenated input ``[x, mu, spks, cond]`` as (B·T, 4·C) channels-last rows."""
+    return _pack(x, mu, spks, cond, None, None)[0]
+
+
+def pack_inputs_ragged(x: Tensor, mu: Tensor, spks: Tensor, cond: Tensor, mask: Tensor,
+                       extent: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`pack_inputs` under a ragged ``extent`` (:mod:`~cosyvoice_fast.kernels.estimator_common`): the
+    live rows ``b·T + t`` of the capacity inputs, and the (B, 1, T) ``mask`` packed the same way (B·T,) in x's
+    dtype.  Rows past the live extent are left unwritten."""
+    return _pack(x, mu, spks, cond, mask, extent)
+
+
+def _pack(x: Tensor, mu: Tensor, spks: Tensor, cond: Tensor, mask: Tensor | None,
+          extent: Tensor | None) -> tuple[Tensor, Tensor | None]:
     b, c, t = x.shape
     for name, z in (("mu", mu), ("cond", cond)):
         if z.shape != (b, c, t):
@@ -72,12 +95,18 @@ def pack_inputs(x: Tensor, mu: Tensor, spks: Tensor, cond: Tensor) -> Tensor:
     x, mu, cond = (z if z.stride(2) == 1 else z.contiguous() for z in (x, mu, cond))
     spks = spks if spks.stride(1) == 1 else spks.contiguous()
     out = torch.empty(b * t, 4 * c, device=x.device, dtype=x.dtype)
+    packed = None
+    if extent is not None:
+        if mask is None or mask.shape != (b, 1, t) or mask.stride(2) != 1:
+            raise ValueError(f"a ragged estimator call needs its ({b}, 1, {t}) mask with unit frame stride")
+        packed = torch.empty(b * t, device=x.device, dtype=x.dtype)
     bt = 32
-    _pack_kernel[(triton.cdiv(t, bt), b)](x, mu, spks, cond, out, t, c, x.stride(0), x.stride(1), mu.stride(0),
-                                         mu.stride(1), spks.stride(0), cond.stride(0), cond.stride(1),
-                                         BT=bt, BC=max(16, triton.next_power_of_2(c)), num_warps=4,
-                                         **pdl_kwargs(x, b * t))
-    return out
+    _pack_kernel[(triton.cdiv(t, bt), b)](
+        x, mu, spks, cond, mask if packed is not None else x, out, packed if packed is not None else out,
+        **extent_args(extent, x), T=t, C=c, sxb=x.stride(0), sxc=x.stride(1), smb=mu.stride(0), smc=mu.stride(1),
+        ssb=spks.stride(0), scb=cond.stride(0), scc=cond.stride(1), skb=mask.stride(0) if packed is not None else 0,
+        BT=bt, BC=max(16, triton.next_power_of_2(c)), num_warps=4, **pdl_kwargs(x, b * t))
+    return out, packed
 
 
 def _frequencies(dim: int, device: torch.device) -> Tensor:
@@ -193,18 +222,18 @@ class FusedEstimator(nn.Module):
 
     @staticmethod
     def _conv(win: _Window | None, x: Tensor, mask: Tensor, weight: Tensor, bias: Tensor, frames: int,
-              **kw: object) -> Tensor:
+              extent: Tensor | None = None, **kw: object) -> Tensor:
         """:func:`causal_conv`; in an incremental window it reads the conv's context columns and then stores
-        the new ones (after the conv has read the old)."""
+        the new ones (after the conv has read the old).  ``extent``: a ragged call (never a window)."""
         if win is None:
-            return causal_conv(x, mask, weight, bias, frames, **kw)
+            return causal_conv(x, mask, weight, bias, frames, extent=extent, **kw)
         ctx = win.next_ctx()
         y = causal_conv(x, mask, weight, bias, frames, ctx=ctx, **kw)
         update_conv_context(x, ctx, win.commit[ctx.shape[2]], frames, x2=kw.get("x2"))
         return y
 
     def _resnet(self, i: int, r: nn.Module, h: Tensor, skip: Tensor | None, mask: Tensor, frames: int,
-                tall: Tensor, p: dict, win: _Window | None = None) -> Tensor:
+                tall: Tensor, p: dict, win: _Window | None = None, ext: Tensor | None = None) -> Tensor:
         w = p["resnets"][i]
         n = r.block1.block[0].weight.shape[0]
         res = torch.empty(h.shape[0], n, device=h.device, dtype=h.dtype)
@@ -212,19 +241,19 @@ class FusedEstimator(nn.Module):
         split = self.resnet_split_ln if self.resnet_split_ln is not None else h.shape[0] <= SPLIT_LN_MAX_ROWS
         conv = self._conv
         if split:
-            y1 = conv(win, h, mask, w["w1"], r.block1.block[0].bias, frames, x2=skip, res_weight=w["wr"],
+            y1 = conv(win, h, mask, w["w1"], r.block1.block[0].bias, frames, ext, x2=skip, res_weight=w["wr"],
                       res_bias=r.res_conv.bias, res_out=res)
-            h1 = row_epilogue(y1, mask, _ln(r.block1.block[2]), frames, act=ACT_MISH, vec=vec)
-            y2 = conv(win, h1, mask, w["w2"], r.block2.block[0].bias, frames)
-            return row_epilogue(y2, mask, _ln(r.block2.block[2]), frames, act=ACT_MISH, residual=res)
-        h1 = conv(win, h, mask, w["w1"], r.block1.block[0].bias, frames, x2=skip, ln=_ln(r.block1.block[2]),
+            h1 = row_epilogue(y1, mask, _ln(r.block1.block[2]), frames, act=ACT_MISH, vec=vec, extent=ext)
+            y2 = conv(win, h1, mask, w["w2"], r.block2.block[0].bias, frames, ext)
+            return row_epilogue(y2, mask, _ln(r.block2.block[2]), frames, act=ACT_MISH, residual=res, extent=ext)
+        h1 = conv(win, h, mask, w["w1"], r.block1.block[0].bias, frames, ext, x2=skip, ln=_ln(r.block1.block[2]),
                   act=ACT_MISH, out_mask=True, vec=vec, res_weight=w["wr"], res_bias=r.res_conv.bias, res_out=res)
-        return conv(win, h1, mask, w["w2"], r.block2.block[0].bias, frames, ln=_ln(r.block2.block[2]),
+        return conv(win, h1, mask, w["w2"], r.block2.block[0].bias, frames, ext, ln=_ln(r.block2.block[2]),
                     act=ACT_MISH, out_mask=True, residual=res)
 
     def _transformer(self, blk: nn.Module, h: Tensor, mask: Tensor, batch: int, chunk: int, p: dict,
                      normed: Tensor | None = None, next_ln: tuple[Tensor, Tensor, float] | None = None,
-                     win: _Window | None = None) -> tuple[Tensor, Tensor | None]:
+                     win: _Window | None = None, ext: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """One transformer block over the rows ``h``; returns the new rows and, when this block's last GEMM took
         the many-rows path with ``next_ln`` given, ``LayerNorm_next(new rows)`` written by its epilogue (else
         None).
@@ -235,56 +264,71 @@ class FusedEstimator(nn.Module):
         following LayerNorm of its output and the next GEMM runs without a prologue; below that the fused
         GEMMs apply the LayerNorm in their prologue for free, so nothing changes there.  In an incremental
         window (``win``) attention also reads and extends the layer's cached keys and values, and the
-        out-projection is never folded into it."""
+        out-projection is never folded into it.  ``ext``: a ragged call, passed to every kernel."""
         a, ff = blk.attn1, blk.ff.net
         fuse_ln = use_many_rows(h.shape[0], ff[2].weight, PRO_NONE)
         if normed is None:
-            qkv = linear(h, p["qkv"][id(a)], prologue=PRO_LN, ln=_ln(blk.norm1))
+            qkv = linear(h, p["qkv"][id(a)], prologue=PRO_LN, ln=_ln(blk.norm1), extent=ext)
         else:
-            qkv = linear(normed, p["qkv"][id(a)])
+            qkv = linear(normed, p["qkv"][id(a)], extent=ext)
         if self.attention_out_fused and win is None:
-            h = attention_out(qkv, mask, batch, a.heads, a.head_dim, chunk, a.to_out[0].weight, a.to_out[0].bias, h)
+            h = attention_out(qkv, mask, batch, a.heads, a.head_dim, chunk, a.to_out[0].weight, a.to_out[0].bias, h,
+                              extent=ext)
             n3 = None
         else:
             if win is not None:
                 o = attention_cached(qkv, win.next_kv(), win.start, win.valid, a.heads, a.head_dim, chunk)
             else:
-                o = attention(qkv, mask, batch, a.heads, a.head_dim, chunk)
+                o = attention(qkv, mask, batch, a.heads, a.head_dim, chunk, extent=ext)
             n3 = torch.empty_like(h) if fuse_ln and not self.ffn_one_kernel else None
             h = linear(o, a.to_out[0].weight, a.to_out[0].bias, residual=h,
-                       norm_out=None if n3 is None else (n3, _ln(blk.norm3)))
+                       norm_out=None if n3 is None else (n3, _ln(blk.norm3)), extent=ext)
         if self.ffn_one_kernel:  # on the many-rows path it also writes the next block's norm1
             n1 = torch.empty_like(h) if fuse_ln and next_ln is not None else None
             h = ffn(h, _ln(blk.norm3), ff[0].proj.weight, ff[0].proj.bias, ff[2].weight, ff[2].bias,
-                    norm_out=None if n1 is None else (n1, next_ln))
+                    norm_out=None if n1 is None else (n1, next_ln), extent=ext)
             return h, n1
         if n3 is not None:
-            hid = linear(n3, ff[0].proj.weight, ff[0].proj.bias, act=ACT_GELU)
+            hid = linear(n3, ff[0].proj.weight, ff[0].proj.bias, act=ACT_GELU, extent=ext)
         else:
-            hid = linear(h, ff[0].proj.weight, ff[0].proj.bias, prologue=PRO_LN, ln=_ln(blk.norm3), act=ACT_GELU)
+            hid = linear(h, ff[0].proj.weight, ff[0].proj.bias, prologue=PRO_LN, ln=_ln(blk.norm3), act=ACT_GELU,
+                         extent=ext)
         n1 = torch.empty_like(h) if fuse_ln and next_ln is not None else None
-        h = linear(hid, ff[2].weight, ff[2].bias, residual=h, norm_out=None if n1 is None else (n1, next_ln))
+        h = linear(hid, ff[2].weight, ff[2].bias, residual=h, norm_out=None if n1 is None else (n1, next_ln),
+                   extent=ext)
         return h, n1
 
     def _transformers(self, tblocks: nn.ModuleList, h: Tensor, mask: Tensor, batch: int, chunk: int,
-                      p: dict, win: _Window | None = None) -> Tensor:
+                      p: dict, win: _Window | None = None, ext: Tensor | None = None) -> Tensor:
         """One group of consecutive transformer blocks; each block's last GEMM may write the next block's
         ``norm1`` of its output (see :meth:`_transformer`), which is why the group is walked here as a unit."""
         normed = None
         for j, blk in enumerate(tblocks):
             next_ln = _ln(tblocks[j + 1].norm1) if j + 1 < len(tblocks) else None
-            h, normed = self._transformer(blk, h, mask, batch, chunk, p, normed=normed, next_ln=next_ln, win=win)
+            h, normed = self._transformer(blk, h, mask, batch, chunk, p, normed=normed, next_ln=next_ln, win=win,
+                                          ext=ext)
         return h
 
+    #: :class:`~cosyvoice_fast.backends.cudagraph_flow.GraphEstimator` may pass ``extent`` (ragged replays)
+    ragged = True
+
     def forward(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
-                streaming: bool = False) -> Tensor:
+                streaming: bool = False, extent: Tensor | None = None) -> Tensor:
+        """The velocity (B, 80, T).  With a ragged ``extent`` ([live batch rows, live frames], int32 on x's
+        device; :mod:`~cosyvoice_fast.kernels.estimator_common`) the inputs are capacity buffers and only their
+        live part ``[:rows, :, :frames]`` is read and written: a graph captured at its bucket computes just
+        the frames and rows of each replay."""
         b, _, frames = x.shape
         if mask.shape != (b, 1, frames):
             raise ValueError(f"estimator mask must be ({b}, 1, {frames}), got {tuple(mask.shape)}")
+        chunk = self.est.cfg.static_chunk_size if streaming else 0
+        if extent is not None:
+            mask = mask if mask.stride(2) == 1 else mask.contiguous()
+            return self._run(x, mask, mu, t, spks, cond, chunk, None, extent)
         m = mask.reshape(b * frames)
         if m.dtype != x.dtype or not m.is_contiguous():
             m = m.to(x.dtype).contiguous()
-        return self._run(x, m, mu, t, spks, cond, self.est.cfg.static_chunk_size if streaming else 0, None)
+        return self._run(x, m, mu, t, spks, cond, chunk, None)
 
     def forward_window(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, win: object) -> Tensor:
         """The estimator on an incremental window (every frame valid, chunk-causal attention over the
@@ -298,7 +342,9 @@ class FusedEstimator(nn.Module):
         return self._run(x, m, mu, t, spks, cond, chunk, _Window(win))
 
     def _run(self, x: Tensor, m: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, chunk: int,
-             win: _Window | None) -> Tensor:
+             win: _Window | None, ext: Tensor | None = None) -> Tensor:
+        """The forward over packed rows; ``m`` is the (B·T,) row mask, or under a ragged ``ext`` the (B, 1, T)
+        mask that the input pack packs."""
         est = self.est
         p = self.packed()
         b, _, frames = x.shape
@@ -307,25 +353,28 @@ class FusedEstimator(nn.Module):
                       freqs=p["freqs"])
         temb = linear(temb, tm.linear_2.weight, tm.linear_2.bias)
         tall = linear(temb, p["temb_w"], p["temb_b"], prologue=PRO_MISH)
-        h = pack_inputs(x, mu, spks, cond)
+        if ext is None:
+            h = pack_inputs(x, mu, spks, cond)
+        else:
+            h, m = pack_inputs_ragged(x, mu, spks, cond, m, ext)
         resnet, tblocks, down = est.down_blocks[0]
         i = 0
-        h = self._resnet(i, resnet, h, None, m, frames, tall, p, win)
-        h = self._transformers(tblocks, h, m, b, chunk, p, win)
+        h = self._resnet(i, resnet, h, None, m, frames, tall, p, win, ext)
+        h = self._transformers(tblocks, h, m, b, chunk, p, win, ext)
         skip = h
-        h = self._conv(win, h, m, p["down"], down.bias, frames)
+        h = self._conv(win, h, m, p["down"], down.bias, frames, ext)
         for resnet, tblocks in est.mid_blocks:
             i += 1
-            h = self._resnet(i, resnet, h, None, m, frames, tall, p, win)
-            h = self._transformers(tblocks, h, m, b, chunk, p, win)
+            h = self._resnet(i, resnet, h, None, m, frames, tall, p, win, ext)
+            h = self._transformers(tblocks, h, m, b, chunk, p, win, ext)
         resnet, tblocks, up = est.up_blocks[0]
         i += 1
-        h = self._resnet(i, resnet, h, skip, m, frames, tall, p, win)
-        h = self._transformers(tblocks, h, m, b, chunk, p, win)
-        h = self._conv(win, h, m, p["up"], up.bias, frames)
+        h = self._resnet(i, resnet, h, skip, m, frames, tall, p, win, ext)
+        h = self._transformers(tblocks, h, m, b, chunk, p, win, ext)
+        h = self._conv(win, h, m, p["up"], up.bias, frames, ext)
         fb = est.final_block.block
-        h = self._conv(win, h, m, p["final"], fb[0].bias, frames, ln=_ln(fb[2]), act=ACT_MISH, out_mask=True)
-        return linear(h, p["proj"], est.final_proj.bias, rowmask=m, out_btc=(b, frames))
+        h = self._conv(win, h, m, p["final"], fb[0].bias, frames, ext, ln=_ln(fb[2]), act=ACT_MISH, out_mask=True)
+        return linear(h, p["proj"], est.final_proj.bias, rowmask=m, out_btc=(b, frames), extent=ext)
 
 
 def kernels_per_forward(n_blocks: int, num_mid_blocks: int, ffn_one_kernel: bool = False,

@@ -29,8 +29,8 @@ from torch import Tensor
 
 # re-exported: the codes and helpers are imported from here by the other estimator modules and the tests
 from .estimator_common import (ACT_GELU, ACT_MISH, ACT_NONE, ACT_SILU, LAUNCH, PRO_LN, PRO_MISH,  # noqa: F401
-                               PRO_NONE, PRO_SINUS, _act, _epilogue_store, _norm_rows_store, _pow2, gemm_output,
-                               interpreting, pdl_kwargs)
+                               PRO_NONE, PRO_SINUS, _act, _epilogue_store, _live_rows, _norm_rows_store, _pow2,
+                               extent_args, gemm_output, interpreting, pdl_kwargs)
 from .estimator_cublas import linear_cublas, use_many_rows
 from .estimator_oneshot import linear_oneshot
 from .pdl import pdl_start
@@ -106,14 +106,18 @@ def _a_tile(x_ptr, rm, m_ok, kk, K, stride_xm, lnw_ptr, lnb_ptr, mean, rstd, tva
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, lnw_ptr, lnb_ptr, rowmask_ptr,
+def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, lnw_ptr, lnb_ptr, rowmask_ptr, ext_ptr,
                    M, N, K, stride_xm, stride_rm, rows_per_b, stride_yb, stride_yt, stride_yn,
                    eps, sinus_scale,
                    PRO: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
-                   ROWMASK: tl.constexpr, IEEE: tl.constexpr,
+                   ROWMASK: tl.constexpr, IEEE: tl.constexpr, EXT: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    if EXT > 0:  # a ragged launch (estimator_common); the extent is a graph input, so it may be read before the wait
+        M, t_live = _live_rows(M, rows_per_b, ext_ptr, EXT)
+        if EXT == 2:
+            rows_per_b = t_live
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -127,6 +131,9 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, lnw_ptr, lnb_ptr, rowmask_
     w = tl.load(w_ptr + rn[None, :] * K + rk[:, None], mask=n_ok[None, :] & (rk[:, None] < K), other=0.0)
     if EARLY:
         pdl_start(PDL)
+    if EXT > 0:  # tiles past the live rows are capacity: nothing to compute
+        if pid_m * BM >= M:
+            return
     mean = tl.zeros([BM], dtype=tl.float32)
     rstd = mean
     tval = mean
@@ -157,7 +164,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: i
            ln: tuple[Tensor, Tensor, float] | None = None, act: int = ACT_NONE, residual: Tensor | None = None,
            rowmask: Tensor | None = None, out: Tensor | None = None, out_btc: tuple[int, int] | None = None,
            freqs: Tensor | None = None, sinus_scale: float = 1000.0,
-           norm_out: tuple[Tensor, tuple[Tensor, Tensor, float]] | None = None) -> Tensor:
+           norm_out: tuple[Tensor, tuple[Tensor, Tensor, float]] | None = None,
+           extent: Tensor | None = None) -> Tensor:
     """``act(prologue(x) @ weight.T + bias) (+ residual) (* rowmask)`` for x (M, K) row-major, weight (N, K).
 
     ``prologue``: :data:`PRO_LN` (``ln`` = (gamma, beta, eps)), :data:`PRO_MISH`, or :data:`PRO_SINUS`, where
@@ -193,22 +201,24 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: i
         _check_norm_out(norm_out, m, n, out_btc)
     if use_many_rows(m, weight, prologue):
         return linear_cublas(x, weight, bias, prologue=prologue, ln=ln, act=act, residual=residual, rowmask=rowmask,
-                             out=out, rows_per_b=rows_per_b, out_strides=(syb, syt, syn), norm_out=norm_out)
+                             out=out, rows_per_b=rows_per_b, out_strides=(syb, syt, syn), norm_out=norm_out,
+                             extent=extent)
     if LAUNCH["oneshot"] and m <= LAUNCH["oneshot_max_rows"] and prologue in (PRO_NONE, PRO_LN) and norm_out is None:
         return linear_oneshot(x, weight, bias, prologue=prologue, ln=ln, act=act, residual=residual,
-                              rowmask=rowmask, out=out, out_btc=out_btc)
+                              rowmask=rowmask, out=out, out_btc=out_btc, extent=extent)
     tiles = pick_tiles(weight.dtype == torch.float32, TUNING, FP32_TILES, INTERPRETER_TILES)
     bm, bn = spread_tiles(m, n, _pow2(m, 16, tiles["bm"]), _pow2(n, 16, tiles["bn"]), tiles.get("min_programs", 0))
     bk = _pow2(k, 16, tiles["bk"])
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _linear_kernel[grid](
         x, weight, bias if bias is not None else weight, residual if residual is not None else x, out, lnw, lnb,
-        rowmask if rowmask is not None else x,
-        m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0,
-        rows_per_b, syb, syt, syn, float(eps), float(sinus_scale),
+        rowmask if rowmask is not None else x, M=m, N=n, K=k, stride_xm=x.stride(0),
+        stride_rm=residual.stride(0) if residual is not None else 0, rows_per_b=rows_per_b, stride_yb=syb,
+        stride_yt=syt, stride_yn=syn, eps=float(eps), sinus_scale=float(sinus_scale),
         PRO=prologue, HAS_BIAS=bias is not None, ACT=act, HAS_RES=residual is not None,
         ROWMASK=rowmask is not None, IEEE=weight.dtype == torch.float32, BM=bm, BN=bn, BK=bk,
-        EARLY=LAUNCH["early_weights"], num_warps=tiles["warps"], num_stages=tiles["stages"], **pdl_kwargs(x, m))
+        EARLY=LAUNCH["early_weights"], num_warps=tiles["warps"], num_stages=tiles["stages"], **pdl_kwargs(x, m),
+        **extent_args(extent, x, out_btc))
     if norm_out is not None:
         dst, (g, beta, norm_eps) = norm_out
         dst.copy_(F.layer_norm(out, (n,), g, beta, norm_eps))
@@ -230,9 +240,9 @@ def _check_norm_out(norm_out: tuple[Tensor, tuple[Tensor, Tensor, float]], m: in
 
 
 @triton.jit
-def _ffn_kernel(x_ptr, y_ptr, lnw_ptr, lnb_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, ng_ptr, nb_ptr, norm_ptr, M, C, H,
-                eps, eps_next, stride_nm, IEEE: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, BH: tl.constexpr,
-                NORM: tl.constexpr, PDL: tl.constexpr):
+def _ffn_kernel(x_ptr, y_ptr, lnw_ptr, lnb_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, ng_ptr, nb_ptr, norm_ptr, ext_ptr, M, C,
+                H, eps, eps_next, stride_nm, IEEE: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
+                BH: tl.constexpr, NORM: tl.constexpr, EXT: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     rm = pid * BM + tl.arange(0, BM)
     rc = tl.arange(0, BC)
@@ -241,7 +251,14 @@ def _ffn_kernel(x_ptr, y_ptr, lnw_ptr, lnb_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, 
     c_ok = rc < C
     ok = m_ok[:, None] & c_ok[None, :]
     wdt = w1_ptr.dtype.element_ty
+    if EXT > 0:  # a ragged launch: tiles past the live rows are capacity
+        M, _t = _live_rows(M, 1, ext_ptr, EXT)
+        m_ok = rm < M
+        ok = m_ok[:, None] & c_ok[None, :]
     pdl_start(PDL)
+    if EXT > 0:
+        if pid * BM >= M:
+            return
     x = tl.load(x_ptr + rm[:, None] * C + rc[None, :], mask=ok, other=0.0).to(tl.float32)
     mean = tl.sum(x, axis=1) / C
     xc = tl.where(ok, x - mean[:, None], 0.0)
@@ -267,10 +284,11 @@ def _ffn_kernel(x_ptr, y_ptr, lnw_ptr, lnb_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, 
 
 def ffn(x: Tensor, ln: tuple[Tensor, Tensor, float], w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,
         out: Tensor | None = None, norm_out: tuple[Tensor, tuple[Tensor, Tensor, float]] | None = None,
-        tiles: dict | None = None) -> Tensor:
+        tiles: dict | None = None, extent: Tensor | None = None) -> Tensor:
     """``x + b2 + GELU(LN(x) @ w1.T + b1) @ w2.T`` for contiguous x (M, C), w1 (H, C), w2 (C, H), one kernel;
     with ``norm_out=(dst, (gamma, beta, eps))`` it also writes the next LayerNorm of the result into ``dst``.
-    ``tiles`` (``bm``, ``bh``, ``warps``, ``stages``) overrides the table (benchmarks)."""
+    ``tiles`` (``bm``, ``bh``, ``warps``, ``stages``) overrides the table (benchmarks); ``extent``: a ragged
+    launch (:mod:`~cosyvoice_fast.kernels.estimator_common`), only the live rows are computed."""
     m, c = x.shape
     h = w1.shape[0]
     if not x.is_contiguous() or w1.shape != (h, c) or w2.shape != (c, h):
@@ -287,7 +305,8 @@ def ffn(x: Tensor, ln: tuple[Tensor, Tensor, float], w1: Tensor, b1: Tensor, w2:
         _check_norm_out(norm_out, m, c, None, who="ffn")
         dst, (ng, nb, eps_next) = norm_out
     _ffn_kernel[(triton.cdiv(m, tiles["bm"]),)](
-        x, out, ln[0], ln[1], w1, b1, w2, b2, ng, nb, dst, m, c, h, float(ln[2]), float(eps_next), dst.stride(0),
-        IEEE=fp32, BM=tiles["bm"], BC=_pow2(c), BH=_pow2(h, 16, tiles["bh"]), NORM=norm_out is not None,
-        num_warps=tiles["warps"], num_stages=tiles["stages"], **pdl_kwargs(x, m))
+        x, out, ln[0], ln[1], w1, b1, w2, b2, ng, nb, dst, M=m, C=c, H=h, eps=float(ln[2]),
+        eps_next=float(eps_next), stride_nm=dst.stride(0), IEEE=fp32, BM=tiles["bm"], BC=_pow2(c),
+        BH=_pow2(h, 16, tiles["bh"]), NORM=norm_out is not None, num_warps=tiles["warps"],
+        num_stages=tiles["stages"], **pdl_kwargs(x, m), **extent_args(extent, x))
     return out

@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .estimator_common import (ACT_NONE, PRO_LN, PRO_NONE, _act, _grouped_tile, _pow2, gemm_output, interpreting,
-                               pdl_kwargs)
+from .estimator_common import (ACT_NONE, PRO_LN, PRO_NONE, _act, _grouped_tile, _live_rows, _pow2, extent_args,
+                               gemm_output, interpreting, pdl_kwargs)
 from .pdl import pdl_start
 
 #: Rows up to which a launch counts as "few" for the tile choice (one request's CFG pair of up to 128 frames).
@@ -57,11 +57,15 @@ def oneshot_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> dict:
 
 
 @triton.jit
-def _oneshot_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, lnw_ptr, lnb_ptr, rowmask_ptr,
+def _oneshot_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, lnw_ptr, lnb_ptr, rowmask_ptr, ext_ptr,
                     M, N, K, stride_xm, stride_rm, rows_per_b, stride_yb, stride_yt, stride_yn, eps,
                     PRO: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
-                    ROWMASK: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, KSTEPS: tl.constexpr, PDL: tl.constexpr):
+                    ROWMASK: tl.constexpr, IEEE: tl.constexpr, EXT: tl.constexpr, BM: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr, KSTEPS: tl.constexpr, PDL: tl.constexpr):
+    if EXT > 0:  # a ragged launch (estimator_common); the extent is a graph input, so it may be read before the wait
+        M, t_live = _live_rows(M, rows_per_b, ext_ptr, EXT)
+        if EXT == 2:
+            rows_per_b = t_live
     rm, rn, m_ok, n_ok = _grouped_tile(M, N, BM, BN)
     rk = tl.arange(0, BK)
     k_ok = rk < K
@@ -74,6 +78,9 @@ def _oneshot_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, lnw_ptr, lnb_ptr, rowmask
         g = tl.load(lnw_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
         beta = tl.load(lnb_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
     pdl_start(PDL)
+    if EXT > 0:  # tiles past the live rows are capacity: nothing to compute
+        if tl.min(rm, axis=0) >= M:
+            return
     # one round of activation loads: the row tile (its first K step) and the residual tile together
     a = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
     if HAS_RES:
@@ -115,13 +122,14 @@ def _oneshot_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, lnw_ptr, lnb_ptr, rowmask
 def linear_oneshot(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: int = PRO_NONE,
                    ln: tuple[Tensor, Tensor, float] | None = None, act: int = ACT_NONE,
                    residual: Tensor | None = None, rowmask: Tensor | None = None, out: Tensor | None = None,
-                   out_btc: tuple[int, int] | None = None, tiles: dict | None = None) -> Tensor:
+                   out_btc: tuple[int, int] | None = None, tiles: dict | None = None,
+                   extent: Tensor | None = None) -> Tensor:
     """``act(prologue(x) @ weight.T + bias) (+ residual) (* rowmask)`` for x (M, K) row-major and weight (N, K):
     ``linear``'s contract for the prologues :data:`PRO_NONE` and :data:`PRO_LN` (``ln = (gamma, beta, eps)``;
     the Mish prologue stays on the row-tiled kernel, which measured 3.6x faster for the time embedding's
     2-row GEMM, BENCHMARKS.md); ``out_btc = (B, T)`` stores row ``b·T + t`` at ``out[b, n, t]`` of a (B, N, T)
     tensor.  ``tiles`` (``bm``, ``bn``, ``warps``, optional ``bk``, ``stages``) overrides :func:`oneshot_tiles`
-    (benchmarks)."""
+    (benchmarks); ``extent``: a ragged launch (:mod:`~cosyvoice_fast.kernels.estimator_common`)."""
     if prologue not in (PRO_NONE, PRO_LN):
         raise ValueError(f"linear_oneshot: prologue {prologue} is not PRO_NONE or PRO_LN; use linear()")
     if prologue == PRO_LN and ln is None:
@@ -140,9 +148,10 @@ def linear_oneshot(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, pro
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _oneshot_kernel[grid](
         x, weight, bias if bias is not None else weight, residual if residual is not None else x, out, lnw, lnb,
-        rowmask if rowmask is not None else x,
-        m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, rows_per_b, syb, syt, syn,
-        float(eps), PRO=prologue, HAS_BIAS=bias is not None, ACT=act, HAS_RES=residual is not None,
+        rowmask if rowmask is not None else x, M=m, N=n, K=k, stride_xm=x.stride(0),
+        stride_rm=residual.stride(0) if residual is not None else 0, rows_per_b=rows_per_b, stride_yb=syb,
+        stride_yt=syt, stride_yn=syn, eps=float(eps), **extent_args(extent, x, out_btc), PRO=prologue,
+        HAS_BIAS=bias is not None, ACT=act, HAS_RES=residual is not None,
         ROWMASK=rowmask is not None, IEEE=weight.dtype == torch.float32, BM=bm, BN=bn, BK=bk,
         KSTEPS=triton.cdiv(k, bk), num_warps=tiles["warps"], num_stages=tiles.get("stages", 2), **pdl_kwargs(x, m))
     return out

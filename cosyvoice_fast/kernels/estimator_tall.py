@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .estimator_common import _epilogue_store, _grouped_tile, _norm_rows_store, _pow2, interpreting
+from .estimator_common import (_epilogue_store, _grouped_tile, _live_rows, _norm_rows_store, _pow2, extent_args,
+                               interpreting)
 
 #: Tiles of the tall GEMM for 16-bit operands on a GPU (``benchmarks/estimator_tall_gemm.py`` times a few and
 #: changes these before the kernels compile).  ``norm``: the tiles of launches that also write the next
@@ -34,12 +35,19 @@ INTERPRETER_TILES = {"bm": 64, "bn": 64, "bk": 32, "warps": 4, "stages": 1}
 
 
 @triton.jit
-def _tall_kernel(x_ptr, w_ptr, b_ptr, r_ptr, rowmask_ptr, y_ptr, g_ptr, beta_ptr, norm_ptr,
+def _tall_kernel(x_ptr, w_ptr, b_ptr, r_ptr, rowmask_ptr, y_ptr, g_ptr, beta_ptr, norm_ptr, ext_ptr,
                  M, N, K, stride_xm, stride_rm, rows_per_b, stride_yb, stride_yt, stride_yn, stride_nm, eps,
                  HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr, ROWMASK: tl.constexpr,
-                 NORM: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                 NORM: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, EXT: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    if EXT > 0:  # a ragged launch: tiles past the live rows are capacity (estimator_common)
+        M, t_live = _live_rows(M, rows_per_b, ext_ptr, EXT)
+        if EXT == 2:
+            rows_per_b = t_live
     rm, rn, m_ok, n_ok = _grouped_tile(M, N, BM, BN)
+    if EXT > 0:
+        if tl.min(rm, axis=0) >= M:
+            return
     rk = tl.arange(0, BK)
     # out-of-range rows and columns read row / column 0 instead of a masked load (unmasked loads pipeline
     # better); their results are never stored
@@ -75,11 +83,13 @@ def tall_tiles(norm: bool) -> dict:
 def linear_tall(x: Tensor, weight: Tensor, bias: Tensor | None, *, act: int, residual: Tensor | None,
                 rowmask: Tensor | None, out: Tensor, rows_per_b: int, out_strides: tuple[int, int, int],
                 norm_out: tuple[Tensor, tuple[Tensor, Tensor, float]] | None = None,
-                tiles: dict | None = None) -> Tensor:
+                tiles: dict | None = None, extent: Tensor | None = None) -> Tensor:
     """``act(x @ weight.T + bias) (+ residual) (* rowmask)`` into ``out`` (strides ``(batch, frame, channel)``
     as :func:`~cosyvoice_fast.kernels.estimator_linear.linear` computed them, which validated the arguments),
     and ``norm_out[0] = LayerNorm(out)`` when given; x (M, K) with unit column stride, weight (N, K)
-    contiguous.  ``tiles`` overrides the settings :func:`tall_tiles` picks (benchmarks)."""
+    contiguous.  ``tiles`` overrides the settings :func:`tall_tiles` picks (benchmarks).  ``extent``: a ragged
+    launch (:mod:`~cosyvoice_fast.kernels.estimator_common`); ``out_strides`` with a batch stride mean the
+    (B, N, T) store, split by the live frame count."""
     m, k = x.shape
     n = weight.shape[0]
     t = tiles if tiles is not None else tall_tiles(norm_out is not None)
@@ -92,9 +102,10 @@ def linear_tall(x: Tensor, weight: Tensor, bias: Tensor | None, *, act: int, res
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _tall_kernel[grid](
         x, weight, bias if bias is not None else weight, residual if residual is not None else x,
-        rowmask if rowmask is not None else x, out, g, beta, dst,
-        m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, rows_per_b, *out_strides,
-        dst.stride(0), float(eps),
+        rowmask if rowmask is not None else x, out, g, beta, dst, M=m, N=n, K=k, stride_xm=x.stride(0),
+        stride_rm=residual.stride(0) if residual is not None else 0, rows_per_b=rows_per_b,
+        stride_yb=out_strides[0], stride_yt=out_strides[1], stride_yn=out_strides[2], stride_nm=dst.stride(0),
+        eps=float(eps), **extent_args(extent, x, out_strides if out_strides[0] else None),
         HAS_BIAS=bias is not None, ACT=act, HAS_RES=residual is not None, ROWMASK=rowmask is not None,
         NORM=norm_out is not None, EVEN_K=k % bk == 0, IEEE=weight.dtype == torch.float32 or interpreting(),
         BM=bm, BN=bn, BK=bk, num_warps=t["warps"], num_stages=t["stages"])
