@@ -19,7 +19,6 @@ ms of GPU time over 40 calls, each between its own events):
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.steps import StepRunner, require_cuda  # noqa: E402
+from benchmarks.steps import gpu_runner, step_args  # noqa: E402
 
 # (name, CFG rows live, frames live, streaming): one request's CFG pair and batched solves of several requests at
 # lengths that fall short of the engine's buckets (250, 400, 500), each within the runner's graph budget
@@ -122,10 +121,8 @@ def step_profile() -> dict:
     """Why a ragged replay of a few rows is slower than an exact-shape one: the forward at 2 x 206 live frames in
     the 250-frame bucket as four graphs (exact 206, padded 250, ragged 206 of 250, ragged with the whole bucket
     live), each with its replay time, kernel count and GPU time by kernel name."""
-    from collections import defaultdict
-
     from cosyvoice_fast.kernels.estimator_fused import FusedEstimator
-    from cosyvoice_fast.kernels.estimator_profile import estimator_inputs, graph_replay_ms, kernel_times
+    from cosyvoice_fast.kernels.estimator_profile import estimator_inputs, graph_profile
 
     est = _est(torch.bfloat16)
     fused = FusedEstimator(est)
@@ -137,27 +134,14 @@ def step_profile() -> dict:
     out = {}
     with torch.inference_mode():
         for name, fn in cases.items():
-            fn()
-            times = kernel_times(fn)
-            by_name: dict[str, float] = defaultdict(float)
-            for k, us in times:
-                by_name[k.split("(")[0][:50]] += us
-            out[name] = {"ms": round(graph_replay_ms(fn, iters=40), 4), "kernels": len(times),
-                         "kernel_us_total": round(sum(us for _, us in times), 1),
-                         "by_kernel_us": {k: round(v, 1) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:8]}}
+            out[name] = graph_profile(fn, iters=40, top=8)
             print(name, out[name]["ms"], out[name]["kernel_us_total"], flush=True)
     return out
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--steps", default="errors,timing", help="comma-separated steps to run")
-    args = ap.parse_args()
-    only = set(args.steps.split(","))
-    require_cuda("ragged_check.py")
-    runner = StepRunner(args.out, {"device": torch.cuda.get_device_name(), "torch": torch.__version__},
-                        step_timeout=240)
+    out, only = step_args("errors,timing")
+    runner = gpu_runner("ragged_check.py", out, step_timeout=240)
     if "profile" in only:
         runner.run("profile", step_profile)
     if "errors" in only:

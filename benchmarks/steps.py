@@ -29,7 +29,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Callable
 
-__all__ = ["StepRunner", "StepTimeout", "require_cuda"]
+__all__ = ["StepRunner", "StepTimeout", "gpu_runner", "require_cuda", "step_args"]
 
 
 class StepTimeout(BaseException):
@@ -137,6 +137,27 @@ def require_cuda(script: str) -> None:
         print(f"{script} needs a CUDA GPU (torch.cuda.is_available() is False, torch {torch.__version__}): "
               "run it on the GPU machine.", file=sys.stderr)
         raise SystemExit(2)
+
+
+def step_args(default_steps: str) -> tuple[str, set[str]]:
+    """``--out FILE --steps a,b`` of a step script: the results file and the set of steps to run."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", default=default_steps, help="comma-separated steps to run")
+    args = ap.parse_args()
+    return args.out, set(args.steps.split(","))
+
+
+def gpu_runner(script: str, out: str | Path, step_timeout: float = 150.0) -> StepRunner:
+    """The usual start of a GPU script: :func:`require_cuda`, then a :class:`StepRunner` on ``out`` whose results
+    begin with the device name and the torch version."""
+    import torch
+
+    require_cuda(script)
+    return StepRunner(out, {"device": torch.cuda.get_device_name(), "torch": torch.__version__},
+                      step_timeout=step_timeout)
 
 
 def time_call(call: Callable[[], object], warmup: int, iters: int) -> dict[str, float]:

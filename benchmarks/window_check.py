@@ -17,16 +17,14 @@ cached attention alone at each window shape for a few query/key tiles, next to t
 
 from __future__ import annotations
 
-import argparse
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.steps import StepRunner, require_cuda  # noqa: E402
+from benchmarks.steps import gpu_runner, step_args  # noqa: E402
 
 CASES = {"forward": (100, 200), "window": ((0, 200, 250), (100, 100, 250), (200, 100, 500))}
 
@@ -63,29 +61,18 @@ def _window(layout, start: int, n: int, cap: int):
                         torch.full((1,), n, device=dev))
 
 
-def _measure(fn) -> dict:
-    from cosyvoice_fast.kernels.estimator_profile import graph_replay_ms, kernel_times
-
-    fn()
-    times = kernel_times(fn)
-    by_name: dict[str, float] = defaultdict(float)
-    for name, us in times:
-        by_name[name.split("(")[0][:60]] += us
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
-    return {"ms": round(graph_replay_ms(fn, iters=30), 4), "kernels": len(times),
-            "kernel_us_total": round(sum(us for _, us in times), 1), "by_kernel_us": {k: round(v, 1) for k, v in top}}
-
-
 def step_forward(frames: int) -> dict:
-    from cosyvoice_fast.kernels.estimator_profile import estimator_inputs
+    from cosyvoice_fast.kernels.estimator_profile import estimator_inputs, graph_profile
 
     est, fused, _ = _setup()
     args = estimator_inputs(est.cfg, 2, frames, torch.bfloat16)
     with torch.inference_mode():
-        return _measure(lambda: fused(*args, True))
+        return graph_profile(lambda: fused(*args, True))
 
 
 def step_window(start: int, n: int, cap: int) -> dict:
+    from cosyvoice_fast.kernels.estimator_profile import graph_profile
+
     est, fused, layout = _setup()
     win = _window(layout, start, n, cap)
     g = torch.Generator(device="cpu").manual_seed(2)
@@ -93,7 +80,7 @@ def step_window(start: int, n: int, cap: int) -> dict:
     spks = torch.randn(2, est.cfg.out_channels, generator=g).to("cuda", torch.bfloat16)
     t = torch.full((2,), 0.3, device="cuda", dtype=torch.bfloat16)
     with torch.inference_mode():
-        return _measure(lambda: fused.forward_window(x, mu, t, spks, cond, win))
+        return graph_profile(lambda: fused.forward_window(x, mu, t, spks, cond, win))
 
 
 ATTN_TILES = [(16, 64, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (32, 32, 4, 3), (16, 32, 2, 3), (64, 128, 4, 2),
@@ -128,14 +115,8 @@ def step_attention() -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--steps", default="attention,forward,window", help="comma-separated steps to run")
-    args = ap.parse_args()
-    only = set(args.steps.split(","))
-    require_cuda("window_check.py")
-    runner = StepRunner(args.out, {"device": torch.cuda.get_device_name(), "torch": torch.__version__},
-                        step_timeout=120)
+    out, only = step_args("attention,forward,window")
+    runner = gpu_runner("window_check.py", out, step_timeout=120)
     if "attention" in only:
         runner.run("attention", step_attention)
     for f in CASES["forward"] if "forward" in only else ():

@@ -9,6 +9,7 @@ not a kernel and is left out.  Times are CUDA-event medians of graph replays, th
 from __future__ import annotations
 
 import statistics
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -54,6 +55,20 @@ def graph_replay_ms(fn: Callable[[], object], iters: int = 50, warmup: int = 3) 
     with torch.cuda.graph(graph):
         fn()
     return replay_median_ms(graph, iters, warmup)
+
+
+def graph_profile(fn: Callable[[], object], iters: int = 30, top: int = 12) -> dict:
+    """``fn`` as a CUDA graph: median replay ms, its kernel count, their GPU µs summed, and the ``top`` kernel
+    names by summed µs (a replay's time against its kernels' time shows how much the launches overlap)."""
+    fn()
+    times = kernel_times(fn)
+    by_name: dict[str, float] = defaultdict(float)
+    for name, us in times:
+        by_name[name.split("(")[0][:60]] += us
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+    return {"ms": round(graph_replay_ms(fn, iters=iters), 4), "kernels": len(times),
+            "kernel_us_total": round(sum(us for _, us in times), 1),
+            "by_kernel_us": {k: round(v, 1) for k, v in ranked}}
 
 
 def replay_median_ms(graph: torch.cuda.CUDAGraph, iters: int = 50, warmup: int = 3) -> float:
