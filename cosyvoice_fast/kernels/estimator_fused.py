@@ -152,6 +152,10 @@ class FusedEstimator(nn.Module):
     signature, computed by the fused kernels of ``cosyvoice_fast.kernels.estimator_*`` (CUDA, or the Triton
     interpreter on CPU)."""
 
+    #: :meth:`forward` takes ``extent``: ragged replays
+    #: (:class:`~cosyvoice_fast.backends.cudagraph_flow.GraphEstimator`)
+    ragged = True
+
     def __init__(self, estimator: CausalConditionalDecoder, ffn_one_kernel: bool = False,
                  attention_out_fused: bool = False, resnet_split_ln: bool | None = None):
         """``ffn_one_kernel=True`` runs each feed-forward as one kernel (:func:`ffn`, 4 launches per transformer
@@ -308,9 +312,6 @@ class FusedEstimator(nn.Module):
             h, normed = self._transformer(blk, h, mask, batch, chunk, p, normed=normed, next_ln=next_ln, win=win,
                                           ext=ext)
         return h
-
-    #: :class:`~cosyvoice_fast.backends.cudagraph_flow.GraphEstimator` may pass ``extent`` (ragged replays)
-    ragged = True
 
     def forward(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
                 streaming: bool = False, extent: Tensor | None = None) -> Tensor:
