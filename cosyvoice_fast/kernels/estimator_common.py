@@ -134,6 +134,17 @@ def _live_rows(M, T, ext_ptr, EXT: tl.constexpr):
 
 
 @triton.jit
+def _live_gemm_rows(M, rows_per_b, ext_ptr, EXT: tl.constexpr):
+    """(rows, rows per output batch row) of a GEMM launch: the capacity ones it was launched with, or under a
+    ragged extent the live ``B·T`` rows, and (``EXT == 2``: a (B, N, T) store) the live ``T`` per batch row."""
+    if EXT > 0:
+        M, t_live = _live_rows(M, rows_per_b, ext_ptr, EXT)
+        if EXT == 2:
+            rows_per_b = t_live
+    return M, rows_per_b
+
+
+@triton.jit
 def _grouped_tile(M, N, BM: tl.constexpr, BN: tl.constexpr):
     """(rows, columns, row mask, column mask) of this program's (BM, BN) output tile in a 1-D launch whose
     column tiles vary fastest, so the programs in flight together share their rows of X in L2."""

@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .estimator_common import (PRO_LN, PRO_NONE, _epilogue_store, _live_rows, _norm_rows_store, _pow2, extent_args,
-                               interpreting)
+from .estimator_common import (PRO_LN, PRO_NONE, _epilogue_store, _live_gemm_rows, _live_rows, _norm_rows_store,
+                               _pow2, extent_args, interpreting)
 from .estimator_tall import linear_tall
 
 #: Rows from which :func:`~cosyvoice_fast.kernels.estimator_linear.linear` hands 16-bit GEMMs to this path: one
@@ -69,12 +69,10 @@ def use_many_rows(m: int, weight: Tensor, prologue: int) -> bool:
 def _epilogue_kernel(y_ptr, b_ptr, r_ptr, rowmask_ptr, out_ptr, ext_ptr, M, N, stride_rm, rows_per_b, stride_ob,
                      stride_ot, stride_on, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
                      ROWMASK: tl.constexpr, EXT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    M, rows_per_b = _live_gemm_rows(M, rows_per_b, ext_ptr, EXT)
     if EXT > 0:  # a ragged launch: tiles past the live rows are capacity (estimator_common)
-        M, t_live = _live_rows(M, rows_per_b, ext_ptr, EXT)
         if tl.program_id(0) * BM >= M:
             return
-        if EXT == 2:
-            rows_per_b = t_live
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     m_ok = rm < M

@@ -29,8 +29,8 @@ from torch import Tensor
 
 # re-exported: the codes and helpers are imported from here by the other estimator modules and the tests
 from .estimator_common import (ACT_GELU, ACT_MISH, ACT_NONE, ACT_SILU, LAUNCH, PRO_LN, PRO_MISH,  # noqa: F401
-                               PRO_NONE, PRO_SINUS, _act, _epilogue_store, _live_rows, _norm_rows_store, _pow2,
-                               extent_args, gemm_output, interpreting, pdl_kwargs)
+                               PRO_NONE, PRO_SINUS, _act, _epilogue_store, _live_gemm_rows, _live_rows,
+                               _norm_rows_store, _pow2, extent_args, gemm_output, interpreting, pdl_kwargs)
 from .estimator_cublas import linear_cublas, use_many_rows
 from .estimator_oneshot import linear_oneshot
 from .pdl import pdl_start
@@ -114,10 +114,8 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, lnw_ptr, lnb_ptr, rowmask_
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if EXT > 0:  # a ragged launch (estimator_common); the extent is a graph input, so it may be read before the wait
-        M, t_live = _live_rows(M, rows_per_b, ext_ptr, EXT)
-        if EXT == 2:
-            rows_per_b = t_live
+    # a ragged launch (estimator_common); the extent is a graph input, so it may be read before the wait
+    M, rows_per_b = _live_gemm_rows(M, rows_per_b, ext_ptr, EXT)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)

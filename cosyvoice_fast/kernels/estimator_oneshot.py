@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .estimator_common import (ACT_NONE, PRO_LN, PRO_NONE, _act, _grouped_tile, _live_rows, _pow2, extent_args,
+from .estimator_common import (ACT_NONE, PRO_LN, PRO_NONE, _act, _grouped_tile, _live_gemm_rows, _pow2, extent_args,
                                gemm_output, interpreting, pdl_kwargs)
 from .pdl import pdl_start
 
@@ -62,10 +62,8 @@ def _oneshot_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, lnw_ptr, lnb_ptr, rowmask
                     PRO: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
                     ROWMASK: tl.constexpr, IEEE: tl.constexpr, EXT: tl.constexpr, BM: tl.constexpr,
                     BN: tl.constexpr, BK: tl.constexpr, KSTEPS: tl.constexpr, PDL: tl.constexpr):
-    if EXT > 0:  # a ragged launch (estimator_common); the extent is a graph input, so it may be read before the wait
-        M, t_live = _live_rows(M, rows_per_b, ext_ptr, EXT)
-        if EXT == 2:
-            rows_per_b = t_live
+    # a ragged launch (estimator_common); the extent is a graph input, so it may be read before the wait
+    M, rows_per_b = _live_gemm_rows(M, rows_per_b, ext_ptr, EXT)
     rm, rn, m_ok, n_ok = _grouped_tile(M, N, BM, BN)
     rk = tl.arange(0, BK)
     k_ok = rk < K

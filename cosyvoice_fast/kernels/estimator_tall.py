@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .estimator_common import (_epilogue_store, _grouped_tile, _live_rows, _norm_rows_store, _pow2, extent_args,
+from .estimator_common import (_epilogue_store, _grouped_tile, _live_gemm_rows, _norm_rows_store, _pow2, extent_args,
                                interpreting)
 
 #: Tiles of the tall GEMM for 16-bit operands on a GPU (``benchmarks/estimator_tall_gemm.py`` times a few and
@@ -40,10 +40,8 @@ def _tall_kernel(x_ptr, w_ptr, b_ptr, r_ptr, rowmask_ptr, y_ptr, g_ptr, beta_ptr
                  HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr, ROWMASK: tl.constexpr,
                  NORM: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, EXT: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    if EXT > 0:  # a ragged launch: tiles past the live rows are capacity (estimator_common)
-        M, t_live = _live_rows(M, rows_per_b, ext_ptr, EXT)
-        if EXT == 2:
-            rows_per_b = t_live
+    # a ragged launch: tiles past the live rows are capacity (estimator_common)
+    M, rows_per_b = _live_gemm_rows(M, rows_per_b, ext_ptr, EXT)
     rm, rn, m_ok, n_ok = _grouped_tile(M, N, BM, BN)
     if EXT > 0:
         if tl.min(rm, axis=0) >= M:
