@@ -112,7 +112,8 @@ class GraphEstimator:
 
     def __init__(self, estimator: torch.nn.Module, device: torch.device, granularity: int = 50,
                  max_frames: int = DEFAULT_MAX_FRAMES, max_graphs: int = 128, buckets: Sequence[int] | None = None,
-                 ragged: bool = False):
+                 ragged: bool = False, solver: tuple[float, int] | None = None):
+        from .graph_solve import StepGraphs
         from .graphs import GraphCache
 
         self.estimator = estimator
@@ -126,6 +127,10 @@ class GraphEstimator:
         self.caches = {
             mode: GraphCache(self._fn(mode), device, max_graphs, f"flow-estimator-{'stream' if mode else 'full'}")
             for mode in (True, False)}
+        #: ``solver = (CFG rate, Euler steps)``: whole solves replay one step graph per bucket
+        #: (:mod:`~cosyvoice_fast.backends.graph_solve`, :meth:`solve`), captured instead of single forwards;
+        #: not with ``ragged``
+        self.steps = None if solver is None or self.ragged else StepGraphs(self, *solver, max_graphs=max_graphs)
         self.lock = threading.Lock()
         self.eager_calls = 0
         self._last_replay: torch.cuda.Event | None = None
@@ -141,18 +146,23 @@ class GraphEstimator:
 
         return run
 
+    def all_caches(self) -> list:
+        """Every graph cache: single forwards per attention mode, then the step graphs' when solves use them."""
+        return [*self.caches.values(), *(self.steps.caches.values() if self.steps else ())]
+
     @property
     def captures(self) -> int:
-        return sum(c.captures for c in self.caches.values())
+        return sum(c.captures for c in self.all_caches())
 
     def freeze(self) -> None:
         """Capture nothing more (see :meth:`~.graphs.GraphCache.freeze`)."""
-        for c in self.caches.values():
+        for c in self.all_caches():
             c.freeze()
 
     @property
     def replays(self) -> int:
-        return sum(c.replays for c in self.caches.values())
+        """Estimator forwards replayed from graphs (a step graph's replay is one forward)."""
+        return sum(c.replays for c in self.all_caches())
 
     def row_frames_budget(self) -> int:
         """``rows · bucket²`` of the largest graph (2 rows at ``max_frames``): batched calls stay within it."""
@@ -186,8 +196,35 @@ class GraphEstimator:
         if prows is None or not self._fits(prows, bucket):
             raise ValueError(f"{rows} rows x {bucket} frames exceed the graph budget; they run eagerly")
         with self.lock:
-            self.caches[bool(streaming)].get((bucket, prows, dtype), self._example(bucket, dtype, prows))
+            if self.steps is not None:  # solves replay step graphs; single forwards are not served by a graph
+                self.steps.capture(bucket, prows, dtype, streaming)
+            else:
+                self.caches[bool(streaming)].get((bucket, prows, dtype), self._example(bucket, dtype, prows))
         return bucket
+
+    def solve(self, x0: Tensor, g: Any, ts: Tensor, dts: Tensor, cfg_rate: float, streaming: bool) -> Tensor | None:
+        """A whole guided Euler solve (:meth:`~cosyvoice_fast.models.cfm.CausalCFM.solve_batch` calls it) as
+        replays of one step graph, or None when it is not served by one (no ``solver``, another CFG rate or
+        step count, a shape past the graph budget, a shape not captured at start-up): the caller then runs its
+        step loop over :meth:`__call__`."""
+        steps = self.steps
+        b, _, frames = x0.shape
+        if (steps is None or cfg_rate != steps.cfg_rate or ts.shape[0] != steps.n_steps
+                or x0.device.type != self.device.type
+                or (x0.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
+            return None
+        bucket, prows = self.bucket(frames), bucket_rows(2 * b)
+        if prows is None or not self._fits(prows, bucket):
+            return None
+        with self.lock, torch.inference_mode():
+            on_gpu = x0.device.type == "cuda"
+            if on_gpu and self._last_replay is not None:
+                torch.cuda.current_stream(x0.device).wait_event(self._last_replay)
+            out = steps.solve(x0, g, ts, dts, bucket, prows, streaming)
+            if on_gpu and out is not None:
+                self._last_replay = torch.cuda.Event()
+                self._last_replay.record(torch.cuda.current_stream(x0.device))
+            return out
 
     def __call__(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
                  streaming: bool = False) -> Tensor:
@@ -264,8 +301,10 @@ class CudaGraphFlow:
         est = flow.decoder.estimator
         est.fuse_projections()  # q/k/v as one GEMM per attention block: same values, fewer kernels per step
         gran = granularity or est.cfg.static_chunk_size or 50
+        cfm = flow.cfg.cfm
         self.estimator = GraphEstimator(estimator(est) if estimator else est, next(flow.parameters()).device, gran,
-                                        max_frames, max_graphs, buckets, ragged)
+                                        max_frames, max_graphs, buckets, ragged,
+                                        solver=(cfm.inference_cfg_rate, cfm.n_timesteps))
         if rows:
             self.max_batch = min(max(rows), ROW_SIZES[-1] // 2)
         self.encoder = GraphEncoder(flow, next(flow.parameters()).device, buckets,
@@ -293,8 +332,8 @@ class CudaGraphFlow:
                                                         self.estimator.granularity))
         row_buckets = sorted({bucket_rows(2 * r) or ROW_SIZES[-1] for r in rows})
         jobs = [(f, s, r) for f in lengths for s in (True, False) for r in row_buckets if self.estimator._fits(r, f)]
-        self.estimator.caches[True].max_graphs = self.estimator.caches[False].max_graphs = max(
-            self.estimator.caches[True].max_graphs, len(jobs))
+        for cache in self.estimator.all_caches():
+            cache.max_graphs = max(cache.max_graphs, len(jobs))
         for f, s, r in tqdm(jobs, desc="capturing flow graphs", unit="graph", disable=not progress, leave=False):
             self.estimator.capture(f, s, dtype, r)
         self.estimator.freeze()

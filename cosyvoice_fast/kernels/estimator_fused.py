@@ -314,46 +314,69 @@ class FusedEstimator(nn.Module):
         return h
 
     def forward(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
-                streaming: bool = False, extent: Tensor | None = None) -> Tensor:
+                streaming: bool = False, extent: Tensor | None = None, tall: Tensor | None = None) -> Tensor:
         """The velocity (B, 80, T).  With a ragged ``extent`` ([live batch rows, live frames], int32 on x's
         device; :mod:`~cosyvoice_fast.kernels.estimator_common`) the inputs are capacity buffers and only their
         live part ``[:rows, :, :frames]`` is read and written: a graph captured at its bucket computes just
-        the frames and rows of each replay."""
+        the frames and rows of each replay.  ``tall``: this forward's row of :meth:`time_table` (then ``t`` is
+        not read)."""
         b, _, frames = x.shape
         if mask.shape != (b, 1, frames):
             raise ValueError(f"estimator mask must be ({b}, 1, {frames}), got {tuple(mask.shape)}")
+        if tall is not None and tall.shape != (b, self.time_width()):
+            raise ValueError(f"estimator tall must be ({b}, {self.time_width()}), got {tuple(tall.shape)}")
         chunk = self.est.cfg.static_chunk_size if streaming else 0
         if extent is not None:
             mask = mask if mask.stride(2) == 1 else mask.contiguous()
-            return self._run(x, mask, mu, t, spks, cond, chunk, None, extent)
+            return self._run(x, mask, mu, t, spks, cond, chunk, None, extent, tall)
         m = mask.reshape(b * frames)
         if m.dtype != x.dtype or not m.is_contiguous():
             m = m.to(x.dtype).contiguous()
-        return self._run(x, m, mu, t, spks, cond, chunk, None)
+        return self._run(x, m, mu, t, spks, cond, chunk, None, tall=tall)
+
+    def time_width(self) -> int:
+        """Columns of a :meth:`time_table` row: every ResNet block's time projection side by side."""
+        return sum(r.mlp[1].weight.shape[0] for r in self._resnets())
+
+    def _time_rows(self, t: Tensor, p: dict) -> Tensor:
+        """(rows, :meth:`time_width`) for the flow times ``t`` (rows,): sinusoid -> SiLU -> linear -> Mish -> every
+        ResNet block's projection, three GEMMs that read nothing but ``t``."""
+        tm = self.est.time_mlp
+        temb = linear(t, tm.linear_1.weight, tm.linear_1.bias, prologue=PRO_SINUS, act=ACT_SILU, freqs=p["freqs"])
+        temb = linear(temb, tm.linear_2.weight, tm.linear_2.bias)
+        return linear(temb, p["temb_w"], p["temb_b"], prologue=PRO_MISH)
+
+    def time_table(self, ts: Tensor, rows: int) -> Tensor:
+        """(len(ts), rows, :meth:`time_width`): the time projections of every Euler step of a solve, each for
+        ``rows`` rows, computed by the same kernels at the same row count as a forward of ``rows`` rows (so
+        ``forward(..., tall=table[i])`` equals ``forward(..., t=ts[i])`` bit for bit).  The times of a solve are
+        the same for every solve, so a graph runner fills this once and its forwards skip three launches."""
+        p = self.packed()
+        with torch.no_grad():
+            return torch.stack([self._time_rows(ts[i:i + 1].expand(rows).contiguous(), p)
+                                for i in range(ts.shape[0])])
 
     def forward_window(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, win: object) -> Tensor:
         """The estimator on an incremental window (every frame valid, chunk-causal attention over the
         window's cached keys): :func:`~cosyvoice_fast.models.flow_incremental.estimator_increment` with a
         :class:`~cosyvoice_fast.models.flow_incremental.StaticWindow` ``win`` (which must also carry ``valid``,
-        the window's real frame count as a one-element tensor)."""
+        the window's real frame count as a one-element tensor, and may carry ``tall``, this step's row of
+        :meth:`time_table`)."""
         chunk = self.est.cfg.static_chunk_size
         if chunk <= 0:
             raise ValueError("an incremental window needs chunk-causal attention (static_chunk_size > 0)")
         m = torch.ones(x.shape[0] * x.shape[2], device=x.device, dtype=x.dtype)
-        return self._run(x, m, mu, t, spks, cond, chunk, _Window(win))
+        return self._run(x, m, mu, t, spks, cond, chunk, _Window(win), tall=getattr(win, "tall", None))
 
     def _run(self, x: Tensor, m: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, chunk: int,
-             win: _Window | None, ext: Tensor | None = None) -> Tensor:
+             win: _Window | None, ext: Tensor | None = None, tall: Tensor | None = None) -> Tensor:
         """The forward over packed rows; ``m`` is the (B·T,) row mask, or under a ragged ``ext`` the (B, 1, T)
-        mask that the input pack packs."""
+        mask that the input pack packs; ``tall`` the time projections when given (else computed from ``t``)."""
         est = self.est
         p = self.packed()
         b, _, frames = x.shape
-        tm = est.time_mlp
-        temb = linear(t.reshape(b), tm.linear_1.weight, tm.linear_1.bias, prologue=PRO_SINUS, act=ACT_SILU,
-                      freqs=p["freqs"])
-        temb = linear(temb, tm.linear_2.weight, tm.linear_2.bias)
-        tall = linear(temb, p["temb_w"], p["temb_b"], prologue=PRO_MISH)
+        if tall is None:
+            tall = self._time_rows(t.reshape(b), p)
         if ext is None:
             h = pack_inputs(x, mu, spks, cond)
         else:
@@ -379,11 +402,12 @@ class FusedEstimator(nn.Module):
 
 
 def kernels_per_forward(n_blocks: int, num_mid_blocks: int, ffn_one_kernel: bool = False,
-                        attention_out_fused: bool = False, resnet_split_ln: bool = False) -> int:
+                        attention_out_fused: bool = False, resnet_split_ln: bool = False,
+                        time_table: bool = False) -> int:
     """Launches of one fused forward of the one-level U-Net below ``estimator_cublas.MANY_ROWS_M`` rows (above it
     an epilogue pass joins each GEMM left on cuBLAS, and a LayerNorm pass each group's first transformer block): 3
-    time-embedding GEMMs, the input pack, 2 (or 4) per ResNet block, 3 to 5 per transformer block, the
-    down/up/final convs and the output projection."""
+    time-embedding GEMMs (none when the forward is given its row of a ``time_table``), the input pack, 2 (or 4)
+    per ResNet block, 3 to 5 per transformer block, the down/up/final convs and the output projection."""
     resnets = 2 + num_mid_blocks
     per_block = 5 - int(ffn_one_kernel) - int(attention_out_fused)
-    return 3 + 1 + (4 if resnet_split_ln else 2) * resnets + per_block * n_blocks * resnets + 4
+    return (0 if time_table else 3) + 1 + (4 if resnet_split_ln else 2) * resnets + per_block * n_blocks * resnets + 4

@@ -9,6 +9,8 @@ estimates as one batch of 2 (row 1 has mu, speaker and prompt condition zeroed) 
 The solve is split into pieces a faster backend can reuse: ``euler_schedule`` (the step times, computed
 once), ``guidance_batch`` (the step-invariant half of the estimator input, built once per solve) and
 ``euler_step`` / ``guided_velocity`` (one estimator call; the estimator can be swapped for a captured graph).
+An estimator that offers ``solve(x, guidance, ts, dts, cfg_rate, streaming)`` may take the whole step loop
+(a graph runner replaying one captured step per Euler step); it answers None when it does not serve a call.
 """
 
 from __future__ import annotations
@@ -147,8 +149,14 @@ class CausalCFM(nn.Module):
         x = self.start_noise(mu.shape[2], mu.device, mu.dtype, noise)
         if b != 1:
             x = x.expand(b, -1, -1).contiguous()
-        ts, dts = euler_schedule(n_timesteps, self.cfg.t_scheduler, mu.device, mu.dtype)
+        ts, dts = euler_schedule(n_timesteps, self.cfg.t_scheduler, "cpu", mu.dtype)
         g = self.guidance_batch(mu, mask, spks, cond)
+        solve = getattr(estimator, "solve", None)  # a graph runner that replays whole solves
+        if solve is not None:
+            out = solve(x, g, ts, dts, self.cfg.inference_cfg_rate, streaming)
+            if out is not None:
+                return out.float()
+        ts, dts = ts.to(mu.device), dts.to(mu.device)
         for i in range(n_timesteps):
             x = self.euler_step(x, ts[i], dts[i], g, streaming, estimator)
         return x.float()
