@@ -105,6 +105,8 @@ def test_fused_window_equals_the_eager_window_maths(flow):
     a, _, _ = _stream(eager, flow, inputs, tokens, SCHEDULES["default"])
     b, _, _ = _stream(fused, flow, inputs, tokens, SCHEDULES["default"])
     assert len(a) >= 2 and max(_max_err(b, a)) <= TOL
+    # the fused windows took their time projections from the runner's table (one row per Euler step, CFG pair)
+    assert eager.graphs.time_table is None and fused.graphs.time_table.shape[:2] == (2, 2)
     assert (fused.graphs.kv - eager.graphs.kv).abs().max().item() <= TOL
     for c_f, c_e in zip(fused.graphs.ctx, eager.graphs.ctx):
         assert (c_f - c_e).abs().max().item() <= TOL

@@ -366,12 +366,14 @@ class StaticWindow:
     place, the columns left of position ``commit`` of the window (``ctx_index[kernel - 1]`` holds
     ``commit + arange(kernel - 1)``).  Positions, mask and indices are tensors, so they are graph inputs.
     ``valid`` (one element): the window's real frames, for kernels that apply the mask's rule themselves.
+    ``tall``: this step's time projections for estimators that take them precomputed (the fused kernels'
+    ``time_table`` row); the eager maths ignores it.
     """
 
     def __init__(self, kv: Tensor, ctx: list[Tensor], pos: Tensor, ctx_index: dict[int, Tensor], mask: Tensor,
-                 valid: Tensor | None = None):
+                 valid: Tensor | None = None, tall: Tensor | None = None):
         self.kv, self.ctx, self.pos, self.ctx_index, self.mask = kv, ctx, pos, ctx_index, mask
-        self.valid = valid
+        self.valid, self.tall = valid, tall
         self._attn = self._conv = 0
 
     def conv(self, conv: nn.Conv1d, x: Tensor) -> Tensor:
