@@ -189,6 +189,15 @@ def plan(prompt_tokens: int, total_tokens: int, params: StreamParams, chunk_size
     return calls
 
 
+def schedule_frames(prompt_tokens: int, total_tokens: int, params: StreamParams | None = None,
+                    chunk_size: int = 25, token_mel_ratio: int = 2) -> list[tuple[int, bool]]:
+    """``(frames, streaming)`` of every estimator input the streamed schedule produces for one segment
+    (non-final calls use chunk-causal attention, the final call full attention): what graph runners capture."""
+    params = params or StreamParams()
+    return [(call_frames(c, prompt_tokens, token_mel_ratio), not c.finalize)
+            for c in plan(prompt_tokens, total_tokens, params, chunk_size)]
+
+
 def plan_solves(frames: list[int], max_items: int, cost: Callable[[int, int], float] | None = None,
                 budget: float | None = None, same_length: bool = False) -> list[list[int]]:
     """Split item indices (with estimator lengths ``frames``) into batched solves.

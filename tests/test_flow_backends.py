@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from cosyvoice_fast.backends.base import BackendUnavailable
-from cosyvoice_fast.backends.cudagraph_flow import (CudaGraphFlow, bucket_frames, call_frames,
-                                                    pad_estimator_inputs, schedule_frames)
+from cosyvoice_fast.backends.cudagraph_flow import CudaGraphFlow
 from cosyvoice_fast.backends.eager import EagerFlow, flow_chunk_mel
 from cosyvoice_fast.backends.onnx_export import (estimator_fingerprint, example_inputs, probe_matches,
                                                  weight_probe)
@@ -27,7 +26,7 @@ from cosyvoice_fast.backends.tensorrt_build import (TRT_MISSING, FlowShapeProfil
 from cosyvoice_fast.backends.tensorrt_flow import TensorRTFlow, select_engine
 from cosyvoice_fast.config import StreamParams, tiny_config
 from cosyvoice_fast.request import ModelInputs
-from cosyvoice_fast.schedule import plan
+from cosyvoice_fast.schedule import bucket_frames, call_frames, plan, schedule_frames
 
 HAS_CUDA = torch.cuda.is_available()
 _gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
@@ -35,6 +34,15 @@ _gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 PAD_TOL = 1e-5
 pytestmark = pytest.mark.usefixtures("no_tf32")  # true fp32 references (fixture in conftest)
+
+
+def pad_estimator_inputs(x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, cond: torch.Tensor, frames: int
+                         ) -> tuple[torch.Tensor, ...]:
+    """Zero-pad the time axis of ``x``, ``mask``, ``mu``, ``cond`` on the right to ``frames`` (what a graph
+    runner does to a call shorter than its bucket)."""
+    pad = frames - x.shape[-1]
+    f = torch.nn.functional.pad
+    return f(x, (0, pad)), f(mask, (0, pad)), f(mu, (0, pad)), f(cond, (0, pad))
 
 
 # ----------------------------------------------------------------------------------------------- fixtures

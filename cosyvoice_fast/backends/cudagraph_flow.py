@@ -2,8 +2,10 @@
 
 A flow chunk is ~10 Euler steps, each one estimator call on the CFG batch of 2 (conditional row, all-zero
 unconditional row).  The estimator is a few hundred small kernels, so eager execution is launch-bound; here
-each call is one graph replay.  The encoder (one call per chunk, or one per group of requests' chunks) replays
-graphs over padded token buckets (:mod:`~cosyvoice_fast.backends.graph_encoder`).
+each Euler step is one graph replay, and the step graph also mixes the CFG rows and advances the state
+(:mod:`~cosyvoice_fast.backends.graph_solve`), so a solve is its steps' replays back to back.  The encoder
+(one call per chunk, or one per group of requests' chunks) replays graphs over padded token buckets
+(:mod:`~cosyvoice_fast.backends.graph_encoder`).
 
 Bucket policy
 -------------
@@ -39,7 +41,7 @@ import torch
 from torch import Tensor
 
 from ..config import ModelConfig, StreamParams
-from ..schedule import ChunkCall, bucket_frames, call_frames, plan
+from ..schedule import ChunkCall, bucket_frames, schedule_frames
 from .base import BackendUnavailable
 from .eager import flow_chunk_mel, flow_chunk_mel_batch
 from .graph_encoder import ENCODER_ROWS, GraphEncoder
@@ -63,28 +65,6 @@ def bucket_rows(rows: int, sizes: Sequence[int] = ROW_SIZES) -> int | None:
     return next((r for r in sorted(sizes) if r >= rows), None)
 
 
-def schedule_frames(prompt_tokens: int, total_tokens: int, params: StreamParams | None = None,
-                    chunk_size: int = 25, token_mel_ratio: int = 2) -> list[tuple[int, bool]]:
-    """``(frames, streaming)`` of every estimator input the streamed schedule produces for one segment
-    (non-final calls use chunk-causal attention, the final call full attention)."""
-    params = params or StreamParams()
-    return [(call_frames(c, prompt_tokens, token_mel_ratio), not c.finalize)
-            for c in plan(prompt_tokens, total_tokens, params, chunk_size)]
-
-
-# ------------------------------------------------------------------------------------------ the chunk call
-
-
-def pad_estimator_inputs(x: Tensor, mask: Tensor, mu: Tensor, cond: Tensor, frames: int
-                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Zero-pad the time axis of ``x``, ``mask``, ``mu``, ``cond`` on the right to ``frames``."""
-    pad = frames - x.shape[-1]
-    if pad < 0:
-        raise ValueError(f"cannot pad {x.shape[-1]} frames down to {frames}")
-    f = torch.nn.functional.pad
-    return f(x, (0, pad)), f(mask, (0, pad)), f(mu, (0, pad)), f(cond, (0, pad))
-
-
 # --------------------------------------------------------------------------------------- the graph runner
 
 
@@ -101,7 +81,9 @@ def why_unavailable(flow: torch.nn.Module) -> str | None:
 class GraphEstimator:
     """Callable with the estimator's signature ``(x, mask, mu, t, spks, cond, streaming) -> velocity`` that
     pads to the length bucket and to the row bucket (:data:`ROW_SIZES`; 2 = one request's CFG pair) and
-    replays a captured graph of ``estimator``.
+    replays a captured graph of ``estimator``; with ``solver`` it also runs whole guided solves as replays of
+    one step graph per bucket (:meth:`solve`, :mod:`~cosyvoice_fast.backends.graph_solve`), which are then the
+    graphs captured at start-up.
 
     ``ragged=True`` with an estimator that supports it (``ragged = True``: the fused kernels) adds one graph
     input, the ``extent`` ``[rows, frames]`` of each replay (:mod:`~cosyvoice_fast.kernels.estimator_common`):
@@ -171,6 +153,12 @@ class GraphEstimator:
     def _fits(self, rows: int, bucket: int) -> bool:
         return bucket <= self.max_frames and rows * bucket ** 2 <= self.row_frames_budget()
 
+    def graph_shape(self, frames: int, rows: int) -> tuple[int, int] | None:
+        """(length bucket, row bucket) of a call of ``rows`` estimator rows over ``frames`` frames, or None when
+        no graph may serve it (more rows than the largest row bucket, or past the graph budget)."""
+        bucket, prows = self.bucket(frames), bucket_rows(rows)
+        return None if prows is None or not self._fits(prows, bucket) else (bucket, prows)
+
     def _example(self, frames: int, dtype: torch.dtype, rows: int = 2) -> tuple[Tensor, ...]:
         b, c = rows, self.estimator.cfg.out_channels
         z = torch.zeros(b, c, frames, device=self.device, dtype=dtype)
@@ -207,35 +195,37 @@ class GraphEstimator:
         replays of one step graph, or None when it is not served by one (no ``solver``, another CFG rate or
         step count, a shape past the graph budget, a shape not captured at start-up): the caller then runs its
         step loop over :meth:`__call__`."""
-        steps = self.steps
-        b, _, frames = x0.shape
-        if (steps is None or cfg_rate != steps.cfg_rate or ts.shape[0] != steps.n_steps
-                or x0.device.type != self.device.type
+        if (self.steps is None or x0.device.type != self.device.type
                 or (x0.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
             return None
-        bucket, prows = self.bucket(frames), bucket_rows(2 * b)
-        if prows is None or not self._fits(prows, bucket):
-            return None
         with self.lock, torch.inference_mode():
-            on_gpu = x0.device.type == "cuda"
-            if on_gpu and self._last_replay is not None:
-                torch.cuda.current_stream(x0.device).wait_event(self._last_replay)
-            out = steps.solve(x0, g, ts, dts, bucket, prows, streaming)
-            if on_gpu and out is not None:
-                self._last_replay = torch.cuda.Event()
-                self._last_replay.record(torch.cuda.current_stream(x0.device))
+            self._after_last_replay(x0)
+            out = self.steps.solve(x0, g, ts, dts, cfg_rate, streaming)
+            if out is not None:
+                self._mark_replay(x0)
             return out
+
+    def _after_last_replay(self, x: Tensor) -> None:
+        """Graphs share their memory pool and static buffers: a replay enqueued by another thread or stream must
+        finish before this one starts (caller holds the lock)."""
+        if x.device.type == "cuda" and self._last_replay is not None:
+            torch.cuda.current_stream(x.device).wait_event(self._last_replay)
+
+    def _mark_replay(self, x: Tensor) -> None:
+        if x.device.type == "cuda":
+            self._last_replay = torch.cuda.Event()
+            self._last_replay.record(torch.cuda.current_stream(x.device))
 
     def __call__(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
                  streaming: bool = False) -> Tensor:
         frames, rows = x.shape[-1], x.shape[0]
-        bucket = self.bucket(frames)
-        prows = bucket_rows(rows)
-        if (prows is None or not self._fits(prows, bucket) or x.device.type != self.device.type
+        shape = self.graph_shape(frames, rows)
+        if (shape is None or x.device.type != self.device.type
                 or (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
             self.eager_calls += 1
             with torch.inference_mode():
                 return self.estimator(x, mask, mu, t, spks, cond, streaming)
+        bucket, prows = shape
         cache = self.caches[bool(streaming)]
         key = (bucket, prows, x.dtype)
         with self.lock, torch.inference_mode():
@@ -247,10 +237,7 @@ class GraphEstimator:
             if g is None:  # frozen after start-up and this shape was not captured: eager, never a capture
                 self.eager_calls += 1
                 return self.estimator(x, mask, mu, t, spks, cond, streaming)
-            on_gpu = x.device.type == "cuda"
-            if on_gpu and self._last_replay is not None:
-                # static buffers are shared: a replay enqueued by another thread/stream must finish first
-                torch.cuda.current_stream(x.device).wait_event(self._last_replay)
+            self._after_last_replay(x)
             xs, ms, mus, ts, ss, cs = g.inputs[:6]
             for dst, src in ((xs, x), (ms, mask), (mus, mu), (cs, cond)):
                 dst[:rows, ..., :frames].copy_(src)
@@ -267,9 +254,7 @@ class GraphEstimator:
             g.graph.replay()
             cache.replays += 1
             out = g.outputs[0][:rows, ..., :frames].clone()
-            if on_gpu:
-                self._last_replay = torch.cuda.Event()
-                self._last_replay.record(torch.cuda.current_stream(x.device))
+            self._mark_replay(x)
             return out
 
 

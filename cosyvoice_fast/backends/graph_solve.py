@@ -45,8 +45,8 @@ class StepGraphs:
         self.timed = callable(getattr(runner.estimator, "time_table", None))
         self.caches = {mode: GraphCache(self._fn(mode), runner.device, max_graphs,
                                         f"flow-solve-step-{'stream' if mode else 'full'}") for mode in (True, False)}
-        # (mode, key) -> (the graph's time buffer, the Euler times written into it and its table)
-        self._filled: dict[tuple, tuple[Tensor, tuple[float, ...]]] = {}
+        # (mode, key) -> (the graph's time buffer, the Euler times and steps written into it and its table)
+        self._filled: dict[tuple, tuple[Tensor, tuple]] = {}
 
     def _fn(self, streaming: bool) -> Callable[..., tuple[Tensor]]:
         est, w = self.runner.estimator, self.cfg_rate
@@ -89,19 +89,27 @@ class StepGraphs:
         """Capture (if not yet) the step graph of ``rows`` estimator rows (a row bucket) at length ``bucket``."""
         self.caches[bool(streaming)].get((bucket, rows, dtype), self._example(bucket, rows, dtype))
 
-    def solve(self, x0: Tensor, g: Any, ts: Tensor, dts: Tensor, bucket: int, rows: int,
-              streaming: bool) -> Tensor | None:
+    def solve(self, x0: Tensor, g: Any, ts: Tensor, dts: Tensor, cfg_rate: float, streaming: bool) -> Tensor | None:
         """The guided solve of ``x0`` (B, C, T) with the guidance batch ``g`` (2B rows: conditional, then
-        unconditional) and the host tensors ``ts``/``dts`` of :func:`~cosyvoice_fast.models.cfm.euler_schedule`,
-        in the graph of ``(bucket, rows)``; the final state (B, C, T), or None when that graph was never captured
-        and capturing is over.  The caller holds the runner's lock and orders the replays after earlier ones."""
+        unconditional) and the host tensors ``ts``/``dts`` of :func:`~cosyvoice_fast.models.cfm.euler_schedule`;
+        the final state (B, C, T), or None when no step graph serves it: another CFG rate or step count, a
+        shape past the runner's graph budget, or one not captured once capturing is over.  The caller holds the
+        runner's lock and orders the replays after earlier ones."""
         b, _, frames = x0.shape
+        shape = self.runner.graph_shape(frames, 2 * b)
+        if cfg_rate != self.cfg_rate or ts.shape[0] != self.n_steps or shape is None:
+            return None
+        bucket, rows = shape
         mode = bool(streaming)
         key = (bucket, rows, x0.dtype)
         cache = self.caches[mode]
-        graph = cache.get(key, self._example(bucket, rows, x0.dtype)) if key not in cache.graphs else cache.graphs[key]
+        graph = cache.graphs.get(key)
         if graph is None:
-            return None
+            graph = cache.get(key, self._example(bucket, rows, x0.dtype))
+            if graph is None:  # frozen after start-up and this shape was never captured
+                return None
+        else:
+            cache.graphs.move_to_end(key)
         x, mask, mu, spks, cond, tbuf, dtbuf, idx, *table = graph.inputs
         half = rows // 2
         for buf in (x, mask, mu, spks, cond):
@@ -112,7 +120,7 @@ class StepGraphs:
             dst[half:half + b, :, :frames].copy_(src[b:])
         spks[:b].copy_(g.spks[:b])
         spks[half:half + b].copy_(g.spks[b:])
-        times = tuple(ts.tolist())
+        times = (tuple(ts.tolist()), tuple(dts.tolist()))
         filled = self._filled.get((mode, key))
         if filled is None or filled[0] is not tbuf or filled[1] != times:
             tbuf.copy_(ts)

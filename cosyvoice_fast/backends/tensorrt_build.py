@@ -37,8 +37,9 @@ from typing import Any, Sequence
 import torch
 
 from ..config import StreamParams
+from ..schedule import schedule_frames
 from .base import BackendUnavailable
-from .cudagraph_flow import DEFAULT_MAX_FRAMES, schedule_frames
+from .cudagraph_flow import DEFAULT_MAX_FRAMES
 from .onnx_export import INPUT_NAMES, MODES, TIME_INPUTS
 
 log = logging.getLogger(__name__)
