@@ -78,11 +78,8 @@ class StepGraphs:
         return example
 
     @property
-    def captures(self) -> int:
-        return sum(c.captures for c in self.caches.values())
-
-    @property
     def replays(self) -> int:
+        """Step graphs replayed (one estimator forward each)."""
         return sum(c.replays for c in self.caches.values())
 
     def capture(self, bucket: int, rows: int, dtype: torch.dtype, streaming: bool) -> None:
