@@ -402,12 +402,12 @@ class FusedEstimator(nn.Module):
 
 
 def kernels_per_forward(n_blocks: int, num_mid_blocks: int, ffn_one_kernel: bool = False,
-                        attention_out_fused: bool = False, resnet_split_ln: bool = False,
-                        time_table: bool = False) -> int:
+                        attention_out_fused: bool = False, resnet_split_ln: bool = False) -> int:
     """Launches of one fused forward of the one-level U-Net below ``estimator_cublas.MANY_ROWS_M`` rows (above it
     an epilogue pass joins each GEMM left on cuBLAS, and a LayerNorm pass each group's first transformer block): 3
-    time-embedding GEMMs (none when the forward is given its row of a ``time_table``), the input pack, 2 (or 4)
-    per ResNet block, 3 to 5 per transformer block, the down/up/final convs and the output projection."""
+    time-embedding GEMMs (3 fewer when the forward is given its row of a :meth:`FusedEstimator.time_table`), the
+    input pack, 2 (or 4) per ResNet block, 3 to 5 per transformer block, the down/up/final convs and the output
+    projection."""
     resnets = 2 + num_mid_blocks
     per_block = 5 - int(ffn_one_kernel) - int(attention_out_fused)
-    return (0 if time_table else 3) + 1 + (4 if resnet_split_ln else 2) * resnets + per_block * n_blocks * resnets + 4
+    return 3 + 1 + (4 if resnet_split_ln else 2) * resnets + per_block * n_blocks * resnets + 4
