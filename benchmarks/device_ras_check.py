@@ -2,6 +2,7 @@
 kernels.philox`): are the recomputed variates ``exponential_``'s bits, and what does it buy per token?
 
     PYTHONUNBUFFERED=1 python benchmarks/device_ras_check.py --out $OUT [--budget S] [--rows 1,16,64]
+        [--steps bits,profile,backend] [--ways ahead,ahead_torch_tail]
 
 1. ``bits``: the kernel against ``exponential_`` of real CUDA generators (256 seeds and offsets, 25 and 6564
    elements): how many variates differ; where any do, how many equal ``-log(u)`` computed in torch instead;
@@ -12,8 +13,10 @@ kernels.philox`): are the recomputed variates ``exponential_``'s bits, and what 
 3. ``backend``: the ``fused`` LLM at CosyVoice2-0.5B shapes (seeded random weights, bf16), built four ways:
    the RAS rule in the graph with each call's next step launched ahead (``ahead``, the default), the same with
    the sort-based torch nucleus draw instead of the one-launch kernel (``ahead_sort``), the rule in the graph
-   without the step ahead (``graph``), the rule on the host (``host``): wall ms per decode round at each row
-   count (150 forced tokens, sampling and the per-step sync included) and RAS fallbacks per token.
+   without the step ahead (``graph``), the rule on the host (``host``), and the default with the sampling tail
+   and the step-input merge/advance as torch ops instead of kernels (``ahead_torch_tail``): wall ms per decode
+   round at each row count (150 forced tokens, sampling and the per-step sync included) and RAS fallbacks per
+   token.  ``--ways`` picks some; ``--steps`` picks steps (``profile_torch_tail``: the profile of that way).
 
 Results: ``OUT/device_ras_check.json``.
 """
@@ -23,6 +26,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from contextlib import contextmanager
+from typing import Iterator
 from pathlib import Path
 
 import torch
@@ -70,8 +75,20 @@ def _lm_and_request() -> tuple:
     return random_full_size_lm(torch.bfloat16), text, inputs
 
 
-def backend(rows_list: list[int], results: dict, save) -> None:  # noqa: ANN001
-    from cosyvoice_fast.backends import nucleus
+@contextmanager
+def _switches(way: str) -> Iterator[None]:
+    """The module switches a way builds under (read while the graphs are captured)."""
+    from cosyvoice_fast.backends import decode_feed, nucleus
+
+    nucleus.USE_KERNEL = way != "ahead_sort"
+    nucleus.USE_RULE_KERNELS = decode_feed.USE_KERNELS = way != "ahead_torch_tail"
+    try:
+        yield
+    finally:
+        nucleus.USE_KERNEL = nucleus.USE_RULE_KERNELS = decode_feed.USE_KERNELS = True
+
+
+def backend(rows_list: list[int], results: dict, save, only: list[str] | None) -> None:  # noqa: ANN001
     from cosyvoice_fast.backends.fused_llm import FusedLLM
     from cosyvoice_fast.config import full_config
 
@@ -79,14 +96,12 @@ def backend(rows_list: list[int], results: dict, save) -> None:  # noqa: ANN001
 
     ahead = {"device_ras": True, "decode_ahead": True}
     ways = {"ahead": ahead, "ahead_sort": ahead, "graph": {"device_ras": True, "decode_ahead": False},
-            "host": {"device_ras": False}}
-    for way, kwargs in ways.items():
+            "host": {"device_ras": False}, "ahead_torch_tail": ahead}
+    for way in only or list(ways):  # in the order asked for (repeats allowed: alternate to see drift)
+        kwargs = ways[way]
         t = time.perf_counter()
-        nucleus.USE_KERNEL = way != "ahead_sort"  # read while the graphs are captured
-        try:
+        with _switches(way):
             stage = FusedLLM(lm, full_config(), slots=max(rows_list), max_len=MAX_LEN, progress=False, **kwargs)
-        finally:
-            nucleus.USE_KERNEL = True
         row: dict = {"way": way, "device_ras": stage.device_ras, "decode_ahead": stage.decode_ahead,
                      "build_s": round(time.perf_counter() - t, 1)}
         for rows in rows_list:
@@ -110,14 +125,15 @@ def backend(rows_list: list[int], results: dict, save) -> None:  # noqa: ANN001
         torch.cuda.empty_cache()
 
 
-def profile(rows_list: list[int]) -> dict:
+def profile(rows_list: list[int], way: str = "ahead") -> dict:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     from cosyvoice_fast.backends.fused_llm import FusedLLM
     from cosyvoice_fast.config import full_config
 
     lm, text, inputs = _lm_and_request()
-    stage = FusedLLM(lm, full_config(), slots=max(rows_list), max_len=MAX_LEN, progress=False)
+    with _switches(way):
+        stage = FusedLLM(lm, full_config(), slots=max(rows_list), max_len=MAX_LEN, progress=False)
     out: dict = {}
     rounds = 30
     for rows in rows_list:
@@ -154,14 +170,23 @@ def main() -> int:
     ap.add_argument("--out", required=True, help="directory; results go to OUT/device_ras_check.json")
     ap.add_argument("--budget", type=float, default=None, help="seconds for the whole script")
     ap.add_argument("--rows", default="1,16,64", help="row counts of the backend step (comma-separated)")
+    ap.add_argument("--steps", default="bits,profile,backend",
+                    help="comma-separated: bits, profile, profile_torch_tail, backend")
+    ap.add_argument("--ways", default=None, help="comma-separated ways of the backend step (default: all)")
     a = ap.parse_args()
     require_cuda("device_ras_check.py")
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "backend": []}
     runner = StepRunner(Path(a.out) / "device_ras_check.json", results, step_timeout=300, budget_s=a.budget)
-    runner.run("bits", bits)
-    runner.run("profile", lambda: profile([int(r) for r in a.rows.split(",")]))
-    runner.run("backend", lambda: backend([int(r) for r in a.rows.split(",")], results, runner.save),
-               store=False)
+    rows, steps = [int(r) for r in a.rows.split(",")], a.steps.split(",")
+    ways = a.ways.split(",") if a.ways else None
+    if "bits" in steps:
+        runner.run("bits", bits)
+    if "profile" in steps:
+        runner.run("profile", lambda: profile(rows))
+    if "profile_torch_tail" in steps:
+        runner.run("profile_torch_tail", lambda: profile(rows, "ahead_torch_tail"))
+    if "backend" in steps:
+        runner.run("backend", lambda: backend(rows, results, runner.save, ways), store=False)
     return 0
 
 

@@ -77,7 +77,7 @@ from .graphs import capture
 from .kv_pool import SlotPool
 from .llm_buckets import bucket_for, choose_kv_buckets, token_budget
 from .llm_prefill import PREFILL_TOKENS, BatchedPrefill, PrefillItem, SlotRows
-from .nucleus import nucleus_pick_rows, ras_pick_rows
+from .nucleus import nucleus_pick_rows, ras_pick_into
 
 log = logging.getLogger(__name__)
 
@@ -245,14 +245,13 @@ class CudaGraphLLM:
         if self._feed is not None:
             self._philox.exponential_rows(gens, self._q[:n])
             self._philox.exponential_rows(gens, self._q_again[:n], self._philox.DRAW_OFFSET)
-            logp, token, fallback = ras_pick_rows(logp, self._bias[:n], self._q[:n], self._q_again[:n], window,
-                                                  self._limit, self._repeats)
-            self._drawn[1, :n].copy_(fallback)
-            self._feed.advance(n, token, fallback, live)
+            ras_pick_into(logp, self._bias[:n], self._q[:n], self._q_again[:n], window, self._limit, self._repeats,
+                          self._logp[:n], self._drawn[:, :n])
+            self._feed.advance(n, self._drawn[:, :n], live)
         else:
             logp, token = nucleus_pick_rows(logp, self._bias[:n], self._q[:n], self._limit)
-        self._logp[:n].copy_(logp)
-        self._token[:n].copy_(token)
+            self._logp[:n].copy_(logp)
+            self._token[:n].copy_(token)
 
     def _graph_jobs(self) -> list[tuple[dict[int, Any], int, Any]]:
         """Every graph to capture: ``(where it goes, its key, the math it replays)``; warm-ups first per kind."""

@@ -23,8 +23,10 @@ when the row's slot is released.
 
 from __future__ import annotations
 
+import importlib.util
 from collections import deque
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Sequence
 
 import torch
@@ -33,6 +35,21 @@ import torch
 TOKEN, POS, SEED, OFFSET, WINDOW = 0, 1, 2, 3, 4
 #: staged host buffers in turn: one is written while the copies of the others may still be in flight
 _STAGING = 3
+
+
+#: Merge and advance the step inputs with one launch each (:mod:`..kernels.step_feed`) where Triton runs the
+#: tensors; benchmarks set this False (before building a backend) to time the torch operations.
+USE_KERNELS = True
+
+
+def _feed_kernels(device: torch.device) -> ModuleType | None:
+    """The kernel module when it can run on ``device`` (CUDA, or the interpreter on CPU), else None."""
+    if not USE_KERNELS or importlib.util.find_spec("triton") is None:
+        return None
+    from ..kernels import step_feed
+    from ..kernels.estimator_common import can_run_on
+
+    return step_feed if can_run_on(device) else None
 
 
 def int64(seed: int) -> int:
@@ -94,6 +111,7 @@ class StepFeed:
         self._last: Launch | None = None
         self._stream: Any = None
         self.dropped = 0  # pending results thrown away (their row ended or was released first)
+        self._kernels = _feed_kernels(device)
 
     # ---------------------------------------------------------------------------------------- graph side
 
@@ -101,15 +119,23 @@ class StepFeed:
         """Merge the staged fresh columns of rows ``0 .. n-1``, then return what the step reads: tokens (n, 1),
         positions (n, 1; ``max_len - 1`` where not live), generator states (2, n), windows (n, W), live (n,)."""
         staged, inp = self.staged[:, :n], self.step_in[:, :n]
-        inp.copy_(torch.where(staged[self.rows].bool(), staged[:self.rows], inp))
-        live = staged[self.rows + 1].bool()
-        pos = torch.where(live, inp[POS], self.max_len - 1)
-        return inp[TOKEN].view(-1, 1), pos.view(-1, 1), inp[SEED:OFFSET + 1], inp[WINDOW:].t(), live
+        if self._kernels is not None:
+            pos, live = self._kernels.read_columns(staged, inp, self.max_len)
+        else:
+            inp.copy_(torch.where(staged[self.rows].bool(), staged[:self.rows], inp))
+            live = staged[self.rows + 1].bool()
+            pos = torch.where(live, inp[POS], self.max_len - 1).view(-1, 1)
+        return inp[TOKEN].view(-1, 1), pos, inp[SEED:OFFSET + 1], inp[WINDOW:].t(), live
 
-    def advance(self, n: int, token: torch.Tensor, fallback: torch.Tensor, live: torch.Tensor) -> None:
-        """Write each live row's next inputs: the drawn token, the next position (kept inside the cache), the
-        offset past this step's draws, the window shifted by the token."""
+    def advance(self, n: int, drawn: torch.Tensor, live: torch.Tensor) -> None:
+        """Write each live row's next inputs from the step's ``drawn`` ((2, n) int64: tokens, fallback flags):
+        the token, the next position (kept inside the cache), the offset past this step's draws, the window
+        shifted by the token."""
         inp = self.step_in[:, :n]
+        if self._kernels is not None:
+            self._kernels.advance_columns(inp, drawn, live, self.max_len, self.draw_offset)
+            return
+        token, fallback = drawn[0], drawn[1]
         parts = [token[None], (inp[POS] + 1).clamp(max=self.max_len - 1)[None], inp[SEED:SEED + 1],
                  (inp[OFFSET] + self.draw_offset * (1 + fallback.long()))[None]]
         if self.window:

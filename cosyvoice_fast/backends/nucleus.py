@@ -11,7 +11,9 @@ the column in order.  The GPU tests assert both claims (tokens equal eager's; cu
 After the softmax, the draw itself (stable sort, cut, division, argmax: ~17 small kernels) runs as one launch
 of :func:`..kernels.nucleus_topk.nucleus_draw_rows` wherever Triton runs the tensors (CUDA, or the interpreter
 on CPU): it selects the ``top_k`` head instead of sorting all V ids and computes the same tokens bit for bit
-(GPU tests compare both paths).  Elsewhere the torch ops below run.
+(GPU tests compare both paths).  Elsewhere the torch ops below run.  With the repetition-aware rule
+(:func:`ras_pick_into`, the decode graph's tail) the rule and the fallback draw are two more launches of
+:mod:`..kernels.ras_rule` instead of about a dozen torch ops.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ _NEG_INF = -float("inf")
 
 #: Draw through the one-launch kernel where it can run; benchmarks set this False to time the torch path.
 USE_KERNEL = True
+#: With it, run the RAS rule and fallback draw as kernels (:func:`ras_pick_into`); benchmarks set this False
+#: to time that tail's torch ops alone.
+USE_RULE_KERNELS = True
 
 
 def _draw_kernel(probs: torch.Tensor, k: int) -> ModuleType | None:
@@ -121,3 +126,26 @@ def ras_pick_rows(logp: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, q_aga
     banned = logp.scatter(1, token[:, None], _NEG_INF)
     again = (banned.softmax(dim=-1) / q_again).argmax(dim=1)
     return logp, torch.where(fallback, again, token), fallback
+
+
+def ras_pick_into(logp: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, q_again: torch.Tensor,
+                  window: torch.Tensor, limit: torch.Tensor, repeats: int, logp_out: torch.Tensor,
+                  drawn: torch.Tensor) -> None:
+    """:func:`ras_pick_rows` written into a decode graph's buffers: the masked log-probs into ``logp_out``
+    (B, V), the tokens into ``drawn[0]`` and the fallback flags (0/1) into ``drawn[1]`` ((2, B) int64).
+
+    Where the kernels run (:func:`_draw_kernel`), five launches: the masked add, torch's softmax, the draw
+    with the rule (:func:`..kernels.ras_rule.ras_rule_rows`), torch's softmax of the banned copy and the
+    fallback draw (:func:`..kernels.ras_rule.ras_redraw_rows`); the same values as the torch ops bit for
+    bit.  Elsewhere :func:`ras_pick_rows` and three copies."""
+    if not USE_RULE_KERNELS or _draw_kernel(logp, q.shape[-1]) is None:
+        masked, token, fallback = ras_pick_rows(logp, bias, q, q_again, window, limit, repeats)
+        logp_out.copy_(masked)
+        drawn[0].copy_(token)
+        drawn[1].copy_(fallback)
+        return
+    from ..kernels.ras_rule import ras_redraw_rows, ras_rule_rows
+
+    torch.add(logp, bias, out=logp_out)
+    banned = ras_rule_rows(logp_out.softmax(dim=-1), logp_out, q, limit, window, repeats, drawn)
+    ras_redraw_rows(banned.softmax(dim=-1), q_again, drawn)

@@ -27,10 +27,9 @@ MAX_VOCAB = 16384
 
 
 @triton.jit
-def _nucleus_draw_kernel(probs_ptr, q_ptr, limit_ptr, out_ptr, V, K, stride_p, stride_q,
-                         BLOCK_V: tl.constexpr):
-    """Row ``b``: the token of ``argmax_j keep[j] ? head_p[j] / q[b, j] : -inf`` over the stable top-K head."""
-    row = tl.program_id(0).to(tl.int64)
+def draw_row(probs_ptr, q_ptr, limit_ptr, row, V, K, stride_p, stride_q, BLOCK_V: tl.constexpr):
+    """Row ``row``'s token: ``argmax_j keep[j] ? head_p[j] / q[row, j] : -inf`` over the stable top-K head
+    (shared by this module's kernel and the RAS kernels of :mod:`.ras_rule`)."""
     cols = tl.arange(0, BLOCK_V)
     valid = cols < V
     p = tl.load(probs_ptr + row * stride_p + cols, mask=valid, other=0.0)
@@ -55,10 +54,17 @@ def _nucleus_draw_kernel(probs_ptr, q_ptr, limit_ptr, out_ptr, V, K, stride_p, s
         run = run + head_p
         j = j + 1
         go = (j < K) & (run < limit)  # candidate j is kept while the sum of those before it is < limit
-    tl.store(out_ptr + row, token)
+    return token
 
 
-def _check(probs: torch.Tensor, q: torch.Tensor, limit: torch.Tensor, out: torch.Tensor | None) -> None:
+@triton.jit
+def _nucleus_draw_kernel(probs_ptr, q_ptr, limit_ptr, out_ptr, V, K, stride_p, stride_q,
+                         BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    tl.store(out_ptr + row, draw_row(probs_ptr, q_ptr, limit_ptr, row, V, K, stride_p, stride_q, BLOCK_V))
+
+
+def check_draw(probs: torch.Tensor, q: torch.Tensor, limit: torch.Tensor, out: torch.Tensor | None) -> None:
     if probs.dim() != 2 or probs.dtype != torch.float32 or probs.stride(-1) != 1:
         raise ValueError(f"probs must be (B, V) float32 with unit stride along V, got {tuple(probs.shape)} "
                          f"{probs.dtype} strides {probs.stride()}")
@@ -94,7 +100,7 @@ def nucleus_draw_rows(probs: torch.Tensor, q: torch.Tensor, limit: torch.Tensor,
     sequential fp32 sum of the ``j`` before it is ``< limit``, then the first ``argmax`` of ``head_p / q``.
     No host sync: capturable in a CUDA graph (``out``, when given, is written in place).
     """
-    _check(probs, q, limit, out)
+    check_draw(probs, q, limit, out)
     rows, vocab = probs.shape
     if out is None:
         out = torch.empty(rows, dtype=torch.int64, device=probs.device)
