@@ -5,10 +5,13 @@ activity only), kernel time summed per stage.
 
 Everything after ``--`` goes to the bench (``--gpu-busy`` is added: the profiler runs exactly while the bench's
 GPU-busy sampler does, i.e. over the timed waves of every concurrency, not start-up or warm-up).  The profiler
-slows the run down, so the shares, not the totals, are the result.  A kernel's stage comes from its name: the Triton kernels of
-``cosyvoice_fast.kernels.estimator_*`` are the flow estimator's, ``qwen2_*``/``philox``/``nucleus_*`` the LLM's,
-``hift_*`` the vocoder's; every other kernel (cuBLAS, cuDNN, PyTorch's own) is listed by name under "other".
-Results: ``OUT/serve_profile.json`` (per stage: kernel ms, launches; the 60 costliest kernel names).
+slows the run down, so the shares, not the totals, are the result.  A kernel's stage comes from its name: the
+Triton kernels of ``cosyvoice_fast.kernels.estimator_*`` are the flow estimator's, ``qwen2_*``/``philox``/
+``nucleus_*``/``ras_*``/``step_feed`` the LLM's, ``hift_*`` the vocoder's; every other kernel (cuBLAS, cuDNN,
+PyTorch's own) is listed by name under "other".
+Results: ``OUT/serve_profile.json`` (per stage: kernel ms, launches; the 60 costliest kernel names; and the GPU's
+idle gaps: the time no kernel or copy ran on any stream, summed by the kernels on either side of each gap, which
+tells which hand-over between host and GPU leaves it idle).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cosyvoice_fast import gpu_busy  # noqa: E402
 
 STAGE_OF_MODULE = (("estimator_", "flow estimator"), ("qwen2_", "llm"), ("philox", "llm"), ("nucleus", "llm"),
-                   ("hift_", "vocoder"))
+                   ("ras_", "llm"), ("step_feed", "llm"), ("hift_", "vocoder"))
 
 
 def kernel_stages() -> dict[str, str]:
@@ -108,7 +111,8 @@ def main(argv: list[str]) -> None:
         by_stage[stage][1] += n
     total = sum(us for us, _ in by_stage.values())
     result = {
-        "gpu": torch.cuda.get_device_name() if on_gpu else "cpu", "bench_args": bench_args, "wall_s": wall, "profiled_sections": len(profiles),
+        "gpu": torch.cuda.get_device_name() if on_gpu else "cpu", "bench_args": bench_args, "wall_s": wall,
+        "profiled_sections": len(profiles),
         "kernel_ms_total": total / 1e3,
         "stages": {s: {"kernel_ms": us / 1e3, "share": us / total, "launches": n}
                    for s, (us, n) in sorted(by_stage.items(), key=lambda kv: -kv[1][0])},
@@ -116,8 +120,37 @@ def main(argv: list[str]) -> None:
                          "stage": next((s for k, s in stages.items() if name.startswith(k)), "other")}
                         for name, (us, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:60]],
     }
+    result["idle"] = idle_gaps(profiles, device_type, lambda n: next((s for k, s in stages.items()
+                                                                      if n.startswith(k)), n[:48]))
     (out / "serve_profile.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result["stages"], indent=1))
+
+
+def idle_gaps(profiles: list, device_type: object, label: object, top: int = 30) -> dict:
+    """Idle time of the device between its activities (all streams merged), by (label of the activity that
+    ended last before the gap, label of the one after it).  ``label(name)`` names a kernel's stage."""
+    span = idle = 0.0
+    by_pair: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    for prof in profiles:
+        ev = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == device_type), key=lambda x: x[0])
+        if not ev:
+            continue
+        span += ev[-1][1] - ev[0][0]
+        end, last = ev[0][1], ev[0][2]
+        for start, stop, name in ev[1:]:
+            if start > end:
+                gap = start - end
+                idle += gap
+                rec = by_pair[(label(last), label(name))]
+                rec[0] += gap
+                rec[1] += 1
+            if stop > end:
+                end, last = stop, name
+    pairs = sorted(by_pair.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"span_ms": span / 1e3, "idle_ms": idle / 1e3, "idle_share": idle / span if span else 0.0,
+            "gaps": [{"before": a, "after": b, "ms": us / 1e3, "count": n, "mean_us": us / n}
+                     for (a, b), (us, n) in pairs]}
 
 
 if __name__ == "__main__":
