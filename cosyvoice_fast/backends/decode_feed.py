@@ -23,7 +23,6 @@ when the row's slot is released.
 
 from __future__ import annotations
 
-import importlib.util
 from collections import deque
 from dataclasses import dataclass
 from types import ModuleType
@@ -44,11 +43,13 @@ USE_KERNELS = True
 
 def _feed_kernels(device: torch.device) -> ModuleType | None:
     """The kernel module when it can run on ``device`` (CUDA, or the interpreter on CPU), else None."""
-    if not USE_KERNELS or importlib.util.find_spec("triton") is None:
+    if not USE_KERNELS:
         return None
-    from ..kernels import step_feed
-    from ..kernels.estimator_common import can_run_on
-
+    try:
+        from ..kernels import step_feed
+        from ..kernels.estimator_common import can_run_on
+    except ImportError:  # no triton: the torch operations
+        return None
     return step_feed if can_run_on(device) else None
 
 

@@ -64,6 +64,11 @@ def _nucleus_draw_kernel(probs_ptr, q_ptr, limit_ptr, out_ptr, V, K, stride_p, s
     tl.store(out_ptr + row, draw_row(probs_ptr, q_ptr, limit_ptr, row, V, K, stride_p, stride_q, BLOCK_V))
 
 
+def row_warps(block: int) -> int:
+    """Warps for one program holding a whole row of ``block`` (a power of two) values: one per 1024, 1 to 16."""
+    return max(1, min(16, block // 1024))
+
+
 def check_draw(probs: torch.Tensor, q: torch.Tensor, limit: torch.Tensor, out: torch.Tensor | None) -> None:
     if probs.dim() != 2 or probs.dtype != torch.float32 or probs.stride(-1) != 1:
         raise ValueError(f"probs must be (B, V) float32 with unit stride along V, got {tuple(probs.shape)} "
@@ -108,5 +113,5 @@ def nucleus_draw_rows(probs: torch.Tensor, q: torch.Tensor, limit: torch.Tensor,
         return out
     block = triton.next_power_of_2(vocab)
     _nucleus_draw_kernel[(rows,)](probs, q, limit, out, vocab, q.shape[1], probs.stride(0), q.stride(0),
-                                  BLOCK_V=block, num_warps=max(1, min(16, block // 1024)))
+                                  BLOCK_V=block, num_warps=row_warps(block))
     return out

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .nucleus_topk import check_draw, draw_row
+from .nucleus_topk import check_draw, draw_row, row_warps
 
 
 @triton.jit
@@ -66,10 +66,6 @@ def _check_drawn(drawn: torch.Tensor, rows: int, device: torch.device) -> None:
         raise ValueError(f"drawn is on {drawn.device}, the probabilities on {device}")
 
 
-def _warps(block: int) -> int:
-    return max(1, min(16, block // 1024))
-
-
 def ras_rule_rows(probs: torch.Tensor, logp: torch.Tensor, q: torch.Tensor, limit: torch.Tensor,
                   window: torch.Tensor, repeats: int, drawn: torch.Tensor) -> torch.Tensor:
     """The nucleus draw and the repetition rule for every row, in one launch.
@@ -97,7 +93,7 @@ def ras_rule_rows(probs: torch.Tensor, logp: torch.Tensor, q: torch.Tensor, limi
     _rule_kernel[(rows,)](probs, logp, q, limit, window, drawn, banned, vocab, q.shape[1], w, repeats,
                           probs.stride(0), logp.stride(0), q.stride(0), window.stride(0), window.stride(1),
                           drawn.stride(0), banned.stride(0), BLOCK_V=block,
-                          BLOCK_W=max(2, triton.next_power_of_2(max(w, 1))), num_warps=_warps(block))
+                          BLOCK_W=max(2, triton.next_power_of_2(max(w, 1))), num_warps=row_warps(block))
     return banned
 
 
@@ -115,4 +111,4 @@ def ras_redraw_rows(banned_probs: torch.Tensor, q_again: torch.Tensor, drawn: to
         return
     block = triton.next_power_of_2(vocab)
     _redraw_kernel[(rows,)](banned_probs, q_again, drawn, vocab, banned_probs.stride(0), q_again.stride(0),
-                            drawn.stride(0), BLOCK_V=block, num_warps=_warps(block))
+                            drawn.stride(0), BLOCK_V=block, num_warps=row_warps(block))
