@@ -25,6 +25,7 @@ import torch
 
 from .config import BackendConfig, ConfigError, StreamParams
 from .gpu_busy import GpuBusy
+from .host_cpu import HostCpu
 from .request import ModelInputs, SynthesisRequest
 from .telemetry import RequestTelemetry, aggregate, percentile
 
@@ -148,7 +149,7 @@ def bench_config(engine: Any, backend: BackendConfig, concurrency: int, n_reques
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
     teles: list[RequestTelemetry] = []
-    with GpuBusy(dev) if getattr(args, "gpu_busy", False) else nullcontext() as busy:
+    with GpuBusy(dev) if getattr(args, "gpu_busy", False) else nullcontext() as busy, HostCpu() as host:
         t0 = time.perf_counter()
         done = 0
         while done < n_requests:
@@ -166,6 +167,7 @@ def bench_config(engine: Any, backend: BackendConfig, concurrency: int, n_reques
     agg["gpu_mem_peak_gib"] = (torch.cuda.max_memory_allocated(dev) / 2**30) if dev.type == "cuda" else None
     agg["underruns"] = sum(r["underrun"] for t in teles for r in t.chunk_report())
     agg.update(queue_parts(teles))
+    agg.update(host.report())
     if busy is not None:
         agg["gpu_busy_pct"] = busy.percent
         agg["gpu_busy_samples"] = len(busy.samples)
@@ -253,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['backend']} c{r['concurrency']}: GPU busy {r['gpu_busy_pct']:.1f} % of the timed run "
                   f"({r['gpu_busy_samples']} nvidia-smi samples)")
     for r in results["runs"]:
+        if r.get("host_cpu_pct") is not None:
+            print(f"{r['backend']} c{r['concurrency']}: host CPU {r['host_cpu_pct']:.0f} % of a core "
+                  f"(LLM thread {_pct(r.get('llm_thread_cpu_pct'))}, "
+                  f"chunk thread {_pct(r.get('chunks_thread_cpu_pct'))})")
+    for r in results["runs"]:
         if "queue_llm_ms" in r:
             print(f"{r['backend']} c{r['concurrency']}: TTFB queue p50 {r['queue_llm_ms']['p50']:.1f} ms before the "
                   f"prefill, {r['queue_chunk_ms']['p50']:.1f} ms before the first chunk's flow")
@@ -267,6 +274,10 @@ def _row(name: str, c: int, agg: dict[str, Any]) -> str:
     return (f"{name:<10}{c:>5}{agg['ttfb_ms']['p50']:>10.1f}{agg['ttfb_ms']['p95']:>10.1f}"
             f"{agg['llm_ms_per_token']['p50']:>11.2f}{agg['flow_ms_per_chunk']['p50']:>11.1f}"
             f"{agg['vocoder_ms_per_chunk']['p50']:>10.1f}{agg['rtf']['p50']:>9.3f}{agg['audio_s_per_s']:>10.2f}")
+
+
+def _pct(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.0f} %"
 
 
 def _finite(x: Any) -> Any:

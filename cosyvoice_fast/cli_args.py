@@ -41,6 +41,8 @@ ENGINE_HELP: dict[str, str] = {
                            "to share one flow solve (0: never wait)",
     "later_chunk_wait_ms": "ms a ready later chunk may wait for other requests' chunks a few tokens away, to share "
                            "one flow solve, while its listener has audio left (0: never wait)",
+    "first_chunk_priority": "keep every LM decoding while a first chunk is solved (more audio per second under "
+                            "load; first chunks share the GPU) instead of pausing those past their first chunk",
 }
 
 
@@ -49,10 +51,11 @@ class CliError(ValueError):
 
 
 def flag(field_name: str) -> str:
-    """``max_streams`` -> ``--max-streams`` (``capture_at_start`` is switched off by ``--no-capture-at-start``)."""
-    if field_name == "capture_at_start":
-        return "--no-capture-at-start"
-    return "--" + field_name.replace("_", "-")
+    """``max_streams`` -> ``--max-streams``; a switch that is on by default is turned off by its ``--no-`` flag
+    (``capture_at_start`` -> ``--no-capture-at-start``)."""
+    name = "--" + field_name.replace("_", "-")
+    default = {f.name: f.default for f in fields(EngineConfig)}.get(field_name)
+    return "--no-" + name[2:] if default is True else name
 
 
 # ------------------------------------------------------------------------------------------ value parsers

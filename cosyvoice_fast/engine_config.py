@@ -60,6 +60,10 @@ class EngineConfig:
     - ``later_chunk_wait_ms``: the same for later chunks (streams decoding side by side reach them a few steps
       apart too), never while a listener has less than half a second of audio left
       (:func:`~cosyvoice_fast.schedule.later_chunk_wait`); 0 never waits.
+    - ``first_chunk_priority``: with ``cuda_streams == 2``, while the chunk side solves a batch holding someone's
+      first chunk, the LMs already past their own first chunk pause, so that solve has the GPU to itself (the
+      lowest first audio).  ``False`` keeps every LM decoding meanwhile: the GPU has decode steps to run in the
+      solve's host gaps (more audio per second under load), and first chunks share the GPU with them.
     """
 
     max_streams: int = 64
@@ -75,6 +79,7 @@ class EngineConfig:
     stage_variants: int = 3
     first_chunk_wait_ms: float = 12.0
     later_chunk_wait_ms: float = 12.0
+    first_chunk_priority: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_streams", "max_context", "stage_variants"):
@@ -97,6 +102,9 @@ class EngineConfig:
             w = getattr(self, name)
             if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1000.0:
                 raise ConfigError(f"EngineConfig.{name} must be a number of milliseconds in [0, 1000], got {w!r}")
+        for name in ("capture_at_start", "first_chunk_priority"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
         f = self.llm_memory_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f <= 1.0:
             raise ConfigError(f"EngineConfig.llm_memory_fraction must be a number in (0, 1], got {f!r}")

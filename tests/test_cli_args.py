@@ -44,11 +44,11 @@ def test_engine_flags_build_the_engine_config():
     run = choices(["--max-streams", "8", "--llm-slots", "6", "--max-context", "1024", "--queue-limit", "0",
                    "--flow-buckets", "50,100", "--flow-rows", "1,2", "--vocoder-rows", "1", "--cuda-streams", "1",
                    "--no-capture-at-start", "--llm-memory-fraction", "0.5", "--stage-variants", "2",
-                   "--first-chunk-wait-ms", "0", "--later-chunk-wait-ms", "5"])
+                   "--first-chunk-wait-ms", "0", "--later-chunk-wait-ms", "5", "--no-first-chunk-priority"])
     assert run.engine == EngineConfig(max_streams=8, llm_slots=6, max_context=1024, queue_limit=0,
                                       flow_buckets=(50, 100), flow_rows=(1, 2), vocoder_rows=(1,), cuda_streams=1,
                                       capture_at_start=False, llm_memory_fraction=0.5, stage_variants=2,
-                                      first_chunk_wait_ms=0.0, later_chunk_wait_ms=5.0)
+                                      first_chunk_wait_ms=0.0, later_chunk_wait_ms=5.0, first_chunk_priority=False)
 
 
 def test_no_engine_flags_give_the_defaults_and_auto_slots():
@@ -186,3 +186,12 @@ def test_bench_timeline_lays_every_timed_request_on_one_time_axis(tmp_path):
             assert c["tokens_ready"] <= c["flow_start"] <= c["flow_end"] <= c["vocoder_end"] <= c["delivered"]
         assert r["chunks"][-1]["finalize"] and r["chunks"][-1]["delivered"] <= r["finished"]
     assert n_chunks == 2 and "timeline" not in json.loads((out / "results.json").read_text())
+
+
+def test_switches_on_by_default_get_a_no_flag():
+    assert flag("capture_at_start") == "--no-capture-at-start"
+    assert flag("first_chunk_priority") == "--no-first-chunk-priority"
+    assert flag("first_chunk_wait_ms") == "--first-chunk-wait-ms"
+    assert choices(["--no-first-chunk-priority"]).engine == EngineConfig(first_chunk_priority=False)
+    with pytest.raises(ValueError, match=r"EngineConfig.first_chunk_priority must be True or False, got 0"):
+        EngineConfig(first_chunk_priority=0)

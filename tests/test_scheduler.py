@@ -52,10 +52,10 @@ def _all_at_once(eng: Engine, reqs: list[SynthesisRequest]) -> list[np.ndarray]:
 def test_overlapped_sides_equal_one_thread(tiny_models, case):
     reqs = [_request(case, i) for i in range(6)]
     results = {}
-    for streams in (1, 2):
-        eng = Engine(tiny_models, config=EngineConfig(cuda_streams=streams))
+    for streams, priority in ((1, True), (2, True), (2, False)):
+        eng = Engine(tiny_models, config=EngineConfig(cuda_streams=streams, first_chunk_priority=priority))
         try:
-            results[streams] = _all_at_once(eng, reqs)
+            results[streams, priority] = _all_at_once(eng, reqs)
             stats = eng.stats()
             assert stats["overlap"] is (streams == 2)
             assert len(eng._threads) == streams
@@ -63,9 +63,35 @@ def test_overlapped_sides_equal_one_thread(tiny_models, case):
             assert eng.active_requests() == 0
         finally:
             eng.close()
-    for a, b in zip(results[1], results[2]):
-        np.testing.assert_array_equal(a, b)  # CPU eager stages do not batch across requests: bit-equal
-    assert len({a.tobytes() for a in results[2]}) == len(reqs)
+    for key in ((2, True), (2, False)):  # CPU eager stages do not batch across requests: bit-equal
+        for a, b in zip(results[1, True], results[key]):
+            np.testing.assert_array_equal(a, b)
+    assert len({a.tobytes() for a in results[2, True]}) == len(reqs)
+
+
+@pytest.mark.parametrize("priority", [True, False])
+def test_first_chunk_priority_pauses_only_lms_past_their_first_chunk(tiny_models, case, priority):
+    eng = Engine(tiny_models, config=EngineConfig(first_chunk_priority=priority))
+    try:
+        sched = eng._sched
+
+        class Seg:
+            pending: list = []
+
+        class St:
+            def __init__(self, emitted: int):
+                self.chunks_emitted, self.segment = emitted, Seg()
+
+        opening, ahead = St(0), St(2)
+        assert not sched._yields(opening) and not sched._yields(ahead)  # no first chunk being solved
+        sched.first_busy = True
+        try:
+            assert not sched._yields(opening)  # still on its way to its own first audio: never paused
+            assert sched._yields(ahead) is priority
+        finally:
+            sched.first_busy = False
+    finally:
+        eng.close()
 
 
 class GatedLLM:
@@ -256,3 +282,24 @@ def test_final_chunks_a_few_tokens_apart_share_one_solve_when_gathered(tiny_mode
     assert (early.flow_start >= late.tokens_ready) is (wait_ms > 0)
     for o, ref in zip(out, refs):
         np.testing.assert_array_equal(np.concatenate([c.samples for c in o]), ref)
+
+
+def test_chunk_audio_reaches_the_host_in_one_copy_split_per_chunk_and_failures_stay_their_own():
+    from cosyvoice_fast.runtime.chunks import ChunkRunner
+
+    wavs = [torch.arange(5.0).view(1, 5), torch.zeros(1, 0), torch.full((1, 3), 2.5, dtype=torch.float64)]
+    out = ChunkRunner._to_host(wavs)
+    assert [o.dtype for o in out] == [np.float32] * 3
+    assert [o.tolist() for o in out] == [[0.0, 1.0, 2.0, 3.0, 4.0], [], [2.5, 2.5, 2.5]]
+    out[0][0] = 9.0
+    assert wavs[0][0, 0].item() == 0.0  # the host samples are a copy, never a view of a model buffer
+    assert ChunkRunner._to_host([]) == []
+
+    class Broken(torch.Tensor):  # its own copy fails: the shared one fails too, then only it does
+        def float(self):  # noqa: A003
+            raise RuntimeError("copy failed")
+
+    bad = torch.ones(1, 2).as_subclass(Broken)
+    out = ChunkRunner._to_host([torch.ones(1, 2), bad, torch.zeros(1, 1)])
+    assert out[0].tolist() == [1.0, 1.0] and out[2].tolist() == [0.0]
+    assert isinstance(out[1], RuntimeError) and "copy failed" in str(out[1])

@@ -34,12 +34,15 @@ def _request(case: dict, i: int) -> SynthesisRequest:
                             stream_params=PARAMS[i % len(PARAMS)], request_id=f"gpu{i}")
 
 
-def _serve(eng: Engine, reqs: list[SynthesisRequest]) -> dict[int, object]:
+def _serve(eng: Engine, reqs: list[SynthesisRequest], timings: list | None = None) -> dict[int, object]:
     out: dict[int, object] = {}
 
     def run(i: int, req: SynthesisRequest) -> None:
         try:
-            out[i] = sum(len(c.samples) for c in eng.stream(req))
+            chunks = list(eng.stream(req))
+            out[i] = sum(len(c.samples) for c in chunks)
+            if timings is not None:
+                timings.extend(c.timing for c in chunks if c.timing is not None)
         except Exception as e:  # noqa: BLE001
             out[i] = e
 
@@ -74,9 +77,15 @@ def test_gpu_more_requests_than_slots_wait_and_nothing_is_captured_while_serving
         enc_fixed = enc.captures
         assert enc_fixed > 0 and all(c.frozen for c in enc.caches.values())
         reqs = [_request(case, i) for i in range(12)]
-        first = _serve(eng, reqs)  # 12 requests, 6 streams, 4 LLM slots: the rest wait, none fails
+        timings: list = []
+        first = _serve(eng, reqs, timings)  # 12 requests, 6 streams, 4 LLM slots: the rest wait, none fails
         for i, r in enumerate(reqs):
             assert first[i] == r.max_tokens * 960, f"request {i}: {first[i]!r}"
+        # a solve's end is read from CUDA events once its audio reached the host: the stamps stay in order
+        assert len(timings) >= 24
+        for t in timings:
+            stamps = [t.tokens_ready, t.flow_start, t.flow_end, t.vocoder_end, t.delivered]
+            assert all(b - a >= -5e-4 for a, b in zip(stamps, stamps[1:])), stamps
         assert est.captures == fixed  # LLM, estimator and encoder graphs were all captured at start-up
         # whether two requests' encoder calls meet in one replay depends on timing (a cold first run had none),
         # so batched encoder replays are asserted where they are deterministic: tests/test_graph_encoder.py

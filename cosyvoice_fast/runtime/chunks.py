@@ -16,8 +16,10 @@ sent after a request ended.
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from ..request import AudioChunk
@@ -44,6 +46,38 @@ def group_by(states: list[Any], key: Any) -> list[list[Any]]:
     return list(groups.values())
 
 
+class StreamClock:
+    """Host wall-clock times of points in this thread's CUDA stream, without waiting at each point.
+
+    Waiting for the GPU right after a flow solve, only to stamp its end, left the GPU idle while the host then
+    prepared the vocoder call.  A solve's end is an event instead; once a later point of the same stream has been
+    waited for (the audio's copy to the host), the event's time follows from the GPU's own elapsed time between
+    the two.  On the CPU every call ran synchronously, so a mark is simply the host's clock."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return now()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def time_of(self, mark: Any, last: Any, last_time: float) -> float:
+        """When ``mark`` was passed, given that ``last`` (a later mark of the same stream, already waited for) was
+        passed by ``last_time``; NaN when it cannot be known (no mark, or the GPU failed in between)."""
+        if mark is None:
+            return math.nan
+        if not self.cuda:
+            return float(mark)
+        try:
+            return last_time - mark.elapsed_time(last) / 1e3
+        except RuntimeError:
+            return math.nan
+
+
 class ChunkRunner:
     """Runs chunk calls of many requests: batched flow solves, batched vocoding, hand-over to consumers."""
 
@@ -51,6 +85,9 @@ class ChunkRunner:
         self.sched = sched
         self.sample_rate = sample_rate
         self.token_mel_ratio = token_mel_ratio
+        self.clock = StreamClock(sched.device)
+        #: the flow's end mark of each chunk in flight (keyed by its timing), read once its audio is on the host
+        self._flow_done: dict[int, Any] = {}
 
     # ------------------------------------------------------------------------------------------- selection
     def ready(self) -> tuple[list[RequestState], list[RequestState]]:
@@ -82,6 +119,8 @@ class ChunkRunner:
                     self._vocode_and_emit(vgroup)
             finally:
                 del done, mels  # the chunk's tensors and flow state must not outlive the request's end
+                for t in taken:  # a chunk that failed before its vocoder call leaves its mark here
+                    self._flow_done.pop(id(t[3]), None)
                 with self.sched.cv:
                     busy.difference_update(id(t[0]) for t in taken)
                     del taken
@@ -111,16 +150,16 @@ class ChunkRunner:
             start = now()
             try:
                 mels = batch([(seg, st.inputs, self._tokens(seg, call), call) for st, seg, call, _ in taken])
-                self.sched.sync()
+                end = self.clock.mark()
                 if len(mels) != len(taken):
                     raise RuntimeError(f"solve returned {len(mels)} mels for {len(taken)} items")
             except Exception:  # noqa: BLE001 - isolate the culprit: each request alone, failures stay its own
                 log.exception("batched flow call for %d requests failed; retrying them one by one", len(taken))
             else:
-                end = now()
                 self.sched.count("flow_calls", 1, "flow_rows", len(taken))
                 for (st, seg, call, timing) in taken:
-                    timing.flow_start, timing.flow_end = start, end  # the mel existed when the whole batch did
+                    timing.flow_start = start
+                    self._flow_done[id(timing)] = end  # the mel exists when the whole batch does
                     self._flow_info(st, seg, call, timing)
                 return list(mels)
         return [self._flow_one(t) for t in taken]
@@ -131,8 +170,7 @@ class ChunkRunner:
             seg.flow_info = None
             timing.flow_start = now()
             mel = st.stages.flow.chunk(seg, st.inputs, self._tokens(seg, call), call)
-            self.sched.sync()
-            timing.flow_end = now()
+            self._flow_done[id(timing)] = self.clock.mark()
             self.sched.count("flow_calls", 1, "flow_rows", 1)
             self._flow_info(st, seg, call, timing)
             return mel
@@ -167,27 +205,61 @@ class ChunkRunner:
     def _vocode_and_emit_all(self, voc: Any, items: list[tuple[Taken, torch.Tensor]]) -> None:
         outs = vocode_chunks(voc, [self._job(t, m) for t, m in items])
         self.sched.count("vocoder_calls", 1, "vocoder_rows", len(items))
+        done: list[tuple[Taken, torch.Tensor, Any]] = []
         for (t, _), out in zip(items, outs):
             if isinstance(out, Exception):
                 log.error("request %s failed in the vocoder: %s", t[0].id, out, exc_info=out)
                 self._fail(t[0], out)
             else:
-                try:
-                    self._emit(t, *out)
-                except Exception as e:  # noqa: BLE001 - one request's failure must not disturb the others
-                    log.exception("request %s failed handing its chunk over", t[0].id)
-                    self._fail(t[0], e)
+                done.append((t, *out))
+        flow_marks = [self._flow_done.pop(id(t[3]), None) for t, _ in items]
+        last = self.clock.mark()
+        host = self._to_host([wav for _, wav, _ in done])
+        arrived = now()  # the copy waited for this thread's stream: the audio exists from here on
+        emitted = {id(t) for t, _, _ in done}
+        for (t, _), mark in zip(items, flow_marks):
+            if id(t) in emitted:
+                t[3].flow_end = self.clock.time_of(mark, last, arrived)
+        for (t, _, cache), samples in zip(done, host):
+            try:
+                if isinstance(samples, Exception):
+                    raise samples
+                self._emit(t, samples, cache, arrived)
+            except Exception as e:  # noqa: BLE001 - one request's failure must not disturb the others
+                log.exception("request %s failed handing its chunk over", t[0].id)
+                self._fail(t[0], e)
+
+    @staticmethod
+    def _to_host(wavs: list[torch.Tensor]) -> list[np.ndarray | Exception]:
+        """Each (1, N) waveform as float32 samples in host memory, with one device-to-host copy for the whole
+        batch: a copy per chunk waited for the GPU once per chunk, and the GPU sat idle through the host work
+        between those waits.  A failed shared copy is retried chunk by chunk, so a failure stays its own."""
+        if not wavs:
+            return []
+        try:
+            host = torch.cat([w[0].float() for w in wavs]).cpu().numpy()
+            bounds = np.cumsum([0] + [w.shape[-1] for w in wavs])
+            return [host[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        except Exception:  # noqa: BLE001
+            log.exception("copying %d chunks' audio to the host failed; copying them one by one", len(wavs))
+        out: list[np.ndarray | Exception] = []
+        for w in wavs:
+            try:
+                out.append(w[0].float().cpu().numpy().copy())
+            except Exception as e:  # noqa: BLE001
+                out.append(e)
+        return out
 
     def _fail(self, st: RequestState, err: BaseException) -> None:
         with self.sched.cv:
             self.sched.busy.discard(id(st))  # ended here, by this side: not held on its account any more
             self.sched.fail(st, err)
 
-    def _emit(self, t: Taken, wav: torch.Tensor, cache: Any) -> None:
-        """Hand one chunk's audio to the request's consumer (and end the segment/request on its last chunk)."""
+    def _emit(self, t: Taken, samples: np.ndarray, cache: Any, arrived: float) -> None:
+        """Hand one chunk's audio (float32 host samples, on the host since ``arrived``) to the request's consumer
+        (and end the segment/request on its last chunk)."""
         st, seg, call, timing = t
-        samples = wav[0].float().cpu().numpy()
-        timing.vocoder_end = now()
+        timing.vocoder_end = arrived
         timing.n_samples = len(samples)
         seg.voc_cache = cache
         last_segment = st.next_segment >= len(st.inputs.text_segments)

@@ -12,7 +12,8 @@ Two sides share the running requests:
 With ``EngineConfig.cuda_streams == 2`` each side has its own worker thread, and on a GPU its own CUDA stream
 (the LLM's at high priority): a 100 ms batch of flow solves no longer holds every stream's decoding behind it.
 First audio keeps precedence: while a batch holding a first chunk is solved, the LMs already past their own
-first chunk pause (see ``Scheduler._yields``), so that solve has the GPU to itself as in the serial order.
+first chunk pause (see ``Scheduler._yields``), so that solve has the GPU to itself as in the serial order
+(``EngineConfig.first_chunk_priority``; with it off every LM keeps decoding).
 Both threads wait on one condition when they have nothing to do (never a busy loop), and each wakes the other
 when it made work for it.  With ``cuda_streams == 1`` one thread runs an LLM turn then a chunk turn.
 
@@ -148,7 +149,7 @@ class Scheduler:
         ``cv`` or reads a snapshot).  While the chunk side computes someone's first audio, only LMs that have not
         reached their own first chunk keep decoding: the others are ahead of their listeners anyway, and their
         decode kernels would share the GPU with (and slow down) the solve that someone is waiting for."""
-        if not self.first_busy:
+        if not self.first_busy or not self.config.first_chunk_priority:
             return False
         seg = st.segment
         return st.chunks_emitted > 0 or bool(seg is not None and seg.pending) or id(st) in self.busy
