@@ -25,7 +25,9 @@ SIZES = {"tiny": tiny_config, "full": full_config}
 
 
 def _yaml_text(c: ModelConfig) -> str:
-    """A cosyvoice2.yaml in the official tagged layout, carrying ``c``'s numbers (read back by config.py)."""
+    """A cosyvoice2.yaml in the official tagged layout, carrying ``c``'s numbers (read back by config.py).  The
+    model entries are complete, so upstream's own code builds the same networks from it
+    (``benchmarks/upstream_ttfb.py``); the training-only entries of the official file are left out."""
     e, d, h, f = c.flow.encoder, c.flow.decoder, c.hift, c.flow
     return f"""# synthetic CosyVoice2 model written by cosyvoice_fast.synthetic (random weights)
 sample_rate: {c.sample_rate}
@@ -36,11 +38,17 @@ token_frame_rate: {c.token_frame_rate}
 token_mel_ratio: {c.token_mel_ratio}
 chunk_size: {c.chunk_size}
 num_decoding_left_chunks: {d.num_decoding_left_chunks}
+qwen_pretrain_path: ''
 
 llm: !new:cosyvoice.llm.llm.Qwen2LM
     llm_input_size: !ref <llm_input_size>
     llm_output_size: !ref <llm_output_size>
     speech_token_size: {c.llm.speech_token_size}
+    length_normalized_loss: True
+    lsm_weight: 0
+    mix_ratio: [5, 15]
+    llm: !new:cosyvoice.llm.llm.Qwen2Encoder
+        pretrain_path: !ref <qwen_pretrain_path>
     sampling: !name:cosyvoice.utils.common.ras_sampling
         top_p: {c.llm.top_p}
         top_k: {c.llm.top_k}
@@ -51,7 +59,10 @@ flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithXvec
     input_size: {f.input_size}
     output_size: {f.output_size}
     spk_embed_dim: !ref <spk_embed_dim>
+    output_type: 'mel'
     vocab_size: {f.vocab_size}
+    input_frame_rate: !ref <token_frame_rate>
+    only_mask_loss: True
     token_mel_ratio: !ref <token_mel_ratio>
     pre_lookahead_len: {f.pre_lookahead_len}
     encoder: !new:cosyvoice.transformer.upsample_encoder.UpsampleConformerEncoder
@@ -60,19 +71,33 @@ flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithXvec
         attention_heads: {e.attention_heads}
         linear_units: {e.linear_units}
         num_blocks: {e.num_blocks}
+        dropout_rate: 0.1
+        positional_dropout_rate: 0.1
+        attention_dropout_rate: 0.1
+        normalize_before: True
+        input_layer: 'linear'
+        pos_enc_layer_type: 'rel_pos_espnet'
+        selfattention_layer_type: 'rel_selfattn'
+        use_cnn_module: False
+        macaron_style: False
         static_chunk_size: !ref <chunk_size>
     decoder: !new:cosyvoice.flow.flow_matching.CausalConditionalCFM
         in_channels: {f.cfm.in_channels}
+        n_spks: 1
         spk_emb_dim: {f.cfm.spk_emb_dim}
         cfm_params: !new:omegaconf.DictConfig
             content:
                 sigma_min: {f.cfm.sigma_min}
+                solver: 'euler'
                 t_scheduler: {f.cfm.t_scheduler}
+                training_cfg_rate: 0.2
                 inference_cfg_rate: {f.cfm.inference_cfg_rate}
+                reg_loss_type: 'l1'
         estimator: !new:cosyvoice.flow.decoder.CausalConditionalDecoder
             in_channels: {d.in_channels}
             out_channels: {d.out_channels}
             channels: {list(d.channels)}
+            dropout: 0.0
             attention_head_dim: {d.attention_head_dim}
             n_blocks: {d.n_blocks}
             num_mid_blocks: {d.num_mid_blocks}
