@@ -167,10 +167,6 @@ def bench_config(engine: Any, backend: BackendConfig, concurrency: int, n_reques
     agg["gpu_mem_peak_gib"] = (torch.cuda.max_memory_allocated(dev) / 2**30) if dev.type == "cuda" else None
     agg["underruns"] = sum(r["underrun"] for t in teles for r in t.chunk_report())
     agg.update(queue_parts(teles))
-    ahead = [t.prompt_state_ms for t in teles if math.isfinite(t.prompt_state_ms)]
-    agg["prompt_states_ahead"] = len(ahead)  # requests whose prompt flow state was computed while the LM decoded
-    agg["prompt_state_ms"] = {"p50": percentile(ahead, 50), "p95": percentile(ahead, 95)}
-    agg["first_chunk_flow_frames"] = percentile([t.chunks[0].flow_frames for t in teles if t.chunks], 50)
     agg.update(host.report())
     if busy is not None:
         agg["gpu_busy_pct"] = busy.percent

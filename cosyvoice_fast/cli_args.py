@@ -43,8 +43,6 @@ ENGINE_HELP: dict[str, str] = {
                            "one flow solve, while its listener has audio left (0: never wait)",
     "first_chunk_priority": "keep every LM decoding while a first chunk is solved (more audio per second under "
                             "load; first chunks share the GPU) instead of pausing those past their first chunk",
-    "prompt_state_ahead": "solve a new voice's first chunk together with its prompt instead of computing the "
-                          "prompt's flow state while the LM decodes",
 }
 
 

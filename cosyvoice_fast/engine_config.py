@@ -64,10 +64,6 @@ class EngineConfig:
       first chunk, the LMs already past their own first chunk pause, so that solve has the GPU to itself (the
       lowest first audio).  ``False`` keeps every LM decoding meanwhile: the GPU has decode steps to run in the
       solve's host gaps (more audio per second under load), and first chunks share the GPU with them.
-    - ``prompt_state_ahead``: with ``cuda_streams == 2`` and an incremental flow stage, the chunk side, when it has
-      nothing else to do, computes a new voice's prompt state (the committed prompt frames) while the LM decodes
-      the first chunk's tokens, so the first chunk solves only the frames after it.  ``False``: a new voice's first
-      chunk solves prompt and chunk together, after the tokens.
     """
 
     max_streams: int = 64
@@ -84,7 +80,6 @@ class EngineConfig:
     first_chunk_wait_ms: float = 12.0
     later_chunk_wait_ms: float = 12.0
     first_chunk_priority: bool = True
-    prompt_state_ahead: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_streams", "max_context", "stage_variants"):
@@ -107,7 +102,7 @@ class EngineConfig:
             w = getattr(self, name)
             if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1000.0:
                 raise ConfigError(f"EngineConfig.{name} must be a number of milliseconds in [0, 1000], got {w!r}")
-        for name in ("capture_at_start", "first_chunk_priority", "prompt_state_ahead"):
+        for name in ("capture_at_start", "first_chunk_priority"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
         f = self.llm_memory_fraction

@@ -14,8 +14,7 @@ TTFB is split into contiguous stages whose durations sum exactly to the measured
 HTTP server's), measured by that front end and handed in as ``app_queue_s``; "admission" is the wait in the
 engine's bounded admission queue for a free slot; "queue" is the time the admitted request waited for the GPU
 worker, before prefill and between the first chunk's tokens existing and its flow starting.)  TTFB counts from
-``received`` minus ``app_queue_s``: what the listener waited.  On a GPU every stage end is taken after synchronising
-the stream.
+``received`` minus ``app_queue_s``: what the listener waited.  On a GPU every stage end is taken after synchronising the stream.
 """
 
 from __future__ import annotations
@@ -86,9 +85,6 @@ class RequestTelemetry:
     params: dict[str, Any] = field(default_factory=dict)
     text_arrivals: list[float] = field(default_factory=list)  # bi-streaming: when each text piece arrived
     text_token5: float = math.nan  # bi-streaming: when the 5th text token reached the LM (it cannot decode before)
-    #: ms the chunk side spent computing the voice's prompt flow state while the LM decoded (nan: not computed
-    #: ahead); not part of first audio unless the first chunk had to wait for it (then it shows as ``queue``)
-    prompt_state_ms: float = math.nan
 
     # ---- derived ---------------------------------------------------------------------------------------------
     @property
@@ -201,8 +197,7 @@ class RequestTelemetry:
         d["received"] = 0.0
         d["derived"] = {"first_audio_from_text_ms": self.first_audio_from_text * 1e3,
                         "first_audio_from_token5_ms": self.first_audio_from_token5 * 1e3,
-                        "last_audio_lag_ms": self.last_audio_lag * 1e3, "ttfb_ms": self.ttfb * 1e3,
-                        "ttfb_breakdown_ms": self.ttfb_breakdown(),
+                        "last_audio_lag_ms": self.last_audio_lag * 1e3, "ttfb_ms": self.ttfb * 1e3, "ttfb_breakdown_ms": self.ttfb_breakdown(),
                         "chunks": self.chunk_report(), "rtf": self.rtf, "tokens_per_s": self.tokens_per_second}
         return _json_safe(d)
 

@@ -338,11 +338,6 @@ class CudaGraphFlow:
             return self.incremental.chunk(seg, inputs, tokens, call, stream)
         return self.recompute(inputs, tokens, call, stream)
 
-    def prepare(self, seg: Any, inputs: Any) -> bool:
-        """Compute a streamed segment's prompt state ahead of its first chunk (the incremental runner's
-        :meth:`~cosyvoice_fast.backends.incremental_flow.IncrementalFlow.prepare`); False when off or not needed."""
-        return self.incremental is not None and self.incremental.prepare(seg, inputs)
-
     def solve_cost(self, n_items: int, frames: int) -> float:
         """``rows · bucket²`` of a solve of ``n_items`` requests whose longest input has ``frames`` frames."""
         rows = bucket_rows(2 * n_items) or 2 * n_items
@@ -358,8 +353,7 @@ class CudaGraphFlow:
         out: list[Tensor | None] = [None] * len(items)
         shared = []
         for i, (seg, inputs, tokens, call) in enumerate(items):
-            live = (self.incremental is not None and seg is not None
-                    and not isinstance(seg.flow_state, (str, type(None))))
+            live = self.incremental is not None and seg is not None and not isinstance(seg.flow_state, (str, type(None)))
             if live and stream and not call.finalize:
                 out[i] = self.incremental.chunk(seg, inputs, tokens, call, stream)
             else:

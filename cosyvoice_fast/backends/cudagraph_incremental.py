@@ -53,7 +53,7 @@ from torch import Tensor, nn
 from ..models.cfm import NOISE_FRAMES, euler_schedule
 from ..models.flow_incremental import (EncoderCache, StaticDecoderCache, StaticWindow, check_estimator,
                                        encoder_commit_point, estimator_layout, guided_solve, static_mask)
-from .incremental_flow import IncrementalFlow, StateCapacityError
+from .incremental_flow import FlowState, IncrementalFlow, StateCapacityError
 from ..schedule import ChunkCall, bucket_frames
 from .graphs import capture
 
@@ -341,14 +341,6 @@ class GraphIncrementalFlow(IncrementalFlow):
                 self.busy += 1
                 seg.flow_state = "full"
         return super().chunk(seg, inputs, tokens, call, stream)
-
-    def prepare(self, seg: Any, inputs: Any) -> bool:
-        """As :meth:`IncrementalFlow.prepare`, only while no other live segment holds the buffers (the rule of
-        :meth:`chunk`: the prepared state stays resident there, and the segment streams incrementally)."""
-        cur = self.graphs.resident()
-        if not self.share_buffers and cur is not None and cur.kv is None:
-            return False
-        return super().prepare(seg, inputs)
 
     def full_chunk(self, inputs: Any, tokens: Tensor, call: ChunkCall, stream: bool) -> Tensor:
         return self.full.recompute(inputs, tokens, call, stream)

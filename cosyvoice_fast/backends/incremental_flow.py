@@ -301,7 +301,7 @@ class IncrementalFlow:
         self.max_prompt_states = max_prompt_states
         self.prompt_states: OrderedDict[str, FlowState] = OrderedDict()
         self.seen: OrderedDict[str, None] = OrderedDict()  # voices streamed once (their state is not cached yet)
-        self.prompt_hits = self.prompt_misses = self.prompt_loaded = self.fallbacks = self.prepared = 0
+        self.prompt_hits = self.prompt_misses = self.prompt_loaded = self.fallbacks = 0
         self._fingerprint: Tensor | None = None
         self.decoder: Callable[..., tuple[Tensor, Any]] = decode_increment
         self.encoder: Callable[..., tuple[Tensor, EncoderCache]] = encode_increment
@@ -383,28 +383,6 @@ class IncrementalFlow:
         self.seen[key] = None
         while len(self.seen) > 16 * self.max_prompt_states:
             self.seen.popitem(last=False)
-
-    def prepare(self, seg: Any, inputs: Any) -> bool:
-        """Before a streamed segment's first chunk: give it its voice's committed prompt state now, computing it
-        if the voice has none, so that the first chunk solves only the frames after it.
-
-        Why: a new voice's first chunk otherwise solves prompt and chunk together (or recomputes both) after the
-        LM has decoded the chunk's tokens, while the chunk side sat idle during that decode.  The scheduler calls
-        this only when the chunk side has nothing else to do.  A voice whose state is cached or stored is left to
-        :meth:`chunk` (loading it is a copy, not a solve).  The state goes on ``seg.flow_state`` (the segment's
-        own, released with it), not into the LRU of returning voices.  Returns whether a state was computed."""
-        if seg is None or seg.flow_state is not None or getattr(inputs, "flow_prompt_state", None):
-            return False
-        key = getattr(inputs, "prompt_key", None)
-        if key is not None and key in self.prompt_states:
-            return False
-        with torch.inference_mode():
-            state = prompt_state(self.flow, inputs, self.decoder, self.encoder)
-        if state.dec.n_frames == 0:  # a prompt shorter than one chunk plus look-ahead: nothing to commit
-            return False
-        self.prepared += 1
-        seg.flow_state = state
-        return True
 
     def prompt_flow_state(self, inputs: Any) -> dict[str, Tensor]:
         """:func:`prompt_flow_state` for this stage's flow and layout (to persist with a speaker)."""

@@ -132,7 +132,6 @@ class ChunkRunner:
             if st.done or seg is None or not seg.pending:
                 return None
             call, ready_at = seg.pending.pop(0)
-            seg.prepared = True  # its chunks have started: no flow state is computed ahead for it any more
         timing = ChunkTiming(index=st.chunks_emitted, segment=seg.index, n_tokens=call.hop,
                              sample_rate=self.sample_rate, tokens_ready=ready_at, finalize=call.finalize)
         return st, seg, call, timing

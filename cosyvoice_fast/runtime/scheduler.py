@@ -43,7 +43,7 @@ from .stream import DONE
 log = logging.getLogger(__name__)
 
 COUNTERS = ("rejected", "admitted", "decode_steps", "decode_rows", "flow_calls", "flow_rows", "vocoder_calls",
-            "vocoder_rows", "prompt_states_ahead")
+            "vocoder_rows")
 
 
 class EngineClosed(RuntimeError):
@@ -196,62 +196,18 @@ class Scheduler:
         self._bind_stream(priority=0)
         while True:
             with self.cv:
-                ahead = None
                 while not self.closed and not any(st.segment is not None and st.segment.pending and not st.done
                                                   for st in self.active):
-                    ahead = self._to_prepare()
-                    if ahead is not None:
-                        break
                     self.cv.wait()
                 if self.closed:
                     return
             try:
-                if ahead is not None:
-                    self._prepare(ahead)
-                else:
-                    self.chunk_turn()
+                self.chunk_turn()
             except Exception as e:  # noqa: BLE001
                 log.exception("chunk worker failed; failing the requests with pending chunks")
                 for st in list(self.active):
                     if st.segment is not None and st.segment.pending:
                         self.fail(st, RuntimeError(f"internal engine error ({type(e).__name__}): {e}"))
-
-    def _to_prepare(self) -> RequestState | None:
-        """A streamed request whose open segment has not started its chunks and has no flow state yet, when the
-        flow stage can compute one ahead (``EngineConfig.prompt_state_ahead``); caller holds ``cv``.  Asked only
-        while no chunk is pending, so this work fills the chunk side's idle time (the LM decoding a first
-        chunk's tokens) and never delays a chunk that is ready."""
-        if not (self.overlap and self.config.prompt_state_ahead):
-            return None
-        for st in self.active:
-            seg = st.segment
-            if (seg is not None and not seg.prepared and not seg.pending and seg.flow_state is None and not st.done
-                    and not st.cancelled.is_set() and st.request.stream
-                    and getattr(st.stages.flow, "prepare", None) is not None):
-                return st
-        return None
-
-    def _prepare(self, st: RequestState) -> None:
-        """Compute ``st``'s prompt flow state ahead of its first chunk (:meth:`_to_prepare`).  A failure costs
-        only the head start: the first chunk then solves the prompt itself, as without this step."""
-        with self.cv:
-            seg = st.segment
-            if seg is None or seg.prepared or st.done:
-                return
-            seg.prepared = True
-        t0 = now()
-        try:
-            computed = st.stages.flow.prepare(seg, st.inputs)
-            if computed:
-                self.sync()  # its time is reported; the chunk side has nothing else queued behind it
-        except Exception:  # noqa: BLE001
-            log.warning("request %s: its prompt flow state could not be computed ahead; the first chunk solves "
-                        "the prompt instead", st.id, exc_info=True)
-            seg.flow_state = None
-            return
-        if computed:
-            st.telemetry.prompt_state_ms = (now() - t0) * 1e3
-            self.count("prompt_states_ahead", 1)
 
     def _close_all(self) -> None:
         for st in list(self.incoming) + list(self.active):
@@ -369,8 +325,6 @@ class Scheduler:
                     starting.append(st)
             elif st.segment is not None and not st.segment.llm_started:  # waiting for a free LLM slot
                 starting.append(st)
-        if starting:
-            self.wake()  # the chunk side may start on the new segments' prompt flow states during the prefill
         for group in group_by(starting, lambda s: s.stages.llm):
             llm = group[0].stages.llm
             free = llm.free_slots()

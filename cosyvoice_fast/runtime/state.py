@@ -39,7 +39,6 @@ class SegmentState:
     voc_cache: VocoderCache | None = None
     flow_state: Any = None  # owned by the flow backend (e.g. incremental caches)
     flow_info: tuple[str, int, int] | None = None  # (mode, estimator frames, state bytes) of the last flow call
-    prepared: bool = False  # its chunks started, or its prompt flow state was computed ahead (no second try)
 
     def close(self, llm_stage: Any = None) -> None:
         """Give the LM's slot/KV cache back to ``llm_stage`` and drop the flow and vocoder state."""
