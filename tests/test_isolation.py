@@ -32,13 +32,18 @@ class FaultyLLM:
     def __init__(self, inner, tag: str, after: int = 6):
         self.inner, self.tag, self.after = inner, tag, after
         self.capacity = inner.capacity
-        self.tagged: set[int] = set()
+        # the tagged states themselves, compared by identity: an ``id()`` of a state that has since been freed can
+        # come back as a later, untagged request's state (it did: a later test's request failed with this fault)
+        self.tagged: list[object] = []
 
     def new_state(self, inputs, text, generator, max_tokens, ignore_eos):  # noqa: ANN001
         st = self.inner.new_state(inputs, text, generator, max_tokens, ignore_eos)
         if inputs.speaker == self.tag:
-            self.tagged.add(id(st))
+            self.tagged.append(st)
         return st
+
+    def _is_tagged(self, st) -> bool:  # noqa: ANN001
+        return any(st is t for t in self.tagged)
 
     def free_slots(self):
         return self.inner.free_slots()
@@ -49,7 +54,7 @@ class FaultyLLM:
     def decode(self, states):  # noqa: ANN001
         out = self.inner.decode(states)
         return [InjectedFault(f"LM fault injected at token {st.step - 1}")
-                if id(st) in self.tagged and st.step > self.after else r for st, r in zip(states, out)]
+                if self._is_tagged(st) and st.step > self.after else r for st, r in zip(states, out)]
 
     def release(self, state):  # noqa: ANN001
         self.inner.release(state)
