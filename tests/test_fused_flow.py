@@ -375,12 +375,13 @@ def test_gpu_full_size_padding_is_exact(full, monkeypatch, path):
     tiles, or the tall Triton kernels from one row on; the default switches paths and tiles by row count, so
     there the two calls would differ by bf16 rounding, which the bf16 bound tests cover)."""
     from cosyvoice_fast.kernels import estimator_cublas, estimator_oneshot
-    from cosyvoice_fast.kernels.estimator_common import LAUNCH
+    from cosyvoice_fast.kernels.estimator_common import LAUNCH, PAIR_ROWS
 
     monkeypatch.setattr(estimator_cublas, "MANY_ROWS_M", 1 if path == "tall" else 1 << 40)
     monkeypatch.setitem(LAUNCH, "oneshot", path == "oneshot")
     monkeypatch.setitem(LAUNCH, "oneshot_max_rows", 1 << 40)  # the padded batch too, not only the lone rows
     monkeypatch.setattr(estimator_oneshot, "FEW_ROWS", 1 << 40)
+    monkeypatch.setitem(PAIR_ROWS, "max", 0)  # nor the pair tiles for the lone rows
     monkeypatch.setitem(estimator_cublas.MANY_ROWS, "product", "triton")
     est32, est16 = full
     valid = [206, 131, 0, 77]

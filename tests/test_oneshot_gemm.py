@@ -115,14 +115,49 @@ def test_oneshot_tiles_follow_the_measured_table(monkeypatch):
     """16-bit tiles by shape and rows as BENCHMARKS.md measured them; fp32 takes small tiles and K steps."""
     monkeypatch.setattr(estimator_oneshot, "interpreting", lambda: False)
     bf16 = torch.bfloat16
-    assert oneshot_tiles(412, 1536, 256, bf16) == {"bm": 64, "bn": 128, "warps": 8}  # q/k/v
-    assert oneshot_tiles(112, 1536, 256, bf16) == {"bm": 32, "bn": 64, "warps": 4}
-    assert oneshot_tiles(412, 1024, 256, bf16) == {"bm": 32, "bn": 64, "warps": 4}  # FF1
-    assert oneshot_tiles(412, 256, 512, bf16) == {"bm": 64, "bn": 64, "warps": 4}  # out-projection
+    # one CFG pair of 100-250 frames (129-512 rows): the tiles chosen over the whole forward
+    assert oneshot_tiles(400, 1536, 256, bf16) == {"bm": 32, "bn": 256, "warps": 8}  # q/k/v
+    assert oneshot_tiles(200, 1536, 256, bf16) == {"bm": 32, "bn": 256, "warps": 8}
+    assert oneshot_tiles(500, 1024, 256, bf16) == {"bm": 32, "bn": 128, "warps": 8}  # FF1
+    assert oneshot_tiles(300, 256, 512, bf16) == {"bm": 32, "bn": 32, "warps": 4}  # out-projection
+    assert oneshot_tiles(512, 256, 1024, bf16) == {"bm": 64, "bn": 16, "warps": 4, "bk": 256, "stages": 2}  # FF2
+    assert oneshot_tiles(400, 80, 256, bf16) == {"bm": 32, "bn": 64, "warps": 4}  # the final projection
+    # above the pair (only when a caller raises oneshot_max_rows): session 15's tiles at 412 rows
+    assert oneshot_tiles(513, 1536, 256, bf16) == {"bm": 64, "bn": 128, "warps": 8}
+    assert oneshot_tiles(513, 256, 512, bf16) == {"bm": 64, "bn": 64, "warps": 4}
+    assert oneshot_tiles(513, 256, 1024, bf16)["bk"] == 256  # FF2: pipelined K steps
+    # few rows: at most 2 x 64 frames
+    assert oneshot_tiles(128, 1536, 256, bf16) == {"bm": 32, "bn": 64, "warps": 4}
+    assert oneshot_tiles(112, 1024, 256, bf16) == {"bm": 32, "bn": 64, "warps": 4}
     assert oneshot_tiles(112, 256, 512, bf16) == {"bm": 16, "bn": 16, "warps": 4}
-    assert oneshot_tiles(412, 256, 1024, bf16)["bk"] == 256  # FF2: pipelined K steps
     assert oneshot_tiles(112, 256, 1024, bf16)["bk"] == 1024  # one step
     assert oneshot_tiles(412, 256, 1024, torch.float32) == FP32_ONESHOT
+
+
+def test_pair_rows_pick_the_pair_attention_and_conv_tiles(monkeypatch):
+    """Over PAIR_ROWS rows (one request's CFG pair of 100-250 frames) attention and the convolutions take the tiles
+    chosen with the pair GEMMs; more rows (a batched solve) and fewer keep the shared ones; fp32 and the
+    interpreter keep theirs."""
+    from cosyvoice_fast.kernels import estimator_attention, estimator_conv, estimator_linear
+    from cosyvoice_fast.kernels.estimator_common import PAIR_ROWS
+
+    assert LAUNCH["oneshot_max_rows"] == PAIR_ROWS["max"] == 512 and PAIR_ROWS["min"] == 129
+    monkeypatch.setattr(estimator_attention, "interpreting", lambda: False)
+    monkeypatch.setattr(estimator_linear, "interpreting", lambda: False)
+    tiles = estimator_attention.attention_tiles
+    assert tiles(200, 400) == estimator_attention.ATTN_PAIR == {"bm": 32, "bn": 128, "warps": 4, "stages": 3}
+    assert tiles(250, 512) == estimator_attention.ATTN_PAIR
+    assert tiles(200, 800) == tiles(200) == tiles(56, 112) == estimator_attention.ATTN_TUNING
+    assert tiles(200, 400, fp32=True) == estimator_attention.ATTN_TUNING
+    assert tiles(30, 60)["bm"] == 16  # short rows: the small tiles
+    conv = estimator_conv
+    pick = estimator_linear.pick_tiles
+    args = (conv.TUNING, conv.FP32_TILES, conv.INTERPRETER_TILES)
+    assert pick(False, *args, 400, conv.TUNING_LARGE, conv.TUNING_PAIR)["bm"] == 16
+    assert pick(False, *args, 513, conv.TUNING_LARGE, conv.TUNING_PAIR) == conv.TUNING
+    assert pick(False, *args, 128, conv.TUNING_LARGE, conv.TUNING_PAIR) == conv.TUNING
+    assert pick(False, *args, 4096, conv.TUNING_LARGE, conv.TUNING_PAIR) == conv.TUNING_LARGE
+    assert pick(True, *args, 400, conv.TUNING_LARGE, conv.TUNING_PAIR) == conv.FP32_TILES
 
 
 # ------------------------------------------------------------------------------------------ GPU, full size

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .estimator_common import _live_rows, extent_args, interpreting, pdl_kwargs
+from .estimator_common import _live_rows, extent_args, interpreting, pair_rows, pdl_kwargs
 from .pdl import pdl_start
 
 
@@ -35,6 +35,9 @@ from .pdl import pdl_start
 #: shapes solves produce, BENCHMARKS.md).
 ATTN_TUNING = {"bm": 64, "bn": 64, "warps": 4, "stages": 3}
 _ATTN_SMALL = {"bm": 16, "bn": 16, "warps": 4, "stages": 3}
+#: 16-bit tiles over ``estimator_common.PAIR_ROWS`` rows (one request's CFG pair), chosen together with that
+#: forward's GEMM and convolution tiles (BENCHMARKS.md, session 23).
+ATTN_PAIR = {"bm": 32, "bn": 128, "warps": 4, "stages": 3}
 
 
 @triton.jit
@@ -118,9 +121,13 @@ def _attn_kernel(qkv_ptr, mask_ptr, o_ptr, ext_ptr, T, chunk, qk_scale,
              mask=i_ok[:, None])
 
 
-def attention_tiles(frames: int) -> dict:
-    """The tile table :func:`attention` launches with for rows of ``frames`` frames."""
-    return ATTN_TUNING if frames > 32 else _ATTN_SMALL
+def attention_tiles(frames: int, rows: int | None = None, fp32: bool = False) -> dict:
+    """The tile table :func:`attention` launches with for batch rows of ``frames`` frames, ``rows`` rows in all
+    (``None``: many), 16-bit operands unless ``fp32``."""
+    if frames <= 32:
+        return _ATTN_SMALL
+    pair = rows is not None and pair_rows(rows) and not fp32 and not interpreting()
+    return ATTN_PAIR if pair else ATTN_TUNING
 
 
 def attention(qkv: Tensor, mask: Tensor, batch: int, heads: int, head_dim: int, chunk: int,
@@ -138,7 +145,7 @@ def attention(qkv: Tensor, mask: Tensor, batch: int, heads: int, head_dim: int, 
         raise ValueError(f"attention: head_dim must be a power of two >= 16, got {head_dim}")
     t = rows // batch
     out = torch.empty(rows, heads * head_dim, device=qkv.device, dtype=qkv.dtype) if out is None else out
-    tiles = attention_tiles(t) if tiles is None else tiles
+    tiles = attention_tiles(t, rows, qkv.dtype == torch.float32) if tiles is None else tiles
     grid = (triton.cdiv(t, tiles["bm"]), batch * heads)
     _attn_kernel[grid](qkv, mask, out, **extent_args(extent, qkv), T=t, chunk=int(chunk),
                        qk_scale=(1.0 / math.sqrt(head_dim)) * 1.4426950408889634, H=heads, D=head_dim,

@@ -37,6 +37,14 @@ ACT_NONE, ACT_GELU, ACT_SILU, ACT_MISH = 0, 1, 2, 3
 # prologue codes of :func:`~cosyvoice_fast.kernels.estimator_linear.linear`
 PRO_NONE, PRO_LN, PRO_MISH, PRO_SINUS = 0, 1, 2, 3
 
+#: Rows (``min`` to ``max``, inclusive) of a 16-bit launch that gets the *pair tiles*: one request's CFG pair at
+#: the flow's frame buckets from 100 to 250 (a new voice's first chunk is one), a chain of ~340 launches of a
+#: few hundred rows each.  In such a chain a kernel's time depends on its neighbours' grids (the next kernel's
+#: programs start, and park, while it drains), so tiles timed one kind at a time did not add up; the GEMM,
+#: attention and convolution tiles for these launches were chosen together, over the whole forward
+#: (``benchmarks/first_forward_ab.py``).  At 2 x 56 frames they were slower than the few-rows tiles, hence the
+#: lower bound (BENCHMARKS.md, session 23).  Read at each launch, so a benchmark or test may change it.
+PAIR_ROWS = {"min": 129, "max": 512}
 
 #: Launch settings of every estimator kernel, read at each launch (a benchmark flips them before a capture):
 #: ``pdl`` -- programmatic dependent launch on CUDA (:mod:`.pdl`): a kernel's programs start while the previous
@@ -46,11 +54,16 @@ PRO_NONE, PRO_LN, PRO_MISH, PRO_SINUS = 0, 1, 2, 3
 #: (:func:`~cosyvoice_fast.kernels.estimator_linear.linear`) load their first weight tile before that wait;
 #: ``oneshot`` -- ``linear`` calls of at most ``oneshot_max_rows`` rows run as one-shot GEMMs
 #: (:mod:`~cosyvoice_fast.kernels.estimator_oneshot`) instead of the row-tiled kernel, except the Mish and
-#: sinusoidal prologues (the time embedding) and a ``norm_out`` request.  300 rows: one request's CFG pair up to
-#: the flow's 150-frame bucket, where every measured length ran faster on both an H100 and an H200; at the
-#: 200-frame bucket an H200 ran slower, and at the 250-frame bucket an H100 showed
-#: no end-to-end gain (BENCHMARKS.md, session 15).
-LAUNCH = {"pdl": True, "pdl_max_rows": 1024, "early_weights": True, "oneshot": True, "oneshot_max_rows": 300}
+#: sinusoidal prologues (the time embedding) and a ``norm_out`` request.  Up to the top of
+#: :data:`PAIR_ROWS`: one request's CFG pair up to the flow's 250-frame bucket, where the one-shot GEMMs with the
+#: pair tiles beat the row-tiled ones at every measured length (BENCHMARKS.md, session 23).
+LAUNCH = {"pdl": True, "pdl_max_rows": 1024, "early_weights": True, "oneshot": True,
+          "oneshot_max_rows": PAIR_ROWS["max"]}
+
+
+def pair_rows(m: int) -> bool:
+    """Whether a launch over ``m`` rows takes the pair tiles (:data:`PAIR_ROWS`)."""
+    return PAIR_ROWS["min"] <= m <= PAIR_ROWS["max"]
 
 
 def pdl_kwargs(t: Tensor, rows: int) -> dict:

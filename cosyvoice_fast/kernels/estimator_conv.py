@@ -35,6 +35,9 @@ TUNING = {"bm": 32, "bn": 64, "bk": 128, "warps": 4, "ln_bm": 16, "ln_warps": 8,
 #: tile is read once per 32-64 rows instead of 16-32 (picked by ``benchmarks/estimator_rows_sweep.py``; the
 #: timings are in BENCHMARKS.md).
 TUNING_LARGE = {"bm": 64, "bn": 128, "bk": 64, "warps": 4, "ln_bm": 32, "ln_warps": 8, "stages": 3}
+#: Tiles over ``estimator_common.PAIR_ROWS`` rows (one request's CFG pair): 16-row tiles, chosen together with
+#: that forward's GEMM and attention tiles (BENCHMARKS.md, session 23).
+TUNING_PAIR = {**TUNING, "bm": 16}
 FP32_TILES = {"bm": 32, "bn": 64, "bk": 64, "warps": 4, "ln_bm": 16, "ln_warps": 8, "stages": 2}
 INTERPRETER_TILES = {"bm": 128, "bn": 64, "bk": 64, "warps": 4, "ln_bm": 64, "ln_warps": 4, "stages": 1}
 
@@ -161,7 +164,7 @@ def causal_conv(x1: Tensor, mask: Tensor, weight: Tensor, bias: Tensor, frames: 
         raise ValueError(f"causal_conv: ctx must be ({m // frames}, {c1 + c2}, {taps - 1}), got {tuple(ctx.shape)}")
     y = torch.empty(m, n, device=x1.device, dtype=x1.dtype)
     fp32 = weight.dtype == torch.float32
-    tiles = pick_tiles(fp32, TUNING, FP32_TILES, INTERPRETER_TILES, m, TUNING_LARGE)
+    tiles = pick_tiles(fp32, TUNING, FP32_TILES, INTERPRETER_TILES, m, TUNING_LARGE, TUNING_PAIR)
     if ln is not None:  # whole rows per program
         bm, bn = _pow2(m, 16, tiles["ln_bm"]), _pow2(n)
     else:

@@ -30,7 +30,8 @@ from torch import Tensor
 # re-exported: the codes and helpers are imported from here by the other estimator modules and the tests
 from .estimator_common import (ACT_GELU, ACT_MISH, ACT_NONE, ACT_SILU, LAUNCH, PRO_LN, PRO_MISH,  # noqa: F401
                                PRO_NONE, PRO_SINUS, _act, _epilogue_store, _live_gemm_rows, _live_rows,
-                               _norm_rows_store, _pow2, extent_args, gemm_output, interpreting, pdl_kwargs)
+                               _norm_rows_store, _pow2, extent_args, gemm_output, interpreting, pair_rows,
+                               pdl_kwargs)
 from .estimator_cublas import linear_cublas, use_many_rows
 from .estimator_oneshot import linear_oneshot
 from .pdl import pdl_start
@@ -52,12 +53,15 @@ LARGE_M = 2048
 
 
 def pick_tiles(fp32: bool, tuning: dict, fp32_tiles: dict, interp_tiles: dict, m: int = 0,
-               large: dict | None = None) -> dict:
-    """The tile settings for one launch: interpreter, fp32, or 16-bit (``large`` from :data:`LARGE_M` rows on)."""
+               large: dict | None = None, pair: dict | None = None) -> dict:
+    """The tile settings for one launch: interpreter, fp32, or 16-bit (``large`` from :data:`LARGE_M` rows on,
+    ``pair`` over :data:`~.estimator_common.PAIR_ROWS` rows)."""
     if interpreting():
         return interp_tiles
     if fp32:
         return fp32_tiles
+    if pair is not None and pair_rows(m):
+        return pair
     return large if large is not None and m >= LARGE_M else tuning
 
 

@@ -25,11 +25,21 @@ import triton.language as tl
 from torch import Tensor
 
 from .estimator_common import (ACT_NONE, PRO_LN, PRO_NONE, _act, _grouped_tile, _live_gemm_rows, _pow2, extent_args,
-                               gemm_output, interpreting, pdl_kwargs)
+                               gemm_output, interpreting, pair_rows, pdl_kwargs)
 from .pdl import pdl_start
 
-#: Rows up to which a launch counts as "few" for the tile choice (one request's CFG pair of up to 128 frames).
+#: Rows up to which a launch counts as "few" for the tile choice (one request's CFG pair of up to 128 frames);
+#: within ``estimator_common.PAIR_ROWS`` the pair tiles come first.
 FEW_ROWS = 256
+#: Tiles per GEMM kind over :data:`~.estimator_common.PAIR_ROWS` rows (one request's CFG pair of 100 to 250
+#: frames), told apart by N and K: chosen together with the attention and convolution tiles of such forwards
+#: by a search over the whole forward (BENCHMARKS.md, session 23).
+PAIR_TILES = {
+    "qkv": {"bm": 32, "bn": 256, "warps": 8},  # N = 3 x heads x head_dim, K = C, LayerNorm prologue
+    "ff1": {"bm": 32, "bn": 128, "warps": 8},  # N = 4 C, K = C, LayerNorm prologue, GELU
+    "out": {"bm": 32, "bn": 32, "warps": 4},  # N = C, K = heads x head_dim, residual
+    "ff2": {"bm": 64, "bn": 16, "warps": 4, "bk": 256, "stages": 2},  # N = C, K = 4 C, residual
+}
 #: fp32 operands (IEEE dots, parity runs): small tiles and K steps of 256 keep the registers in bounds.
 FP32_ONESHOT = {"bm": 16, "bn": 16, "warps": 4, "bk": 256, "stages": 2}
 #: Under the CPU interpreter every program is a Python loop iteration: fewer, taller tiles run much faster.
@@ -39,14 +49,18 @@ INTERPRETER_ONESHOT = {"bm": 64, "bn": 64, "warps": 4}
 def oneshot_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> dict:
     """The tiles (``bm``, ``bn``, ``warps``, optional ``bk`` and ``stages``) of a :func:`linear_oneshot` launch
     for an (m, k) x (k, n) product: the fastest of the variants ``benchmarks/oneshot_check.py`` timed on an H100
-    at 112 and 412 rows for the estimator's shapes (BENCHMARKS.md).  Taller row tiles win from a few hundred
-    rows on because every row tile re-reads the whole weight from L2; K of 1024 runs in one step at few rows
-    and in pipelined steps of 256 beyond."""
+    at 112 and 412 rows for the estimator's shapes (BENCHMARKS.md); over ``PAIR_ROWS`` rows :data:`PAIR_TILES`,
+    chosen over the whole forward.  K of 1024 runs in one step at few rows and in pipelined steps of 256 beyond."""
     if interpreting():
         return INTERPRETER_ONESHOT
     if dtype == torch.float32:
         return FP32_ONESHOT
     few = m <= FEW_ROWS
+    if pair_rows(m):  # (the final 80-wide projection keeps the tiles below)
+        if k <= 256 and n >= 1024:
+            return PAIR_TILES["qkv"] if n >= 1536 else PAIR_TILES["ff1"]
+        if k > 256:
+            return PAIR_TILES["out"] if k <= 512 else PAIR_TILES["ff2"]
     if k <= 256:  # q/k/v (N = 1536) and FF1 (N = 1024), both with the LayerNorm prologue
         return {"bm": 64, "bn": 128, "warps": 8} if not few and n >= 1536 else {"bm": 32, "bn": 64, "warps": 4}
     if k <= 512:  # the attention out-projection (K = heads x head_dim)

@@ -1,0 +1,87 @@
+"""One GPU run: the CFG-pair tiles (``estimator_common.PAIR_ROWS``) against session 22's routing, whole forward.
+
+    PYTHONUNBUFFERED=1 python benchmarks/pair_tiles_check.py --out $OUT/pair_tiles_check.json
+
+Full-size estimator, bf16, seeded random weights, chunk attention, the time-table row given (as the engine's
+step graphs run it).  Modes, switched in one process:
+
+* ``session22``: the routing before the pair tiles -- one-shot GEMMs only up to 300 rows with their old tiles,
+  the shared attention and convolution tiles at every row count;
+* ``pair``: the shipped defaults;
+* ``pair_all``: the pair tiles from one row on (no lower bound).
+
+Step ``forward``: median ms of 50 graph replays per (mode, shape), three alternating rounds, and each mode's
+largest output difference from ``session22`` (bf16 rounding in another order).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.steps import gpu_runner, step_args  # noqa: E402
+
+SHAPES = ((2, 56), (2, 100), (2, 150), (2, 200), (2, 250), (2, 300), (4, 200))
+MODES = ("session22", "pair", "pair_all")
+
+
+def set_mode(mode: str) -> None:
+    """Switch the estimator kernels' routing to ``mode`` (settings read at each launch)."""
+    from cosyvoice_fast.kernels import estimator_common
+
+    estimator_common.PAIR_ROWS.update(min=1 if mode == "pair_all" else 129, max=0 if mode == "session22" else 512)
+    estimator_common.LAUNCH["oneshot_max_rows"] = 300 if mode == "session22" else 512
+
+
+def main() -> int:
+    out, steps = step_args("forward")
+    runner = gpu_runner("pair_tiles_check.py", out, step_timeout=400)
+    from cosyvoice_fast.config import CFMConfig, DecoderConfig
+    from cosyvoice_fast.kernels.estimator_fused import FusedEstimator
+    from cosyvoice_fast.kernels.estimator_profile import estimator_inputs, graph_replay_ms
+    from cosyvoice_fast.models.cfm import CausalCFM
+
+    torch.manual_seed(0)
+    est = CausalCFM(CFMConfig(), DecoderConfig()).cuda().eval().to(torch.bfloat16).estimator
+    fused = FusedEstimator(est)
+    cases = {}
+    for rows, frames in SHAPES:
+        a = estimator_inputs(est.cfg, rows, frames, torch.bfloat16)
+        cases[(rows, frames)] = (a, fused.time_table(torch.full((1,), 0.3, device="cuda"), rows)[0])
+
+    def call(shape: tuple[int, int]):  # noqa: ANN202
+        a, tall = cases[shape]
+        return lambda: fused(*a, True, tall=tall)
+
+    def forward() -> dict:
+        r: dict = {"diff_vs_session22": {}, "ms": {}}
+        with torch.inference_mode():
+            for shape in SHAPES:
+                set_mode("session22")
+                ref = call(shape)().float()
+                for mode in MODES[1:]:
+                    set_mode(mode)
+                    d = (call(shape)().float() - ref).abs().max().item()
+                    r["diff_vs_session22"][f"{shape[0]}x{shape[1]}_{mode}"] = round(d, 4)
+            for _ in range(3):
+                for shape in SHAPES:
+                    for mode in MODES:
+                        set_mode(mode)
+                        ms = graph_replay_ms(call(shape), iters=50)
+                        r["ms"].setdefault(f"{shape[0]}x{shape[1]}", {}).setdefault(mode, []).append(round(ms, 4))
+        set_mode("pair")
+        r["median_ms"] = {s: {m: round(statistics.median(v), 4) for m, v in d.items()} for s, d in r["ms"].items()}
+        return r
+
+    if "forward" in steps:
+        runner.run("forward", forward)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
