@@ -34,6 +34,7 @@ import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -133,31 +134,37 @@ class Routing:
         return self.orig(x, weight, bias, tiles=WIDE[kind][choice] if kind else None, **kw)
 
 
-def main() -> int:
-    out, steps = step_args("sweep,greedy,kernels,descent,descent2")
-    runner = gpu_runner("first_forward_ab.py", out, step_timeout=240)
+def full_fused_bf16() -> torch.nn.Module:
+    """The full-size estimator (seeded random weights, bf16, CUDA) wrapped as the ``fused`` flow backend runs it."""
     from cosyvoice_fast.config import CFMConfig, DecoderConfig
     from cosyvoice_fast.kernels.estimator_fused import FusedEstimator
     from cosyvoice_fast.models.cfm import CausalCFM
 
     torch.manual_seed(0)
-    est = CausalCFM(CFMConfig(), DecoderConfig()).cuda().eval().to(torch.bfloat16).estimator
-    fused = FusedEstimator(est)
+    return FusedEstimator(CausalCFM(CFMConfig(), DecoderConfig()).cuda().eval().to(torch.bfloat16).estimator)
+
+
+def step_forward(fused: torch.nn.Module, rows: int, frames: int) -> Callable[[], torch.Tensor]:
+    """One chunk-attention forward of ``rows`` x ``frames`` random bf16 inputs as the engine's step graphs run it
+    (the time-table row given, so the time embedding is not recomputed)."""
+    a = estimator_inputs(fused.cfg, rows, frames, torch.bfloat16)
+    tall = fused.time_table(torch.full((1,), 0.3, device="cuda"), rows)[0]
+    return lambda: fused(*a, True, tall=tall)
+
+
+def main() -> int:
+    out, steps = step_args("sweep,greedy,kernels,descent,descent2")
+    runner = gpu_runner("first_forward_ab.py", out, step_timeout=240)
+    fused = full_fused_bf16()
     route = Routing()
     estimator_linear.linear_oneshot = route
     estimator_common.LAUNCH.update(oneshot=True, oneshot_max_rows=1 << 30)
-    cases: dict[int, tuple] = {}
+    calls: dict[int, Callable[[], torch.Tensor]] = {}
 
-    def case(frames: int) -> tuple:
-        if frames not in cases:
-            a = estimator_inputs(est.cfg, 2, frames, torch.bfloat16)
-            tall = fused.time_table(torch.full((1,), 0.3, device="cuda"), 2)[0]
-            cases[frames] = (a, tall)
-        return cases[frames]
-
-    def forward(frames: int):  # noqa: ANN202
-        a, tall = case(frames)
-        return lambda: fused(*a, True, tall=tall)
+    def forward(frames: int) -> Callable[[], torch.Tensor]:
+        if frames not in calls:
+            calls[frames] = step_forward(fused, 2, frames)
+        return calls[frames]
 
     from cosyvoice_fast.kernels import estimator_attention, estimator_conv
 

@@ -41,22 +41,14 @@ def set_mode(mode: str) -> None:
 def main() -> int:
     out, steps = step_args("forward")
     runner = gpu_runner("pair_tiles_check.py", out, step_timeout=400)
-    from cosyvoice_fast.config import CFMConfig, DecoderConfig
-    from cosyvoice_fast.kernels.estimator_fused import FusedEstimator
-    from cosyvoice_fast.kernels.estimator_profile import estimator_inputs, graph_replay_ms
-    from cosyvoice_fast.models.cfm import CausalCFM
+    from benchmarks.first_forward_ab import full_fused_bf16, step_forward
+    from cosyvoice_fast.kernels.estimator_profile import graph_replay_ms
 
-    torch.manual_seed(0)
-    est = CausalCFM(CFMConfig(), DecoderConfig()).cuda().eval().to(torch.bfloat16).estimator
-    fused = FusedEstimator(est)
-    cases = {}
-    for rows, frames in SHAPES:
-        a = estimator_inputs(est.cfg, rows, frames, torch.bfloat16)
-        cases[(rows, frames)] = (a, fused.time_table(torch.full((1,), 0.3, device="cuda"), rows)[0])
+    fused = full_fused_bf16()
+    calls = {shape: step_forward(fused, *shape) for shape in SHAPES}
 
     def call(shape: tuple[int, int]):  # noqa: ANN202
-        a, tall = cases[shape]
-        return lambda: fused(*a, True, tall=tall)
+        return calls[shape]
 
     def forward() -> dict:
         r: dict = {"diff_vs_session22": {}, "ms": {}}
