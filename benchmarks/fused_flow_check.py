@@ -161,11 +161,11 @@ def main() -> int:
 
     def kernels() -> dict:
         # every mode but "whole_row_ln" splits the ResNet LayerNorms at 2 rows (SPLIT_LN_MAX_ROWS)
-        n, mid = cfg.n_blocks, cfg.num_mid_blocks
-        r = {"expected_fused": kernels_per_forward(n, mid, resnet_split_ln=True),
-             "expected_fused_one_kernel_ffn": kernels_per_forward(n, mid, True, resnet_split_ln=True),
-             "expected_fused_attn_out": kernels_per_forward(n, mid, False, True, True),
-             "expected_fused_attn_out_split_ln": kernels_per_forward(n, mid, False, True, True),
+        n, mid, tail = cfg.n_blocks, cfg.num_mid_blocks, estimator_common.LAUNCH["conv_tail"]
+        r = {"expected_fused": kernels_per_forward(n, mid, resnet_split_ln=True, conv_tail=tail),
+             "expected_fused_one_kernel_ffn": kernels_per_forward(n, mid, True, resnet_split_ln=True, conv_tail=tail),
+             "expected_fused_attn_out": kernels_per_forward(n, mid, False, True, True, tail),
+             "expected_fused_attn_out_split_ln": kernels_per_forward(n, mid, False, True, True, tail),
              "expected_fused_whole_row_ln": kernels_per_forward(n, mid)}
         with torch.inference_mode():
             for frames in (56, 206):

@@ -229,6 +229,11 @@ def test_pack_inputs_is_the_channel_concatenation():
     out = pack_inputs(x, mu, spks, cond)
     ref = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, frames), cond], 1).transpose(1, 2).reshape(bsz * frames, -1)
     assert torch.equal(out, ref)
+    # the same launch zeroes a forward's tail-conv counters (2500: more than one 1024-wide store)
+    ctr = torch.full((2500,), 7, device=DEV, dtype=torch.int32)
+    assert torch.equal(pack_inputs(x, mu, spks, cond, zero=ctr), ref) and not ctr.any()
+    with pytest.raises(ValueError, match="contiguous int32"):
+        pack_inputs(x, mu, spks, cond, zero=torch.zeros(4, device=DEV))
 
 
 @pytest.mark.parametrize("chunk", [0, 10])
@@ -259,6 +264,97 @@ def test_row_epilogue_is_the_conv_epilogue():
     split = row_epilogue(causal_conv(x, m, w, b, frames), m, (g, beta, 1e-5), frames, act=ACT_MISH, vec=vec,
                          residual=r)
     assert (split - fused).abs().max().item() <= TOL
+
+
+def _tail_case(frames: int, c: int, n: int, bsz: int = 2, skip: int = 0):
+    """A ResNet-like conv case: inputs (x, optional skip), mask with a padded tail, packed weight, LayerNorm,
+    time vector, residual and residual-projection weights."""
+    x, x2 = rnd(bsz * frames, c), (rnd(bsz * frames, skip) if skip else None)
+    m = torch.ones(bsz, frames, device=DEV)
+    m[0, frames * 2 // 3:] = 0
+    w = pack_conv_weight(rnd(n, c + skip, 3) / 5)
+    return {"x": x, "x2": x2, "m": m.reshape(-1), "w": w, "b": rnd(n), "ln": (rnd(n), rnd(n), 1e-5),
+            "vec": rnd(bsz, n), "res": rnd(bsz * frames, n), "rw": rnd(n, c + skip) / 5, "rb": rnd(n)}
+
+
+def _tail_vs_split(k: dict, frames: int, n: int, extent: torch.Tensor | None = None):
+    """(tail conv, split conv + row pass, the two residual projections, the counters) on case ``k``: the first
+    conv of a ResNet block (skip input, residual projection, time vector) as a tail conv and as the split pair."""
+    from cosyvoice_fast.kernels.estimator_conv import row_epilogue, tail_slots
+
+    rows = k["x"].shape[0]
+    ctr = torch.zeros(tail_slots(rows), device=DEV, dtype=torch.int32)
+    res_t, res_s = torch.full((rows, n), float("nan"), device=DEV), torch.full((rows, n), float("nan"), device=DEV)
+    common = dict(x2=k["x2"], res_weight=k["rw"], res_bias=k["rb"], extent=extent)
+    tail = causal_conv(k["x"], k["m"], k["w"], k["b"], frames, ln=k["ln"], act=ACT_MISH, out_mask=True, vec=k["vec"],
+                       res_out=res_t, tail=ctr, **common)
+    y = causal_conv(k["x"], k["m"], k["w"], k["b"], frames, res_out=res_s, **common)
+    split = row_epilogue(y, k["m"], k["ln"], frames, act=ACT_MISH, vec=k["vec"], extent=extent)
+    return tail, split, res_t, res_s, ctr
+
+
+def test_tail_conv_is_the_split_conv_and_row_pass():
+    """A tail conv (LayerNorm epilogue applied by the last program of each row tile) gives what the conv spread
+    over output channels followed by its row pass gives, with a skip input and the residual projection; every
+    row tile's counter ends at its column-tile count (150 outputs: 3 column tiles of 64 under the interpreter)."""
+    frames, n = 150, 150
+    k = _tail_case(frames, 24, n, skip=8)
+    tail, split, res_t, res_s, ctr = _tail_vs_split(k, frames, n)
+    assert torch.isfinite(tail).all() and torch.isfinite(res_t).all()
+    assert (tail - split).abs().max().item() <= TOL
+    assert torch.equal(res_t, res_s)
+    counted = ctr[ctr != 0]
+    assert counted.numel() >= 3 and (counted == counted[0]).all() and counted[0].item() >= 2
+    # the second conv of a ResNet block: the residual added after the masked activation
+    from cosyvoice_fast.kernels.estimator_conv import row_epilogue, tail_slots
+
+    ctr2 = torch.zeros(tail_slots(2 * frames), device=DEV, dtype=torch.int32)
+    w2 = pack_conv_weight(rnd(n, n, 3) / 8)
+    tail2 = causal_conv(split, k["m"], w2, k["b"], frames, ln=k["ln"], act=ACT_MISH, out_mask=True,
+                        residual=k["res"], tail=ctr2)
+    ref2 = row_epilogue(causal_conv(split, k["m"], w2, k["b"], frames), k["m"], k["ln"], frames, act=ACT_MISH,
+                        residual=k["res"])
+    assert (tail2 - ref2).abs().max().item() <= TOL
+
+
+def test_tail_conv_under_a_ragged_extent_and_its_refusals():
+    """Under an extent the tail conv writes the live rows as the split pair does (row tiles past them never count
+    in); a tail conv without a LayerNorm or with too few counters is refused with what it needs."""
+    frames, n = 60, 100
+    k = _tail_case(frames, 16, n, bsz=3)
+    ext = torch.tensor([2, 41], device=DEV, dtype=torch.int32)
+    tail, split, *_ = _tail_vs_split(k, frames, n, extent=ext)
+    assert (tail[:82] - split[:82]).abs().max().item() <= TOL
+    with pytest.raises(ValueError, match="needs ln and a zeroed int32 tensor of 12 counters"):
+        causal_conv(k["x"], k["m"], k["w"], k["b"], frames, tail=torch.zeros(12, device=DEV, dtype=torch.int32))
+    with pytest.raises(ValueError, match="12 counters"):
+        causal_conv(k["x"], k["m"], k["w"], k["b"], frames, ln=k["ln"],
+                    tail=torch.zeros(11, device=DEV, dtype=torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_tail_conv_over_many_tiles_and_repeats(dtype):
+    """On the GPU (where the programs of a launch really race) the tail conv at the full size (256 channels,
+    a CFG pair of 200 frames: 25 row tiles x 8 column tiles in bf16) equals the split pair in every one of 50
+    launches in a row, each on freshly zeroed counters (a row epilogue that read a column tile before its
+    store would differ)."""
+    from cosyvoice_fast.kernels.estimator_conv import row_epilogue, tail_slots
+
+    frames, n = 200, 256
+    k = {key: (v.to(dtype) if isinstance(v, torch.Tensor) else v) for key, v in _tail_case(frames, n, n).items()}
+    k["ln"] = tuple(z.to(dtype) if isinstance(z, torch.Tensor) else z for z in k["ln"])
+    ref = row_epilogue(causal_conv(k["x"], k["m"], k["w"], k["b"], frames), k["m"], k["ln"], frames, act=ACT_MISH,
+                       vec=k["vec"], residual=k["res"]).float()
+    ctr = torch.empty(50, tail_slots(2 * frames), device=DEV, dtype=torch.int32)
+    ctr.zero_()
+    outs = [causal_conv(k["x"], k["m"], k["w"], k["b"], frames, ln=k["ln"], act=ACT_MISH, out_mask=True,
+                        vec=k["vec"], residual=k["res"], tail=ctr[i]) for i in range(50)]
+    tol = TOL if dtype == torch.float32 else 2e-2
+    worst = max((o.float() - ref).abs().max().item() for o in outs)
+    assert worst <= tol, worst
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
 @pytest.mark.parametrize("product", ["cublas", "triton"])

@@ -226,8 +226,30 @@ def test_many_rows_fold_the_next_layer_norm_into_the_epilogue(two_blocks, monkey
     assert not folded[1, :, 13:].any()
 
 
+def test_tail_convs_equal_the_split_row_passes(small, monkeypatch):
+    """The default forward of a CFG pair runs its ResNet convs as tail convs (the LayerNorm pass in each conv's
+    last programs); with ``LAUNCH["conv_tail"]`` off they run as conv + row pass.  Both give the same rows, in a
+    plain forward and under a ragged extent."""
+    from cosyvoice_fast.kernels import estimator_common
+
+    args = estimator_inputs(small.cfg, 2, 30, torch.float32, "cpu", valid=[30, 21], seed=3)
+    cap = tuple(_in_capacity(z, 3, 40) for z in args)
+    ext = torch.tensor([2, 30], dtype=torch.int32)
+    fused = FusedEstimator(small)
+    outs = {}
+    for tail in (True, False):
+        monkeypatch.setitem(estimator_common.LAUNCH, "conv_tail", tail)
+        with torch.no_grad():
+            outs[tail] = (fused(*args, True), fused(*cap, True, extent=ext)[:2, :, :30])
+    assert (outs[True][0] - outs[False][0]).abs().max().item() <= PAD_TOL
+    assert (outs[True][1] - outs[False][1]).abs().max().item() <= PAD_TOL
+    assert (outs[True][0] - small(*args, True)).abs().max().item() <= TOL
+
+
 def test_kernel_count_formula():
     assert kernels_per_forward(4, 12) == 316  # CosyVoice2: 14 ResNet blocks, 56 transformer blocks
+    assert kernels_per_forward(4, 12, resnet_split_ln=True) == 344
+    assert kernels_per_forward(4, 12, resnet_split_ln=True, conv_tail=True) == 316
     assert kernels_per_forward(4, 12, ffn_one_kernel=True) == 260
     assert kernels_per_forward(4, 12, ffn_one_kernel=True, attention_out_fused=True) == 204
     assert kernels_per_forward(4, 12, attention_out_fused=True, resnet_split_ln=True) == 288

@@ -87,7 +87,13 @@ def _encode_call(flow: torch.nn.Module, inputs: Any, tokens: torch.Tensor, call:
                  encode: Any = None):
     """The encoder half of one flow call (per request): ``FlowEncoding`` over prompt + tokens.
 
-    ``encode`` replaces ``flow.encode`` (same signature, e.g. a graph-replaying runner)."""
+    ``encode`` replaces ``flow.encode`` (same signature, e.g. a graph-replaying runner).  A runner that takes
+    chunk calls itself (``encode_calls``, the graph encoder) gets this one directly: the length tensors built
+    here for ``flow.encode``'s signature would be two more host-to-device copies, with the GPU idle, before a
+    first chunk's encoder starts."""
+    encode_calls = getattr(encode, "encode_calls", None)
+    if encode_calls is not None:
+        return encode_calls([(inputs, tokens, call)], streaming)[0]
     dev = inputs.embedding.device
     tokens = fold_to_flow_vocab(tokens.to(dev), flow.cfg.vocab_size)
     tlen = torch.tensor([tokens.shape[1]], dtype=torch.int32, device=dev)

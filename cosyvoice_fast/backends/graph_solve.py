@@ -109,14 +109,17 @@ class StepGraphs:
             cache.graphs.move_to_end(key)
         x, mask, mu, spks, cond, tbuf, dtbuf, idx, *table = graph.inputs
         half = rows // 2
-        for buf in (x, mask, mu, spks, cond):
-            buf.zero_()
-        x[:b, :, :frames].copy_(x0)
-        for dst, src in ((mask, g.mask), (mu, g.mu), (cond, g.cond)):
-            dst[:b, :, :frames].copy_(src[:b])
-            dst[half:half + b, :, :frames].copy_(src[b:])
-        spks[:b].copy_(g.spks[:b])
-        spks[half:half + b].copy_(g.spks[b:])
+        if b == half:  # the rows fill the bucket (one request's pair in the 2-row graph): one copy per input
+            _stage_full(x0, g, x, mask, mu, spks, cond, frames)
+        else:
+            for buf in (x, mask, mu, spks, cond):
+                buf.zero_()
+            x[:b, :, :frames].copy_(x0)
+            for dst, src in ((mask, g.mask), (mu, g.mu), (cond, g.cond)):
+                dst[:b, :, :frames].copy_(src[:b])
+                dst[half:half + b, :, :frames].copy_(src[b:])
+            spks[:b].copy_(g.spks[:b])
+            spks[half:half + b].copy_(g.spks[b:])
         times = (tuple(ts.tolist()), tuple(dts.tolist()))
         filled = self._filled.get((mode, key))
         if filled is None or filled[0] is not tbuf or filled[1] != times:
@@ -130,3 +133,18 @@ class StepGraphs:
             graph.graph.replay()
         cache.replays += self.n_steps
         return x[:b, :, :frames].clone()
+
+
+def _stage_full(x0: Tensor, g: Any, x: Tensor, mask: Tensor, mu: Tensor, spks: Tensor, cond: Tensor,
+                frames: int) -> None:
+    """Write a solve whose conditional and unconditional rows fill the step graph's rows into its static inputs:
+    one copy per input, and a clear of the frames past ``frames`` only when the bucket is longer.  A solve's
+    first chunk runs on an otherwise idle GPU after the encoder, so every small launch here is on its path
+    (the general case's clears and per-half copies were ~15 launches)."""
+    x[:, :, :frames].copy_(x0)
+    for dst, src in ((mask, g.mask), (mu, g.mu), (cond, g.cond)):
+        dst[:, :, :frames].copy_(src)
+    spks.copy_(g.spks)
+    if frames < x.shape[2]:  # padded frames: zeros keep stale values (and NaN * 0) out of the masked tail
+        for buf in (x, mask, mu, cond):
+            buf[:, :, frames:].zero_()

@@ -56,9 +56,14 @@ PAIR_ROWS = {"min": 129, "max": 512}
 #: (:mod:`~cosyvoice_fast.kernels.estimator_oneshot`) instead of the row-tiled kernel, except the Mish and
 #: sinusoidal prologues (the time embedding) and a ``norm_out`` request.  Up to the top of
 #: :data:`PAIR_ROWS`: one request's CFG pair up to the flow's 250-frame bucket, where the one-shot GEMMs with the
-#: pair tiles beat the row-tiled ones at every measured length (BENCHMARKS.md, session 23).
+#: pair tiles beat the row-tiled ones at every measured length (BENCHMARKS.md, session 23).  ``conv_tail`` --
+#: a ResNet block's convs that run spread over output channels (``FusedEstimator``'s ``resnet_split_ln``) apply
+#: their LayerNorm epilogue in the conv's last program per row tile (a *tail* conv, :mod:`.estimator_conv`)
+#: instead of a row pass of their own: two launches per ResNet block instead of four (341 -> 313 per forward).
+#: Off: on an H100 the forward got 1-7 % slower at 200-250 frames (the last program's serial pass sits at the
+#: end of every conv), and a first chunk's flow no faster (BENCHMARKS.md, session 24).
 LAUNCH = {"pdl": True, "pdl_max_rows": 1024, "early_weights": True, "oneshot": True,
-          "oneshot_max_rows": PAIR_ROWS["max"]}
+          "oneshot_max_rows": PAIR_ROWS["max"], "conv_tail": False}
 
 
 def pair_rows(m: int) -> bool:

@@ -14,7 +14,12 @@ second conv's epilogue.  A ResNet block is thus two kernels.
 
 The LayerNorm epilogue needs whole rows in one program, so those convs run on few programs that each stream
 the whole weight.  :func:`row_epilogue` is the same epilogue as a separate row-wise pass, so a conv can instead
-run as a GEMM spread over N plus that pass (two launches, many more programs).
+run as a GEMM spread over N plus that pass (two launches, many more programs).  A *tail* conv (``tail=``, a
+zeroed int32 counter per row tile) is both in one launch: the GEMM spread over N stores its rows before the
+LayerNorm, each program then counts itself in on its row tile's counter, and the program that arrives last
+(every other column tile of those rows is stored by then) applies the row epilogue to the whole rows.  The
+counter's atomic add releases the program's stores and acquires the others' (after a barrier of the program's
+threads, as a split-K reduction's semaphore does), so the last program reads every column tile as stored.
 """
 
 from __future__ import annotations
@@ -79,12 +84,43 @@ def _conv_src(acc, racc, x_ptr, C_src, c_base, w_ptr, rw_ptr, mask_ptr, ctx_ptr,
 
 
 @triton.jit
+def _row_apply(x_ptr, rm, m_ok, T, N, mask_ptr, lnw_ptr, lnb_ptr, vec_ptr, stride_vec, res_ptr, y_ptr, eps,
+               ACT: tl.constexpr, OUT_MASK: tl.constexpr, HAS_VEC: tl.constexpr, HAS_RES: tl.constexpr,
+               BN: tl.constexpr, SHARED: tl.constexpr):
+    """``act(LayerNorm(x)) (* mask) (+ vec[b]) (+ residual)`` of whole rows ``rm`` of x (M, N) into y (the
+    epilogue of :func:`row_epilogue` and of a tail conv's last program).  ``SHARED``: x was just stored by other
+    programs of this launch, so it is read past the SM's L1 (which is not coherent with their stores)."""
+    rn = tl.arange(0, BN)
+    n_ok = rn < N
+    ok = m_ok[:, None] & n_ok[None, :]
+    if SHARED:
+        x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+    else:
+        x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=ok, other=0.0)
+    x = x.to(tl.float32)
+    mean = tl.sum(x, axis=1) / N
+    xc = tl.where(ok, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    g = tl.load(lnw_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    bb = tl.load(lnb_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    y = _act(xc * rstd[:, None] * g[None, :] + bb[None, :], ACT)
+    if OUT_MASK:
+        y *= tl.load(mask_ptr + rm, mask=m_ok, other=0.0).to(tl.float32)[:, None]
+    if HAS_VEC:
+        b = rm // T
+        y += tl.load(vec_ptr + b[:, None] * stride_vec + rn[None, :], mask=ok, other=0.0).to(tl.float32)
+    if HAS_RES:
+        y += tl.load(res_ptr + rm[:, None] * N + rn[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _conv_kernel(x1_ptr, x2_ptr, mask_ptr, w_ptr, b_ptr, lnw_ptr, lnb_ptr, vec_ptr, res_ptr, rw_ptr, rb_ptr,
-                 rout_ptr, y_ptr, ctx_ptr, ext_ptr, M, T, N, C1, C2, stride_vec, s_cb, s_cc, s_ct, eps,
-                 TAPS: tl.constexpr, HAS_X2: tl.constexpr, HAS_LN: tl.constexpr, ACT: tl.constexpr,
+                 rout_ptr, y_ptr, ctx_ptr, ext_ptr, raw_ptr, ctr_ptr, M, T, N, C1, C2, stride_vec, s_cb, s_cc, s_ct,
+                 eps, TAPS: tl.constexpr, HAS_X2: tl.constexpr, HAS_LN: tl.constexpr, ACT: tl.constexpr,
                  OUT_MASK: tl.constexpr, HAS_VEC: tl.constexpr, HAS_RES: tl.constexpr, HAS_RW: tl.constexpr,
                  HAS_CTX: tl.constexpr, IEEE: tl.constexpr, EXT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, PDL: tl.constexpr):
+                 BK: tl.constexpr, TAIL: tl.constexpr, BN_ROW: tl.constexpr, PDL: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     # a ragged launch: rows b·T + t of the live extent (a graph input: read before the wait); tiles past it are
@@ -112,6 +148,17 @@ def _conv_kernel(x1_ptr, x2_ptr, mask_ptr, w_ptr, b_ptr, lnw_ptr, lnb_ptr, vec_p
                               rm, t_in, m_ok, rn, n_ok, rk, K_total, C_all, TAPS, HAS_RW, HAS_CTX, IEEE, BK)
     ok = m_ok[:, None] & n_ok[None, :]
     acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if TAIL:  # this column tile before the LayerNorm; the row tile's last program applies the row epilogue
+        tl.store(raw_ptr + rm[:, None] * N + rn[None, :], acc.to(raw_ptr.dtype.element_ty), mask=ok)
+        if HAS_RW:
+            racc += tl.load(rb_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(rout_ptr + rm[:, None] * N + rn[None, :], racc.to(rout_ptr.dtype.element_ty), mask=ok)
+        tl.debug_barrier()  # every thread's stores before the release below
+        arrived = tl.atomic_add(ctr_ptr + pid_m, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(1) - 1:
+            _row_apply(raw_ptr, rm, m_ok, T, N, mask_ptr, lnw_ptr, lnb_ptr, vec_ptr, stride_vec, res_ptr, y_ptr,
+                       eps, ACT, OUT_MASK, HAS_VEC, HAS_RES, BN_ROW, True)
+        return
     if HAS_LN:  # the whole row is in this program (BN >= N, one program along N)
         mean = tl.sum(tl.where(ok, acc, 0.0), axis=1) / N
         xc = tl.where(ok, acc - mean[:, None], 0.0)
@@ -142,13 +189,16 @@ def causal_conv(x1: Tensor, mask: Tensor, weight: Tensor, bias: Tensor, frames: 
                 taps: int = 3, ln: tuple[Tensor, Tensor, float] | None = None, act: int = 0,
                 out_mask: bool = False, vec: Tensor | None = None, residual: Tensor | None = None,
                 res_weight: Tensor | None = None, res_bias: Tensor | None = None,
-                res_out: Tensor | None = None, ctx: Tensor | None = None, extent: Tensor | None = None) -> Tensor:
+                res_out: Tensor | None = None, ctx: Tensor | None = None, extent: Tensor | None = None,
+                tail: Tensor | None = None) -> Tensor:
     """Causal conv over rows ``b·frames + t`` of ``x1`` (M, C1) [‖ ``x2`` (M, C2)], input masked by ``mask``
     (M,), ``weight`` packed by :func:`pack_conv_weight`; see the module docstring for the epilogue options.
     ``vec`` is (B, >= N) with unit column stride; ``res_weight`` (N, C1 + C2) writes into ``res_out`` (M, N).
     ``ctx`` (B, C1 + C2, taps - 1): the input columns before each row's first frame (an incremental window,
     :mod:`~cosyvoice_fast.kernels.estimator_window`); zeros when None.  ``extent``: a ragged launch
-    (:mod:`~cosyvoice_fast.kernels.estimator_common`), rows ``b·T + t`` of the live frame count ``T``."""
+    (:mod:`~cosyvoice_fast.kernels.estimator_common`), rows ``b·T + t`` of the live frame count ``T``.
+    ``tail``: with ``ln``, run as a tail conv (module docstring): a zeroed int32 tensor of at least
+    :func:`tail_slots` ``(M)`` counters, which the launch leaves counted up (so one per launch)."""
     m, c1 = x1.shape
     c2 = 0 if x2 is None else x2.shape[1]
     n = weight.shape[0]
@@ -162,29 +212,41 @@ def causal_conv(x1: Tensor, mask: Tensor, weight: Tensor, bias: Tensor, frames: 
         raise ValueError("causal_conv: res_weight, res_bias and res_out go together")
     if ctx is not None and ctx.shape != (m // frames, c1 + c2, taps - 1):
         raise ValueError(f"causal_conv: ctx must be ({m // frames}, {c1 + c2}, {taps - 1}), got {tuple(ctx.shape)}")
+    if tail is not None and (ln is None or tail.dtype != torch.int32 or tail.numel() < tail_slots(m)
+                             or tail.device != x1.device):
+        raise ValueError(f"causal_conv: a tail conv needs ln and a zeroed int32 tensor of {tail_slots(m)} "
+                         f"counters on {x1.device}")
     y = torch.empty(m, n, device=x1.device, dtype=x1.dtype)
     fp32 = weight.dtype == torch.float32
     tiles = pick_tiles(fp32, TUNING, FP32_TILES, INTERPRETER_TILES, m, TUNING_LARGE, TUNING_PAIR)
-    if ln is not None:  # whole rows per program
+    if ln is not None and tail is None:  # whole rows per program
         bm, bn = _pow2(m, 16, tiles["ln_bm"]), _pow2(n)
     else:
         bm, bn = spread_tiles(m, n, _pow2(m, 16, tiles["bm"]), _pow2(n, 16, tiles["bn"]), tiles.get("min_programs", 0))
     # row-wide tiles (and a second weight) must still fit in shared memory
-    bk = _pow2(max(c1, c2), 16, (32 if fp32 else 64) if ln is not None else tiles["bk"])
+    bk = _pow2(max(c1, c2), 16, (32 if fp32 else 64) if ln is not None and tail is None else tiles["bk"])
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    raw = torch.empty_like(y) if tail is not None else y
     lnw, lnb, eps = ln if ln is not None else (bias, bias, 0.0)
     s_cb, s_cc, s_ct = ctx.stride() if ctx is not None else (0, 0, 0)
     _conv_kernel[grid](
         x1, x2 if x2 is not None else x1, mask, weight, bias, lnw, lnb, vec if vec is not None else bias,
         residual if residual is not None else y, res_weight if res_weight is not None else weight,
         res_bias if res_bias is not None else bias, res_out if res_out is not None else y, y,
-        ctx if ctx is not None else x1, **extent_args(extent, x1), M=m, T=frames, N=n, C1=c1, C2=c2,
+        ctx if ctx is not None else x1, **extent_args(extent, x1), raw_ptr=raw,
+        ctr_ptr=tail if tail is not None else y, M=m, T=frames, N=n, C1=c1, C2=c2,
         stride_vec=vec.stride(0) if vec is not None else 0, s_cb=s_cb, s_cc=s_cc, s_ct=s_ct, eps=float(eps),
         TAPS=taps, HAS_X2=x2 is not None, HAS_LN=ln is not None, ACT=act, OUT_MASK=out_mask,
         HAS_VEC=vec is not None, HAS_RES=residual is not None, HAS_RW=res_weight is not None,
-        HAS_CTX=ctx is not None, IEEE=fp32, BM=bm, BN=bn, BK=bk, num_warps=tiles["ln_warps"] if ln is not None else tiles["warps"],
+        HAS_CTX=ctx is not None, IEEE=fp32, BM=bm, BN=bn, BK=bk, TAIL=tail is not None, BN_ROW=_pow2(n),
+        num_warps=tiles["ln_warps"] if ln is not None and tail is None else tiles["warps"],
         num_stages=tiles["stages"], **pdl_kwargs(x1, m))
     return y
+
+
+def tail_slots(m: int) -> int:
+    """Counters a tail conv over ``m`` rows needs: one per row tile of the smallest row tile (16)."""
+    return triton.cdiv(m, 16)
 
 
 @triton.jit
@@ -193,28 +255,12 @@ def _row_kernel(x_ptr, mask_ptr, lnw_ptr, lnb_ptr, vec_ptr, res_ptr, y_ptr, ext_
                 BM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
     M, T = _live_rows(M, T, ext_ptr, EXT)  # a ragged launch: tiles past the live rows are capacity
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
-    rn = tl.arange(0, BN)
-    m_ok = rm < M
-    n_ok = rn < N
-    ok = m_ok[:, None] & n_ok[None, :]
     pdl_start(PDL)
     if EXT > 0:
         if tl.program_id(0) * BM >= M:
             return
-    x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=ok, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=1) / N
-    xc = tl.where(ok, x - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
-    g = tl.load(lnw_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-    bb = tl.load(lnb_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-    y = _act(xc * rstd[:, None] * g[None, :] + bb[None, :], ACT)
-    y *= tl.load(mask_ptr + rm, mask=m_ok, other=0.0).to(tl.float32)[:, None]
-    if HAS_VEC:
-        b = rm // T
-        y += tl.load(vec_ptr + b[:, None] * stride_vec + rn[None, :], mask=ok, other=0.0).to(tl.float32)
-    if HAS_RES:
-        y += tl.load(res_ptr + rm[:, None] * N + rn[None, :], mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rm[:, None] * N + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
+    _row_apply(x_ptr, rm, rm < M, T, N, mask_ptr, lnw_ptr, lnb_ptr, vec_ptr, stride_vec, res_ptr, y_ptr, eps, ACT,
+               True, HAS_VEC, HAS_RES, BN, False)
 
 
 def row_epilogue(x: Tensor, mask: Tensor, ln: tuple[Tensor, Tensor, float], frames: int, *, act: int = 0,

@@ -33,8 +33,8 @@ from torch import Tensor, nn
 
 from ..models.flow_decoder import _GELU_APPROXIMATION, CausalConditionalDecoder, SelfAttention
 from .estimator_attention import attention, attention_out
-from .estimator_common import _live_rows, extent_args, pdl_kwargs
-from .estimator_conv import causal_conv, pack_conv_weight, row_epilogue
+from .estimator_common import LAUNCH, _live_rows, extent_args, pdl_kwargs
+from .estimator_conv import causal_conv, pack_conv_weight, row_epilogue, tail_slots
 from .estimator_cublas import use_many_rows
 from .estimator_linear import ACT_GELU, ACT_MISH, ACT_SILU, PRO_LN, PRO_MISH, PRO_NONE, PRO_SINUS, ffn, linear
 from .estimator_window import attention_cached, update_conv_context
@@ -42,11 +42,13 @@ from .pdl import pdl_start
 
 
 @triton.jit
-def _pack_kernel(x_ptr, mu_ptr, spk_ptr, cond_ptr, mask_ptr, out_ptr, mout_ptr, ext_ptr, T, C, sxb, sxc, smb, smc,
-                 ssb, scb, scc, skb, BT: tl.constexpr, BC: tl.constexpr, EXT: tl.constexpr, PDL: tl.constexpr):
+def _pack_kernel(x_ptr, mu_ptr, spk_ptr, cond_ptr, mask_ptr, out_ptr, mout_ptr, ext_ptr, zero_ptr, n_zero, T, C, sxb,
+                 sxc, smb, smc, ssb, scb, scc, skb, BT: tl.constexpr, BC: tl.constexpr, EXT: tl.constexpr,
+                 ZERO: tl.constexpr, PDL: tl.constexpr):
     """(B, C, T) x, mu, cond and (B, C) speaker -> rows ``b·T + t`` of ``[x | mu | spk | cond]`` (4·C wide);
     under a ragged extent ``T`` is the live frame count (the inputs keep their capacity strides) and the
-    (B, 1, T) mask is packed into rows the same way."""
+    (B, 1, T) mask is packed into rows the same way.  ``ZERO``: the first program also zeroes ``n_zero`` int32
+    at ``zero_ptr`` (the forward's tail-conv counters, so they cost no launch of their own)."""
     b = tl.program_id(1)
     rt = tl.program_id(0) * BT + tl.arange(0, BT)
     rc = tl.arange(0, BC)
@@ -54,6 +56,11 @@ def _pack_kernel(x_ptr, mu_ptr, spk_ptr, cond_ptr, mask_ptr, out_ptr, mout_ptr, 
     ok = (rt[:, None] < T) & (rc[None, :] < C)
     row = out_ptr + (b * T + rt[:, None]) * (4 * C)
     pdl_start(PDL)
+    if ZERO:
+        if b == 0 and tl.program_id(0) == 0:
+            for z0 in range(0, n_zero, 1024):
+                rz = z0 + tl.arange(0, 1024)
+                tl.store(zero_ptr + rz, tl.zeros([1024], dtype=tl.int32), mask=rz < n_zero)
     if EXT > 0:
         if b >= live // T or tl.program_id(0) * BT >= T:
             return
@@ -71,21 +78,22 @@ def _pack_kernel(x_ptr, mu_ptr, spk_ptr, cond_ptr, mask_ptr, out_ptr, mout_ptr, 
         tl.store(mout_ptr + b * T + rt, keep.to(mout_ptr.dtype.element_ty), mask=t_ok)
 
 
-def pack_inputs(x: Tensor, mu: Tensor, spks: Tensor, cond: Tensor) -> Tensor:
-    """The estimator's concatenated input ``[x, mu, spks, cond]`` as (B·T, 4·C) channels-last rows."""
-    return _pack(x, mu, spks, cond, None, None)[0]
+def pack_inputs(x: Tensor, mu: Tensor, spks: Tensor, cond: Tensor, zero: Tensor | None = None) -> Tensor:
+    """The estimator's concatenated input ``[x, mu, spks, cond]`` as (B·T, 4·C) channels-last rows; ``zero``
+    (int32, contiguous) is zeroed by the same launch."""
+    return _pack(x, mu, spks, cond, None, None, zero)[0]
 
 
 def pack_inputs_ragged(x: Tensor, mu: Tensor, spks: Tensor, cond: Tensor, mask: Tensor,
-                       extent: Tensor) -> tuple[Tensor, Tensor]:
+                       extent: Tensor, zero: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """:func:`pack_inputs` under a ragged ``extent`` (:mod:`~cosyvoice_fast.kernels.estimator_common`): the
     live rows ``b·T + t`` of the capacity inputs, and the (B, 1, T) ``mask`` packed the same way (B·T,) in x's
     dtype.  Rows past the live extent are left unwritten."""
-    return _pack(x, mu, spks, cond, mask, extent)
+    return _pack(x, mu, spks, cond, mask, extent, zero)
 
 
 def _pack(x: Tensor, mu: Tensor, spks: Tensor, cond: Tensor, mask: Tensor | None,
-          extent: Tensor | None) -> tuple[Tensor, Tensor | None]:
+          extent: Tensor | None, zero: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     b, c, t = x.shape
     for name, z in (("mu", mu), ("cond", cond)):
         if z.shape != (b, c, t):
@@ -100,11 +108,15 @@ def _pack(x: Tensor, mu: Tensor, spks: Tensor, cond: Tensor, mask: Tensor | None
         if mask is None or mask.shape != (b, 1, t) or mask.stride(2) != 1:
             raise ValueError(f"a ragged estimator call needs its ({b}, 1, {t}) mask with unit frame stride")
         packed = torch.empty(b * t, device=x.device, dtype=x.dtype)
+    if zero is not None and (zero.dtype != torch.int32 or not zero.is_contiguous() or zero.device != x.device):
+        raise ValueError(f"pack_inputs: zero must be a contiguous int32 tensor on {x.device}")
     bt = 32
     _pack_kernel[(triton.cdiv(t, bt), b)](
         x, mu, spks, cond, mask if packed is not None else x, out, packed if packed is not None else out,
-        **extent_args(extent, x), T=t, C=c, sxb=x.stride(0), sxc=x.stride(1), smb=mu.stride(0), smc=mu.stride(1),
-        ssb=spks.stride(0), scb=cond.stride(0), scc=cond.stride(1), skb=mask.stride(0) if packed is not None else 0,
+        **extent_args(extent, x), zero_ptr=zero if zero is not None else out,
+        n_zero=zero.numel() if zero is not None else 0, ZERO=zero is not None, T=t, C=c, sxb=x.stride(0),
+        sxc=x.stride(1), smb=mu.stride(0), smc=mu.stride(1), ssb=spks.stride(0), scb=cond.stride(0),
+        scc=cond.stride(1), skb=mask.stride(0) if packed is not None else 0,
         BT=bt, BC=max(16, triton.next_power_of_2(c)), num_warps=4, **pdl_kwargs(x, b * t))
     return out, packed
 
@@ -166,7 +178,9 @@ class FusedEstimator(nn.Module):
         ``resnet_split_ln=True`` runs each ResNet conv as a GEMM spread over output channels plus a row-wise
         LayerNorm pass (:func:`row_epilogue`) instead of one whole-row kernel that streams the whole weight
         from few programs (two launches more per ResNet block); ``None`` (default) splits for forwards of at
-        most :data:`SPLIT_LN_MAX_ROWS` rows, where the whole-row kernel has too few programs to fill the GPU."""
+        most :data:`SPLIT_LN_MAX_ROWS` rows, where the whole-row kernel has too few programs to fill the GPU.
+        A split conv runs as a tail conv (its LayerNorm pass in its own last programs, so no extra launch)
+        when ``estimator_common.LAUNCH["conv_tail"]`` is on (read at each forward; off by default)."""
         super().__init__()
         self.resnet_split_ln = resnet_split_ln
         self.ffn_one_kernel = ffn_one_kernel
@@ -236,15 +250,27 @@ class FusedEstimator(nn.Module):
         update_conv_context(x, ctx, win.commit[ctx.shape[2]], frames, x2=kw.get("x2"))
         return y
 
+    def _split(self, rows: int) -> bool:
+        """Whether a forward over ``rows`` rows runs its ResNet convs spread over output channels."""
+        return self.resnet_split_ln if self.resnet_split_ln is not None else rows <= SPLIT_LN_MAX_ROWS
+
     def _resnet(self, i: int, r: nn.Module, h: Tensor, skip: Tensor | None, mask: Tensor, frames: int,
-                tall: Tensor, p: dict, win: _Window | None = None, ext: Tensor | None = None) -> Tensor:
+                tall: Tensor, p: dict, win: _Window | None = None, ext: Tensor | None = None,
+                tails: Tensor | None = None) -> Tensor:
+        """ResNet block ``i``; ``tails``: its two tail convs' zeroed counters (rows of (2, slots)), when its convs
+        run as tail convs."""
         w = p["resnets"][i]
         n = r.block1.block[0].weight.shape[0]
         res = torch.empty(h.shape[0], n, device=h.device, dtype=h.dtype)
         vec = tall[:, i * n:(i + 1) * n]
-        split = self.resnet_split_ln if self.resnet_split_ln is not None else h.shape[0] <= SPLIT_LN_MAX_ROWS
         conv = self._conv
-        if split:
+        if tails is not None:
+            h1 = conv(win, h, mask, w["w1"], r.block1.block[0].bias, frames, ext, x2=skip, ln=_ln(r.block1.block[2]),
+                      act=ACT_MISH, out_mask=True, vec=vec, res_weight=w["wr"], res_bias=r.res_conv.bias,
+                      res_out=res, tail=tails[0])
+            return conv(win, h1, mask, w["w2"], r.block2.block[0].bias, frames, ext, ln=_ln(r.block2.block[2]),
+                        act=ACT_MISH, out_mask=True, residual=res, tail=tails[1])
+        if self._split(h.shape[0]):
             y1 = conv(win, h, mask, w["w1"], r.block1.block[0].bias, frames, ext, x2=skip, res_weight=w["wr"],
                       res_bias=r.res_conv.bias, res_out=res)
             h1 = row_epilogue(y1, mask, _ln(r.block1.block[2]), frames, act=ACT_MISH, vec=vec, extent=ext)
@@ -377,23 +403,28 @@ class FusedEstimator(nn.Module):
         b, _, frames = x.shape
         if tall is None:
             tall = self._time_rows(t.reshape(b), p)
+        tails = ctr = None
+        if LAUNCH["conv_tail"] and self._split(b * frames):  # two tail convs per ResNet block, zeroed by the pack
+            n_res = 2 + len(est.mid_blocks)
+            ctr = torch.empty(n_res, 2, tail_slots(b * frames), device=x.device, dtype=torch.int32)
+            tails = iter(ctr)
         if ext is None:
-            h = pack_inputs(x, mu, spks, cond)
+            h = pack_inputs(x, mu, spks, cond, zero=ctr)
         else:
-            h, m = pack_inputs_ragged(x, mu, spks, cond, m, ext)
+            h, m = pack_inputs_ragged(x, mu, spks, cond, m, ext, zero=ctr)
         resnet, tblocks, down = est.down_blocks[0]
         i = 0
-        h = self._resnet(i, resnet, h, None, m, frames, tall, p, win, ext)
+        h = self._resnet(i, resnet, h, None, m, frames, tall, p, win, ext, next(tails) if tails else None)
         h = self._transformers(tblocks, h, m, b, chunk, p, win, ext)
         skip = h
         h = self._conv(win, h, m, p["down"], down.bias, frames, ext)
         for resnet, tblocks in est.mid_blocks:
             i += 1
-            h = self._resnet(i, resnet, h, None, m, frames, tall, p, win, ext)
+            h = self._resnet(i, resnet, h, None, m, frames, tall, p, win, ext, next(tails) if tails else None)
             h = self._transformers(tblocks, h, m, b, chunk, p, win, ext)
         resnet, tblocks, up = est.up_blocks[0]
         i += 1
-        h = self._resnet(i, resnet, h, skip, m, frames, tall, p, win, ext)
+        h = self._resnet(i, resnet, h, skip, m, frames, tall, p, win, ext, next(tails) if tails else None)
         h = self._transformers(tblocks, h, m, b, chunk, p, win, ext)
         h = self._conv(win, h, m, p["up"], up.bias, frames, ext)
         fb = est.final_block.block
@@ -402,12 +433,14 @@ class FusedEstimator(nn.Module):
 
 
 def kernels_per_forward(n_blocks: int, num_mid_blocks: int, ffn_one_kernel: bool = False,
-                        attention_out_fused: bool = False, resnet_split_ln: bool = False) -> int:
+                        attention_out_fused: bool = False, resnet_split_ln: bool = False,
+                        conv_tail: bool = False) -> int:
     """Launches of one fused forward of the one-level U-Net below ``estimator_cublas.MANY_ROWS_M`` rows (above it
     an epilogue pass joins each GEMM left on cuBLAS, and a LayerNorm pass each group's first transformer block): 3
     time-embedding GEMMs (3 fewer when the forward is given its row of a :meth:`FusedEstimator.time_table`), the
-    input pack, 2 (or 4) per ResNet block, 3 to 5 per transformer block, the down/up/final convs and the output
-    projection."""
+    input pack, 2 per ResNet block (4 when its convs are split from their LayerNorm passes and not run as tail
+    convs), 3 to 5 per transformer block, the down/up/final convs and the output projection."""
     resnets = 2 + num_mid_blocks
     per_block = 5 - int(ffn_one_kernel) - int(attention_out_fused)
-    return 3 + 1 + (4 if resnet_split_ln else 2) * resnets + per_block * n_blocks * resnets + 4
+    per_resnet = 4 if resnet_split_ln and not conv_tail else 2
+    return 3 + 1 + per_resnet * resnets + per_block * n_blocks * resnets + 4
