@@ -25,26 +25,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.steps import gpu_runner, step_args  # noqa: E402
+from benchmarks.steps import gpu_runner, step_args, time_call  # noqa: E402
 
 LENGTHS = (50, 56)
 #: PyTorch caches the cuDNN plan of a convolution by shape for the whole process, so the first vocoder built
 #: decides for every later one: ``HIFT_CUDNN_MODES=benchmark`` (or ``heuristic``) runs one mode per process
 MODES = tuple(os.environ.get("HIFT_CUDNN_MODES", "heuristic,benchmark").split(","))
-
-
-def _median_gpu_ms(fn, iters: int = 50) -> float:  # noqa: ANN001
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main() -> int:
@@ -93,7 +79,8 @@ def main() -> int:
             for _ in range(3):
                 for n in LENGTHS:
                     for m in MODES:
-                        r["ms"].setdefault(str(n), {}).setdefault(m, []).append(round(_median_gpu_ms(call(m, n)), 4))
+                        ms = time_call(call(m, n), warmup=3, iters=50)["median_ms"]
+                        r["ms"].setdefault(str(n), {}).setdefault(m, []).append(ms)
         r["median_ms"] = {n: {m: round(statistics.median(v), 4) for m, v in d.items()} for n, d in r["ms"].items()}
         return r
 
