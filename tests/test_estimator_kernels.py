@@ -297,6 +297,8 @@ def test_tail_conv_is_the_split_conv_and_row_pass():
     """A tail conv (LayerNorm epilogue applied by the last program of each row tile) gives what the conv spread
     over output channels followed by its row pass gives, with a skip input and the residual projection; every
     row tile's counter ends at its column-tile count (150 outputs: 3 column tiles of 64 under the interpreter)."""
+    from cosyvoice_fast.kernels.estimator_conv import row_epilogue, tail_slots
+
     frames, n = 150, 150
     k = _tail_case(frames, 24, n, skip=8)
     tail, split, res_t, res_s, ctr = _tail_vs_split(k, frames, n)
@@ -306,8 +308,6 @@ def test_tail_conv_is_the_split_conv_and_row_pass():
     counted = ctr[ctr != 0]
     assert counted.numel() >= 3 and (counted == counted[0]).all() and counted[0].item() >= 2
     # the second conv of a ResNet block: the residual added after the masked activation
-    from cosyvoice_fast.kernels.estimator_conv import row_epilogue, tail_slots
-
     ctr2 = torch.zeros(tail_slots(2 * frames), device=DEV, dtype=torch.int32)
     w2 = pack_conv_weight(rnd(n, n, 3) / 8)
     tail2 = causal_conv(split, k["m"], w2, k["b"], frames, ln=k["ln"], act=ACT_MISH, out_mask=True,
@@ -347,8 +347,7 @@ def test_gpu_tail_conv_over_many_tiles_and_repeats(dtype):
     k["ln"] = tuple(z.to(dtype) if isinstance(z, torch.Tensor) else z for z in k["ln"])
     ref = row_epilogue(causal_conv(k["x"], k["m"], k["w"], k["b"], frames), k["m"], k["ln"], frames, act=ACT_MISH,
                        vec=k["vec"], residual=k["res"]).float()
-    ctr = torch.empty(50, tail_slots(2 * frames), device=DEV, dtype=torch.int32)
-    ctr.zero_()
+    ctr = torch.zeros(50, tail_slots(2 * frames), device=DEV, dtype=torch.int32)
     outs = [causal_conv(k["x"], k["m"], k["w"], k["b"], frames, ln=k["ln"], act=ACT_MISH, out_mask=True,
                         vec=k["vec"], residual=k["res"], tail=ctr[i]) for i in range(50)]
     tol = TOL if dtype == torch.float32 else 2e-2

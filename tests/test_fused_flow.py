@@ -227,9 +227,9 @@ def test_many_rows_fold_the_next_layer_norm_into_the_epilogue(two_blocks, monkey
 
 
 def test_tail_convs_equal_the_split_row_passes(small, monkeypatch):
-    """The default forward of a CFG pair runs its ResNet convs as tail convs (the LayerNorm pass in each conv's
-    last programs); with ``LAUNCH["conv_tail"]`` off they run as conv + row pass.  Both give the same rows, in a
-    plain forward and under a ragged extent."""
+    """With ``LAUNCH["conv_tail"]`` on, a CFG pair's forward runs its ResNet convs as tail convs (the LayerNorm
+    pass in each conv's last programs); off (the default) as conv + row pass.  Both give the same rows, in a
+    plain forward and under a ragged extent, and equal eager."""
     from cosyvoice_fast.kernels import estimator_common
 
     args = estimator_inputs(small.cfg, 2, 30, torch.float32, "cpu", valid=[30, 21], seed=3)
