@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.steps import gpu_runner, step_args  # noqa: E402
+from benchmarks.steps import alternating_rounds, gpu_runner, step_args  # noqa: E402
 
 SHAPES = ((2, 56), (2, 100), (2, 200), (2, 250), (4, 200))
 #: mode -> (tail convs on, the pair-row conv tiles' overrides): ``tail_bn64`` keeps 64-wide column tiles (4 per
@@ -58,7 +58,12 @@ def main() -> int:
 
         fused = full_fused_bf16()
         calls = {shape: step_forward(fused, *shape) for shape in SHAPES}
-        r: dict = {"kernels_2x200": {}, "diff_vs_rowpass": {}, "ms": {}}
+        r: dict = {"kernels_2x200": {}, "diff_vs_rowpass": {}}
+
+        def timed(shape: tuple[int, int], mode: str) -> float:
+            set_mode(mode)
+            return graph_replay_ms(calls[shape], iters=50)
+
         with torch.inference_mode():
             for mode in MODES:
                 set_mode(mode)
@@ -71,14 +76,8 @@ def main() -> int:
                     set_mode(mode)
                     d = (calls[shape]().float() - ref).abs().max().item()
                     r["diff_vs_rowpass"][f"{shape[0]}x{shape[1]}_{mode}"] = round(d, 4)
-            for _ in range(3):
-                for shape in SHAPES:
-                    for mode in MODES:
-                        set_mode(mode)
-                        ms = graph_replay_ms(calls[shape], iters=50)
-                        r["ms"].setdefault(f"{shape[0]}x{shape[1]}", {}).setdefault(mode, []).append(round(ms, 4))
+            r.update(alternating_rounds({f"{s[0]}x{s[1]}": s for s in SHAPES}, MODES, timed))
         set_mode("rowpass")
-        r["median_ms"] = {s: {m: round(statistics.median(v), 4) for m, v in d.items()} for s, d in r["ms"].items()}
         return r
 
     def chunk() -> dict:

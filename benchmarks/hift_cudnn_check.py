@@ -17,7 +17,6 @@ waveform difference between the modes (the same noise draw).
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.steps import gpu_runner, step_args, time_call  # noqa: E402
+from benchmarks.steps import alternating_rounds, gpu_runner, step_args, time_call  # noqa: E402
 
 LENGTHS = (50, 56)
 #: PyTorch caches the cuDNN plan of a convolution by shape for the whole process, so the first vocoder built
@@ -59,7 +58,7 @@ def main() -> int:
         g = torch.Generator().manual_seed(0)
         mels = {n: (torch.randn(1, 80, n, generator=g) - 5).cuda() for n in LENGTHS}
         empty = torch.zeros(1, 1, 0, device="cuda")
-        r: dict = {"ms": {}, "kernels": {}, "wave_diff": {}}
+        r: dict = {"kernels": {}, "wave_diff": {}}
 
         def call(mode: str, n: int):  # noqa: ANN202
             return lambda: vocs[mode].vocode(mels[n], empty, torch.Generator(device="cuda").manual_seed(1))
@@ -76,12 +75,8 @@ def main() -> int:
                     entry[0] += 1
                     entry[1] = round(entry[1] + us, 1)
                 r.setdefault("kernel_names", {})[str(n)] = by_name
-            for _ in range(3):
-                for n in LENGTHS:
-                    for m in MODES:
-                        ms = time_call(call(m, n), warmup=3, iters=50)["median_ms"]
-                        r["ms"].setdefault(str(n), {}).setdefault(m, []).append(ms)
-        r["median_ms"] = {n: {m: round(statistics.median(v), 4) for m, v in d.items()} for n, d in r["ms"].items()}
+            r.update(alternating_rounds({str(n): n for n in LENGTHS}, MODES,
+                                        lambda n, m: time_call(call(m, n), warmup=3, iters=50)["median_ms"]))
         return r
 
     if "chunk" in steps:

@@ -16,7 +16,6 @@ largest output difference from ``session22`` (bf16 rounding in another order).
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.steps import gpu_runner, step_args  # noqa: E402
+from benchmarks.steps import alternating_rounds, gpu_runner, step_args  # noqa: E402
 
 SHAPES = ((2, 56), (2, 100), (2, 150), (2, 200), (2, 250), (2, 300), (4, 200))
 MODES = ("session22", "pair", "pair_all")
@@ -50,8 +49,12 @@ def main() -> int:
     def call(shape: tuple[int, int]):  # noqa: ANN202
         return calls[shape]
 
+    def timed(shape: tuple[int, int], mode: str) -> float:
+        set_mode(mode)
+        return graph_replay_ms(call(shape), iters=50)
+
     def forward() -> dict:
-        r: dict = {"diff_vs_session22": {}, "ms": {}}
+        r: dict = {"diff_vs_session22": {}}
         with torch.inference_mode():
             for shape in SHAPES:
                 set_mode("session22")
@@ -60,14 +63,8 @@ def main() -> int:
                     set_mode(mode)
                     d = (call(shape)().float() - ref).abs().max().item()
                     r["diff_vs_session22"][f"{shape[0]}x{shape[1]}_{mode}"] = round(d, 4)
-            for _ in range(3):
-                for shape in SHAPES:
-                    for mode in MODES:
-                        set_mode(mode)
-                        ms = graph_replay_ms(call(shape), iters=50)
-                        r["ms"].setdefault(f"{shape[0]}x{shape[1]}", {}).setdefault(mode, []).append(round(ms, 4))
+            r.update(alternating_rounds({f"{s[0]}x{s[1]}": s for s in SHAPES}, MODES, timed))
         set_mode("pair")
-        r["median_ms"] = {s: {m: round(statistics.median(v), 4) for m, v in d.items()} for s, d in r["ms"].items()}
         return r
 
     if "forward" in steps:

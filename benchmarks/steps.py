@@ -27,9 +27,10 @@ import sys
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-__all__ = ["StepRunner", "StepTimeout", "gpu_runner", "require_cuda", "step_args"]
+__all__ = ["StepRunner", "StepTimeout", "alternating_rounds", "gpu_runner", "require_cuda", "step_args",
+           "time_call"]
 
 
 class StepTimeout(BaseException):
@@ -178,3 +179,17 @@ def time_call(call: Callable[[], object], warmup: int, iters: int) -> dict[str, 
         ms.append(start.elapsed_time(end))
     p95 = statistics.quantiles(ms, n=20, method="inclusive")[18]
     return {"median_ms": round(statistics.median(ms), 3), "p95_ms": round(p95, 3), "min_ms": round(min(ms), 3)}
+
+
+def alternating_rounds(cases: dict[str, Any], modes: Sequence[str], time_one: Callable[[Any, str], float],
+                       rounds: int = 3) -> dict[str, dict]:
+    """``time_one(case, mode)`` (ms) for every case and mode, ``rounds`` times over, the modes alternating inside
+    each round (so a drift of the machine's speed during the run reaches every mode alike).  Returns ``{"ms":
+    {label: {mode: [ms per round]}}, "median_ms": {label: {mode: median}}}``, ``cases`` keyed by label."""
+    ms: dict[str, dict[str, list[float]]] = {}
+    for _ in range(rounds):
+        for label, case in cases.items():
+            for mode in modes:
+                ms.setdefault(label, {}).setdefault(mode, []).append(round(time_one(case, mode), 4))
+    return {"ms": ms, "median_ms": {label: {m: round(statistics.median(v), 4) for m, v in d.items()}
+                                    for label, d in ms.items()}}

@@ -130,3 +130,20 @@ def test_hift_profile_conv_stack_bf16_seam_is_removed_afterwards(monkeypatch):
     top = hp.top_kernels([("k" * 150, 3.0), ("b", 1.0), ("k" * 150, 2.0)], top=1)
     assert top["kernels"] == 3 and top["top"] == [{"name": "k" * 100, "count": 2, "total_ms": 0.005,
                                                     "share": 0.833}]
+
+
+def test_alternating_rounds_alternate_the_modes_inside_each_round_and_take_medians():
+    from benchmarks.steps import alternating_rounds
+
+    seen = []
+    times = iter([3.0, 1.0, 5.0, 2.0, 4.0, 9.0, 7.0, 6.0, 1.25, 0.5, 2.5, 8.0])
+
+    def time_one(case: int, mode: str) -> float:
+        seen.append((case, mode))
+        return next(times)
+
+    r = alternating_rounds({"a": 1, "b": 2}, ("x", "y"), time_one, rounds=3)
+    assert seen == [(1, "x"), (1, "y"), (2, "x"), (2, "y")] * 3
+    assert r["ms"] == {"a": {"x": [3.0, 4.0, 1.25], "y": [1.0, 9.0, 0.5]},
+                       "b": {"x": [5.0, 7.0, 2.5], "y": [2.0, 6.0, 8.0]}}
+    assert r["median_ms"] == {"a": {"x": 3.0, "y": 1.0}, "b": {"x": 5.0, "y": 6.0}}
