@@ -270,14 +270,16 @@ class CudaGraphFlow:
                  max_frames: int = DEFAULT_MAX_FRAMES, max_graphs: int = 128, incremental: bool = True,
                  state_frames: int | None = None, buckets: Sequence[int] | None = None,
                  rows: Sequence[int] | None = None, capture_at_start: bool = False, progress: bool = True,
-                 estimator: Callable[[torch.nn.Module], torch.nn.Module] | None = None, ragged: bool = False):
+                 estimator: Callable[[torch.nn.Module], torch.nn.Module] | None = None, ragged: bool = False,
+                 encoder: Callable[[torch.nn.Module], Callable[..., Any]] | None = None):
         """``buckets`` / ``rows`` (``EngineConfig.flow_buckets`` / ``flow_rows``): the estimator lengths and
         requests per solve to serve from graphs; with ``capture_at_start`` every one of them (both attention
         modes), every encoder bucket and every incremental shape is captured here and nothing is captured later
         (uncaptured shapes run eagerly).  ``estimator`` maps the
         model's estimator (projections already fused) to the module the graphs capture instead of it (the
         ``fused`` backend's kernels); ``ragged`` replays its graphs over only each solve's rows and frames when
-        that module supports it (:class:`GraphEstimator`)."""
+        that module supports it (:class:`GraphEstimator`); ``encoder`` maps the flow model to the padded-encode
+        function its encoder graphs capture (:class:`GraphEncoder`'s ``encode``; default the model's own)."""
         reason = why_unavailable(flow)
         if reason is not None:
             raise BackendUnavailable(reason)
@@ -294,7 +296,8 @@ class CudaGraphFlow:
             self.max_batch = min(max(rows), ROW_SIZES[-1] // 2)
         self.encoder = GraphEncoder(flow, next(flow.parameters()).device, buckets,
                                     rows=tuple(r for r in ENCODER_ROWS if r <= self.max_batch) or (1,),
-                                    max_tokens=max_frames // flow.cfg.token_mel_ratio)
+                                    max_tokens=max_frames // flow.cfg.token_mel_ratio,
+                                    encode=encoder(flow) if encoder else None)
         self.incremental = None
         if incremental:
             from .cudagraph_incremental import DEFAULT_STATE_FRAMES, GraphIncrementalFlow

@@ -3,8 +3,9 @@
 Same bucket policy, graph runner and encoder graphs as :class:`~cosyvoice_fast.backends.cudagraph_flow.
 CudaGraphFlow`; the captured function is :class:`~cosyvoice_fast.kernels.estimator_fused.FusedEstimator`
 instead of the eager estimator, so each Euler step replays a graph of a few hundred fused kernels instead of
-about a thousand small ones.  Padding stays exact for the same reasons (causal convs, masked keys, masked
-inputs), and the fused attention needs no (rows, T, T) bias tensor.
+about a thousand small ones, and the encoder graphs capture :class:`~cosyvoice_fast.kernels.encoder_fused.
+FusedEncoder` (five kernels per Conformer block instead of about twenty).  Padding stays exact for the same
+reasons (causal convs, masked keys, masked inputs), and the fused attention needs no (rows, T, T) bias tensor.
 
 With ``incremental`` (the engine's default, as for ``cudagraph``) streaming chunks run on the incremental
 runner of :mod:`~cosyvoice_fast.backends.cudagraph_incremental` with these same kernels on its windows
@@ -19,6 +20,7 @@ cached-key writes, BENCHMARKS.md), so incremental pays only from the voice's cac
 from __future__ import annotations
 
 import importlib.util
+import logging
 from typing import Any
 
 import torch
@@ -26,6 +28,8 @@ import torch
 from ..config import ModelConfig
 from .base import BackendUnavailable
 from .cudagraph_flow import CudaGraphFlow
+
+log = logging.getLogger(__name__)
 
 
 def why_unavailable(flow: torch.nn.Module | None = None) -> str | None:
@@ -43,6 +47,13 @@ def why_unavailable(flow: torch.nn.Module | None = None) -> str | None:
     return None
 
 
+def _fused_encode(flow: torch.nn.Module) -> Any:
+    """The padded-encode function the ``fused`` flow's encoder graphs capture."""
+    from ..kernels.encoder_fused import FusedEncoder
+
+    return FusedEncoder(flow).encode_padded
+
+
 class FusedFlow(CudaGraphFlow):
     """Flow stage: graph-replayed encoder (exact shapes) and fused estimator (length and row buckets, and the
     incremental runner's windows); the ``cudagraph`` flow's constructor arguments, except that ``incremental``
@@ -51,11 +62,22 @@ class FusedFlow(CudaGraphFlow):
 
     new_voices = "recompute"
 
-    def __init__(self, flow: torch.nn.Module, config: ModelConfig, **kwargs: Any):
+    def __init__(self, flow: torch.nn.Module, config: ModelConfig, fused_encoder: bool = True, **kwargs: Any):
+        """``fused_encoder``: the encoder graphs capture :class:`~cosyvoice_fast.kernels.encoder_fused.
+        FusedEncoder` (five kernels per Conformer block) rather than the eager encoder, where the model's sizes
+        allow it (else the eager one, with a log line saying why)."""
         reason = why_unavailable(flow)
         if reason is not None:
             raise BackendUnavailable(reason)
+        from ..kernels.encoder_fused import why_unsupported
         from ..kernels.estimator_fused import FusedEstimator
 
+        encoder = None
+        if fused_encoder:
+            unsupported = why_unsupported(flow)
+            if unsupported is None:
+                encoder = _fused_encode
+            else:
+                log.info("flow backend 'fused': the encoder stays eager (%s)", unsupported)
         kwargs.setdefault("incremental", False)
-        super().__init__(flow, config, estimator=FusedEstimator, **kwargs)
+        super().__init__(flow, config, estimator=FusedEstimator, encoder=encoder, **kwargs)

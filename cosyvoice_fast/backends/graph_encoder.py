@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -40,10 +40,14 @@ class GraphEncoder:
     CUDA graphs of :meth:`~cosyvoice_fast.models.flow.CausalMaskedDiffWithXvec.encode_padded`."""
 
     def __init__(self, flow: torch.nn.Module, device: torch.device, buckets: Sequence[int] | None = None,
-                 rows: Sequence[int] = ENCODER_ROWS, max_tokens: int = 1500, max_graphs: int = 256):
+                 rows: Sequence[int] = ENCODER_ROWS, max_tokens: int = 1500, max_graphs: int = 256,
+                 encode: Callable[..., Any] | None = None):
+        """``encode``: the function the graphs capture, with ``flow.encode_padded``'s signature and result (the
+        ``fused`` backend's :class:`~cosyvoice_fast.kernels.encoder_fused.FusedEncoder`); default the model's."""
         from .graphs import GraphCache
 
         self.flow = flow
+        self.encode = encode if encode is not None else flow.encode_padded
         self.device = device
         self.stride = flow.encoder.cfg.upsample_stride
         self.lookahead = flow.encoder.cfg.pre_lookahead_len
@@ -62,10 +66,10 @@ class GraphEncoder:
     # ------------------------------------------------------------------------------------------ the graphs
 
     def _fn(self, streaming: bool):
-        flow = self.flow
+        encode = self.encode
 
         def run(ids: Tensor, full: Tensor, body: Tensor, emb: Tensor) -> tuple[Tensor, Tensor]:
-            enc = flow.encode_padded(ids, full, body, emb, streaming=streaming)
+            enc = encode(ids, full, body, emb, streaming=streaming)
             return enc.mu, enc.spks
 
         return run

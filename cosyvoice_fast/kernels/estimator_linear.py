@@ -167,7 +167,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: i
            rowmask: Tensor | None = None, out: Tensor | None = None, out_btc: tuple[int, int] | None = None,
            freqs: Tensor | None = None, sinus_scale: float = 1000.0,
            norm_out: tuple[Tensor, tuple[Tensor, Tensor, float]] | None = None,
-           extent: Tensor | None = None) -> Tensor:
+           extent: Tensor | None = None, oneshot: bool | None = None) -> Tensor:
     """``act(prologue(x) @ weight.T + bias) (+ residual) (* rowmask)`` for x (M, K) row-major, weight (N, K).
 
     ``prologue``: :data:`PRO_LN` (``ln`` = (gamma, beta, eps)), :data:`PRO_MISH`, or :data:`PRO_SINUS`, where
@@ -182,6 +182,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: i
     it is part of the epilogue and costs no launch; on the row-tiled path, whose tiles do not span a row, it
     is a separate pass, so callers pass it only where :func:`use_many_rows` holds (elsewhere the next GEMM's
     LayerNorm prologue is free) -- it is filled on either path so that a wrong guess costs time, not results.
+
+    ``oneshot``: whether a call of few rows may take the one-shot GEMM (``None``: ``LAUNCH["oneshot"]``).
     """
     n, k = weight.shape
     m = x.shape[0]
@@ -205,7 +207,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: i
         return linear_cublas(x, weight, bias, prologue=prologue, ln=ln, act=act, residual=residual, rowmask=rowmask,
                              out=out, rows_per_b=rows_per_b, out_strides=(syb, syt, syn), norm_out=norm_out,
                              extent=extent)
-    if LAUNCH["oneshot"] and m <= LAUNCH["oneshot_max_rows"] and prologue in (PRO_NONE, PRO_LN) and norm_out is None:
+    if (LAUNCH["oneshot"] if oneshot is None else oneshot) and m <= LAUNCH["oneshot_max_rows"] \
+            and prologue in (PRO_NONE, PRO_LN) and norm_out is None:
         return linear_oneshot(x, weight, bias, prologue=prologue, ln=ln, act=act, residual=residual,
                               rowmask=rowmask, out=out, out_btc=out_btc, extent=extent)
     tiles = pick_tiles(weight.dtype == torch.float32, TUNING, FP32_TILES, INTERPRETER_TILES)
