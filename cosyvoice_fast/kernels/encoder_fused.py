@@ -31,6 +31,7 @@ from ..models.flow import FlowEncoding
 from ..models.flow_encoder_layers import relative_position_table
 from .encoder_attention import relpos_attention
 from .estimator_common import LAUNCH, interpreting
+from .estimator_fused import _ln
 from .estimator_linear import ACT_SILU, PRO_LN, linear
 from .estimator_oneshot import linear_oneshot
 
@@ -48,10 +49,6 @@ ENCODER_GEMMS: dict[str, dict | str] = {
     "ff2": "rowtiled",  # N = D, K = 4 D, residual
     "pos": "cublas",  # every block's position projection of the table: N = blocks x D, 2T - 1 rows
 }
-
-
-def _ln(norm: nn.LayerNorm) -> tuple[Tensor, Tensor, float]:
-    return norm.weight, norm.bias, float(norm.eps)
 
 
 def why_unsupported(flow: nn.Module) -> str | None:
