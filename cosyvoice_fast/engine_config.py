@@ -62,8 +62,10 @@ class EngineConfig:
       (:func:`~cosyvoice_fast.schedule.later_chunk_wait`); 0 never waits.
     - ``first_chunk_priority``: with ``cuda_streams == 2``, while the chunk side solves a batch holding someone's
       first chunk, the LMs already past their own first chunk pause, so that solve has the GPU to itself (the
-      lowest first audio).  ``False`` keeps every LM decoding meanwhile: the GPU has decode steps to run in the
-      solve's host gaps (more audio per second under load), and first chunks share the GPU with them.
+      lowest first audio); an LM whose own first chunk is ready pauses from then on (no step launched ahead of
+      it either) until that chunk is out.  ``False`` keeps every LM decoding meanwhile: the GPU has decode steps
+      to run in the solve's host gaps (more audio per second under load), and first chunks share the GPU with
+      them.
     """
 
     max_streams: int = 64

@@ -314,6 +314,37 @@ def test_cpu_decode_ahead_off_launches_each_step_from_the_host(tiny_models, case
                      prefill_buckets=(), decode_ahead=True)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="drives CPU graph maths through the Triton interpreter")
+def test_cpu_no_ahead_skips_one_step_ahead_and_keeps_every_token(tiny_models, case, monkeypatch):
+    """A decode call for a state with ``no_ahead`` (the engine pauses it after this step) launches nothing ahead
+    for it; its next call launches that step from the host.  Tokens and the generator's offset equal the
+    model's own loop, and exactly one step ahead fewer is launched than with ``decode_ahead`` throughout."""
+    monkeypatch.setattr(cudagraph_llm, "why_unavailable", lambda llm: None)
+    llm = tiny_models.llm
+    stage = _CpuGraphLLM(llm, tiny_models.config, progress=False, slots=2, max_len=512, kv_buckets=(128, 256),
+                         prefill_buckets=(64,), device_ras=True)
+    assert stage.decode_ahead
+    inputs, text = _inputs(case), case["text"]
+    n, pause = 30, 10
+    ref, ref_offset = _philox_reference(llm, inputs, text, 77, n)
+    gen = PhiloxGen(77)
+    st = stage.new_state(inputs, text, gen, n, True)
+    got = [stage.prefill([st])[0]]
+    calls = 0
+    while not st.done:
+        st.no_ahead = calls == pause
+        (token,) = stage.decode([st])
+        got.append(token)
+        if calls == pause:
+            assert not stage._feed.pending(st.slot, st, st.step)  # nothing launched ahead for it
+        elif not st.done and calls < n - 3:
+            assert stage._feed.pending(st.slot, st, st.step)
+        calls += 1
+    assert got == ref and gen.offset == ref_offset
+    # every call but the last launches one step ahead (n - 2 of them, see _check_sitting_out), less the paused one
+    assert stage.ahead_rows == n - 3 and stage._feed.dropped == 0 and stage.slots_in_use == 0
+
+
 def test_device_ras_is_off_on_cpu_by_default_and_refused_where_it_cannot_run(tiny_models, monkeypatch):
     monkeypatch.setattr(cudagraph_llm, "why_unavailable", lambda llm: None)
     kw = dict(progress=False, slots=2, max_len=256, kv_buckets=(256,), prefill_buckets=())

@@ -14,7 +14,9 @@ import torch
 from cosyvoice_fast.backends.eager import EagerVocoder
 from cosyvoice_fast.engine import Engine
 from cosyvoice_fast.engine_config import EngineConfig
+from cosyvoice_fast.config import StreamParams
 from cosyvoice_fast.request import ModelInputs, SynthesisRequest
+from cosyvoice_fast.schedule import ChunkCursor
 from cosyvoice_fast.runtime.vocoder_stream import VocodeJob, vocode_chunk, vocode_chunks
 
 
@@ -92,6 +94,58 @@ def test_first_chunk_priority_pauses_only_lms_past_their_first_chunk(tiny_models
             sched.first_busy = False
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("streams, priority", [(2, True), (2, False), (1, True)])
+def test_an_lm_pauses_once_its_own_first_chunk_is_ready(tiny_models, case, streams, priority):
+    """Its own first chunk ready (not yet taken by the chunk side, nothing being solved): the LM pauses at once
+    with the priority on and the sides overlapped; the decode step whose token makes that chunk due is marked
+    ``no_ahead`` one token before, and never for a later chunk, a non-streamed request or a chunk already due."""
+    eng = Engine(tiny_models, config=EngineConfig(cuda_streams=streams, first_chunk_priority=priority))
+    on = priority and streams == 2
+    try:
+        sched = eng._sched
+        cursor = ChunkCursor(8, StreamParams())
+        due = cursor.tokens_short(0)
+
+        class Seg:
+            def __init__(self, n: int, pending: bool):
+                self.tokens, self.pending, self.cursor = list(range(n)), [object()] if pending else [], cursor
+
+        class St:
+            def __init__(self, emitted: int, n: int, pending: bool = False, stream: bool = True):
+                self.chunks_emitted, self.segment = emitted, Seg(n, pending)
+                self.request = SynthesisRequest(inputs=_request(case, 0).inputs, stream=stream)
+
+        assert not sched.first_busy
+        assert sched._yields(St(0, due, pending=True)) is on
+        assert not sched._yields(St(0, due - 1)) and not sched._yields(St(1, due + 30, pending=True))
+        assert sched._completes_first_chunk(St(0, due - 1)) is on
+        for st in (St(0, due - 2), St(0, due, pending=True), St(1, due - 1), St(0, due - 1, stream=False)):
+            assert not sched._completes_first_chunk(st)
+    finally:
+        eng.close()
+
+
+def test_a_lone_stream_runs_its_first_chunk_with_its_lm_paused(tiny_models, case):
+    """End to end on one stream: no decode step runs between the first chunk becoming ready and its audio
+    (the LM pauses on its own first chunk, even while the chunk side is slow to take it: 30 ms here), and the
+    audio equals the serial engine's."""
+    req = _request(case, 1, max_tokens=80)  # the first chunk is due at 45 tokens (8 prompt tokens)
+    out = {}
+    for streams in (1, 2):
+        eng = Engine(tiny_models, config=EngineConfig(cuda_streams=streams))
+        gather = eng._sched._gather
+        eng._sched._gather = lambda: (time.sleep(0.03), gather())[1]
+        try:
+            audio, tele = eng.synthesize(req)
+            out[streams] = audio
+            if streams == 2:
+                first = tele.chunks[0]
+                assert not [t for t in tele.token_times if first.tokens_ready < t < first.delivered]
+        finally:
+            eng.close()
+    np.testing.assert_array_equal(out[1], out[2])
 
 
 class GatedLLM:

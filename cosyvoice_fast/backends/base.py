@@ -36,7 +36,10 @@ class LLMState:
     ``pos`` the cache position the next fed token is written at, ``slot`` the backend slot it holds (``None``:
     none), ``cache`` a backend's per-state cache (the eager LM's own KV cache), ``extra`` anything else a
     backend keeps per request (e.g. an external runner's stream).  ``done`` turns true when a stop id was drawn
-    or ``max_len`` tokens exist; a done state holds no slot."""
+    or ``max_len`` tokens exist; a done state holds no slot.  ``no_ahead`` is the engine's word, set before each
+    decode call, that it will not ask for this state's next step right away (the step's token completes the
+    request's first chunk, whose solve should find the GPU free): a backend that launches steps ahead of the
+    call that asks for them (``decode_ahead``) does not for this state this time."""
 
     text: torch.Tensor
     prompt_text: torch.Tensor | None
@@ -51,6 +54,7 @@ class LLMState:
     cache: Any = None
     extra: Any = None
     done: bool = False
+    no_ahead: bool = False
 
     @property
     def ready(self) -> bool:

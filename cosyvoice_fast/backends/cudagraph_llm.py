@@ -373,7 +373,10 @@ class CudaGraphLLM:
         """A device-RAS decode call (caller holds the lock): launch the rows whose step is not pending (new,
         or back after sitting out), then, with ``decode_ahead``, every row's step after, and only then read
         and accept the results of the steps asked for.  The step launched ahead is this call's ``states``'s
-        next step: the engine's next call usually asks for it, and finds it computed or computing."""
+        next step: the engine's next call usually asks for it, and finds it computed or computing.  A state with
+        ``no_ahead`` set gets none: the engine pauses it after this step, so a step ahead would only take GPU time
+        from the chunk that paused it (and its next call launches that step from the host, as after sitting
+        out)."""
         feed = self._feed
         try:
             feed.settle()
@@ -382,7 +385,8 @@ class CudaGraphLLM:
                 self._launch(fresh, ahead=False)
             # a CPU generator's row is sampled on the host from the step's log-probs: nothing may overwrite them
             if self.decode_ahead and all(st.generator.device.type == "cuda" for st in states):
-                more = [st for st in states if st.step + 1 < st.max_len and st.pos + 1 < self.max_len]
+                more = [st for st in states if st.step + 1 < st.max_len and st.pos + 1 < self.max_len
+                        and not st.no_ahead]
                 if more:
                     self._launch(more, ahead=True)
         except Exception as e:  # noqa: BLE001 - the launch failed as a whole: each row gets the error

@@ -12,7 +12,8 @@ Two sides share the running requests:
 With ``EngineConfig.cuda_streams == 2`` each side has its own worker thread, and on a GPU its own CUDA stream
 (the LLM's at high priority): a 100 ms batch of flow solves no longer holds every stream's decoding behind it.
 First audio keeps precedence: while a batch holding a first chunk is solved, the LMs already past their own
-first chunk pause (see ``Scheduler._yields``), so that solve has the GPU to itself as in the serial order
+first chunk pause, and an LM pauses as soon as its own first chunk is ready (see ``Scheduler._yields``), so that
+solve has the GPU to itself as in the serial order
 (``EngineConfig.first_chunk_priority``; with it off every LM keeps decoding).
 Both threads wait on one condition when they have nothing to do (never a busy loop), and each wakes the other
 when it made work for it.  With ``cuda_streams == 1`` one thread runs an LLM turn then a chunk turn.
@@ -148,11 +149,27 @@ class Scheduler:
         """Whether ``st``'s LM skips this step to leave the GPU to a first chunk being solved (caller holds
         ``cv`` or reads a snapshot).  While the chunk side computes someone's first audio, only LMs that have not
         reached their own first chunk keep decoding: the others are ahead of their listeners anyway, and their
-        decode kernels would share the GPU with (and slow down) the solve that someone is waiting for."""
-        if not self.first_busy or not self.config.first_chunk_priority:
+        decode kernels would share the GPU with (and slow down) the solve that someone is waiting for.
+
+        An LM whose own first chunk is ready pauses at once, before the chunk side has taken it: its next tokens
+        are for a chunk a whole first chunk of audio later, and a decode turn in between would hold the GIL and
+        the GPU while the chunk side starts that solve (the time to first audio of a lone stream)."""
+        if not self.config.first_chunk_priority or not self.overlap:
             return False
         seg = st.segment
-        return st.chunks_emitted > 0 or bool(seg is not None and seg.pending) or id(st) in self.busy
+        pending = bool(seg is not None and seg.pending)
+        if st.chunks_emitted == 0 and pending:
+            return True
+        if not self.first_busy:
+            return False
+        return st.chunks_emitted > 0 or pending or id(st) in self.busy
+
+    def _completes_first_chunk(self, st: RequestState) -> bool:
+        """Whether ``st``'s next token makes its first chunk due (so :meth:`_yields` pauses its LM right after):
+        the LLM stage is told not to launch its step after ahead (``LLMState.no_ahead``)."""
+        seg = st.segment
+        return (self.overlap and self.config.first_chunk_priority and st.request.stream and st.chunks_emitted == 0
+                and seg is not None and not seg.pending and seg.cursor.tokens_short(len(seg.tokens)) == 1)
 
     def _llm_has_work(self) -> bool:
         """Caller holds ``cv``."""
@@ -370,6 +387,8 @@ class Scheduler:
         rows = [st for st in self.active if st.segment is not None and st.segment.llm_started
                 and not st.segment.llm_done and not st.cancelled.is_set() and st.segment.llm is not None
                 and st.segment.llm.ready and not self._yields(st)]
+        for st in rows:
+            st.segment.llm.no_ahead = self._completes_first_chunk(st)
         for group in group_by(rows, lambda s: s.stages.llm):
             try:
                 results = group[0].stages.llm.decode([st.segment.llm for st in group])
