@@ -147,3 +147,56 @@ def test_alternating_rounds_alternate_the_modes_inside_each_round_and_take_media
     assert r["ms"] == {"a": {"x": [3.0, 4.0, 1.25], "y": [1.0, 9.0, 0.5]},
                        "b": {"x": [5.0, 7.0, 2.5], "y": [2.0, 6.0, 8.0]}}
     assert r["median_ms"] == {"a": {"x": 3.0, "y": 1.0}, "b": {"x": 5.0, "y": 6.0}}
+
+
+def _x(name: str, cat: str, ts: float, dur: float, tid: int = 5, **args: object) -> dict:
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "tid": tid, "args": args}
+
+
+def test_ttfb_trace_splits_each_stage_into_gpu_busy_and_idle_and_names_what_ended_each_gap():
+    """A hand-made trace (µs): kernels at 1100-1200 and 1300-1350, a copy at 1500-1520, each launched by a
+    runtime call; a project Python frame around the graph launch.  Stage windows in perf_counter seconds with
+    the clock offset 0."""
+    from benchmarks.ttfb_trace import analyse
+
+    trace = {"traceEvents": [
+        _x("ttfb_trace_clock", "user_annotation", 1000, 1),
+        _x("gemm", "kernel", 1100, 100, correlation=1), _x("attn", "kernel", 1300, 50, correlation=2),
+        _x("Memcpy HtoD", "gpu_memcpy", 1500, 20, correlation=3),
+        _x("cudaLaunchKernel", "cuda_runtime", 1090, 5, correlation=1),
+        _x("cudaGraphLaunch", "cuda_runtime", 1250, 40, correlation=2),
+        _x("cudaMemcpyAsync", "cuda_runtime", 1480, 10, correlation=3),
+        _x("cosyvoice_fast/runtime/x.py(1): f", "python_function", 1240, 60),
+        _x("other.py(2): g", "python_function", 1245, 50),
+        {"ph": "i", "name": "ignored", "ts": 1200}]}
+    got = analyse(trace, 0.0, [("a", 0.001, 0.0014), ("b", 0.0014, 0.0016)])
+    a, b = got["a"], got["b"]
+    assert (a["ms"], a["gpu_busy_ms"], a["gpu_idle_ms"], a["gpu_activities"]) == (0.4, 0.15, 0.25, 2)
+    assert (a["gaps_over_8us"], a["gap_ms_over_8us"]) == (3, 0.25)
+    assert [(g["at_ms"], g["us"], g["launched_by"]) for g in a["longest_gaps"]] == [
+        (0.0, 100, "cudaLaunchKernel"), (0.2, 100, "cudaGraphLaunch"), (0.35, 50, "cudaMemcpyAsync")]
+    graph_gap = a["longest_gaps"][1]
+    assert graph_gap["next_gpu"] == "attn" and graph_gap["launch_ts_in_gap_us"] == 50
+    assert graph_gap["python"] == ["cosyvoice_fast/runtime/x.py(1): f"]  # only the project's frames
+    assert (b["gpu_busy_ms"], b["gpu_idle_ms"], b["gpu_activities"]) == (0.02, 0.18, 1)
+    assert [(g["us"], g["next_gpu"]) for g in b["longest_gaps"]] == [(100, "Memcpy HtoD"), (80, None)]
+
+
+def test_host_path_check_wraps_methods_and_staticmethods_and_records_each_call(monkeypatch):
+    from benchmarks import host_path_check as hp
+    from cosyvoice_fast.runtime.chunks import ChunkRunner
+    from cosyvoice_fast.schedule import ChunkCursor
+
+    for cls, name in ((ChunkCursor, "tokens_short"), (ChunkRunner, "_to_host")):
+        monkeypatch.setattr(cls, name, cls.__dict__[name])  # restored after the test
+    monkeypatch.setattr(hp, "CALLS", [])
+    assert hp.wrap("schedule", "ChunkCursor", "tokens_short") == "ChunkCursor.tokens_short"
+    assert hp.wrap("runtime.chunks", "ChunkRunner", "_to_host") == "ChunkRunner._to_host"
+    assert hp.wrap("schedule", "ChunkCursor", "no_such_method") is None
+    assert hp.wrap("no_such_module", "X", "y") is None
+    from cosyvoice_fast.config import StreamParams
+
+    cursor = ChunkCursor(8, StreamParams())
+    assert cursor.tokens_short(40) == 5 and ChunkRunner._to_host([]) == []
+    assert [c[0] for c in hp.CALLS] == ["ChunkCursor.tokens_short", "ChunkRunner._to_host"]
+    assert all(t1 >= t0 for _, _, t0, t1 in hp.CALLS)

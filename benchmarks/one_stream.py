@@ -1,0 +1,56 @@
+"""The service and requests of the bench's concurrency-1 workload, for the scripts that time single streams
+(``ttfb_trace.py``, ``host_path_check.py``, ``first_chunk_pause_ab.py``).
+
+They take the bench's model, device and engine flags plus its workload flags after ``--`` and build requests
+exactly as ``python -m cosyvoice_fast.bench`` does (seeded synthetic token ids, a new voice per request, EOS
+ignored), so their numbers line up with the bench's c1 row.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+#: the bench's workload flags and defaults
+WORKLOAD = (("--prompt-tokens", 75), ("--text-tokens", 30), ("--gen-tokens", 150), ("--token-hop-len-first", 25),
+            ("--pre-lookahead-len", 3))
+
+
+@dataclass
+class OneStream:
+    """A loaded service, the parsed bench flags (``args``) and ``make(seed)`` -> the bench's request."""
+
+    svc: Any
+    args: argparse.Namespace
+    backend: Any
+    make: Callable[[int], Any]
+
+
+def load(bench_argv: Sequence[str], prog: str) -> OneStream:
+    """Load the service the bench flags describe (``--backends`` names one preset, default ``fused``)."""
+    from cosyvoice_fast import bench
+    from cosyvoice_fast.cli_args import add_cli_args, from_cli_args
+    from cosyvoice_fast.config import StreamParams
+    from cosyvoice_fast.request import SynthesisRequest
+    from cosyvoice_fast.service import load_service
+
+    ap = argparse.ArgumentParser(prog=f"{prog} (bench flags after --)")
+    add_cli_args(ap, parts=("model", "device", "engine"))
+    ap.add_argument("--backends", default="fused")
+    for flag, default in WORKLOAD:
+        ap.add_argument(flag, type=int, default=default)
+    a = ap.parse_args(list(bench_argv))
+    a.same_voice, a.gpu_busy = False, False  # what bench.bench_config reads besides the workload
+    run = from_cli_args(a, ap)
+    svc = load_service(**run.service_kwargs(), speaker_cache_dir=None, progress=False)
+    backend = bench.parse_backend(a.backends, run.dtype)
+    params = StreamParams(token_hop_len_first=a.token_hop_len_first, pre_lookahead_len=a.pre_lookahead_len)
+    cfg = svc.models.config
+
+    def make(seed: int) -> SynthesisRequest:
+        return SynthesisRequest(inputs=bench.synthetic_inputs(cfg, a.prompt_tokens, a.text_tokens, seed=seed),
+                                seed=seed, stream=True, stream_params=params, backend=backend,
+                                max_tokens=a.gen_tokens, ignore_eos=True)
+
+    return OneStream(svc, a, backend, make)
