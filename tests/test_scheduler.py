@@ -131,12 +131,13 @@ def test_a_lone_stream_runs_its_first_chunk_with_its_lm_paused(tiny_models, case
     """End to end on one stream: no decode step runs between the first chunk becoming ready and its audio
     (the LM pauses on its own first chunk, even while the chunk side is slow to take it: 30 ms here), and the
     audio equals the serial engine's."""
-    req = _request(case, 1, max_tokens=80)  # the first chunk is due at 45 tokens (8 prompt tokens)
+    req = _request(case, 1, max_tokens=80)  # 12 prompt tokens: the first chunk is due at 38 + 3 tokens
     out = {}
     for streams in (1, 2):
         eng = Engine(tiny_models, config=EngineConfig(cuda_streams=streams))
-        gather = eng._sched._gather
-        eng._sched._gather = lambda: (time.sleep(0.03), gather())[1]
+        if streams == 2:
+            gather = eng._sched._gather
+            eng._sched._gather = lambda: (time.sleep(0.03), gather())[1]
         try:
             audio, tele = eng.synthesize(req)
             out[streams] = audio
