@@ -38,24 +38,20 @@ def before_yields(self: Any, st: Any) -> bool:
 
 
 def main(argv: list[str]) -> None:
-    if "--" not in argv:
-        raise SystemExit(__doc__)
-    split = argv.index("--")
-    ap = argparse.ArgumentParser(prog="benchmarks/first_chunk_pause_ab.py")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--requests", type=int, default=32)
-    mine = ap.parse_args(argv[:split])
-    out = Path(mine.out)
-    out.mkdir(parents=True, exist_ok=True)
+    from benchmarks import one_stream
+
+    def flags(ap: argparse.ArgumentParser) -> None:
+        ap.add_argument("--rounds", type=int, default=3)
+        ap.add_argument("--requests", type=int, default=32)
+
+    mine, bench_argv, out = one_stream.script_args(argv, __doc__, "benchmarks/first_chunk_pause_ab.py", flags)
 
     import torch
 
-    from benchmarks import one_stream
     from cosyvoice_fast import bench
     from cosyvoice_fast.runtime.scheduler import Scheduler
 
-    one = one_stream.load(argv[split + 1:], "benchmarks/first_chunk_pause_ab.py")
+    one = one_stream.load(bench_argv, "benchmarks/first_chunk_pause_ab.py")
     svc, a, backend = one.svc, one.args, one.backend
     shipped = (Scheduler._yields, Scheduler._completes_first_chunk)
     variants = {"before": (before_yields, lambda self, st: False), "after": shipped}

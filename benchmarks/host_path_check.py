@@ -110,22 +110,16 @@ def copies_step(dev: torch.device, rounds: int = 20) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> None:
-    if "--" not in argv:
-        raise SystemExit(__doc__)
-    split = argv.index("--")
-    ap = argparse.ArgumentParser(prog="benchmarks/host_path_check.py")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--requests", type=int, default=12)
-    ap.add_argument("--warmup", type=int, default=3)
-    mine = ap.parse_args(argv[:split])
-    out = Path(mine.out)
-    out.mkdir(parents=True, exist_ok=True)
-
     from benchmarks import one_stream
     from cosyvoice_fast import bench
 
+    def flags(ap: argparse.ArgumentParser) -> None:
+        ap.add_argument("--requests", type=int, default=12)
+        ap.add_argument("--warmup", type=int, default=3)
+
+    mine, bench_argv, out = one_stream.script_args(argv, __doc__, "benchmarks/host_path_check.py", flags)
     wrapped = [n for n in (wrap(*t) for t in TARGETS) if n is not None]
-    one = one_stream.load(argv[split + 1:], "benchmarks/host_path_check.py")
+    one = one_stream.load(bench_argv, "benchmarks/host_path_check.py")
     svc, make = one.svc, one.make
     engine, dev = svc.engine, svc.models.device
 

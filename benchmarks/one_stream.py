@@ -10,11 +10,29 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 #: the bench's workload flags and defaults
 WORKLOAD = (("--prompt-tokens", 75), ("--text-tokens", 30), ("--gen-tokens", 150), ("--token-hop-len-first", 25),
             ("--pre-lookahead-len", 3))
+
+
+def script_args(argv: Sequence[str], doc: str | None, prog: str,
+                add: Callable[[argparse.ArgumentParser], None]) -> tuple[argparse.Namespace, list[str], Path]:
+    """Split ``argv`` at ``--``: the script's own flags before it (``--out``, plus what ``add`` declares), the
+    bench's after it.  Without ``--`` the script exits with its docstring.  Creates ``--out``."""
+    argv = list(argv)
+    if "--" not in argv:
+        raise SystemExit(doc)
+    split = argv.index("--")
+    ap = argparse.ArgumentParser(prog=prog)
+    ap.add_argument("--out", required=True)
+    add(ap)
+    mine = ap.parse_args(argv[:split])
+    out = Path(mine.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return mine, argv[split + 1:], out
 
 
 @dataclass

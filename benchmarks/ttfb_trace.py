@@ -106,22 +106,16 @@ def analyse(trace: dict[str, Any], offset_us: float, windows: list[tuple[str, fl
 
 
 def main(argv: list[str]) -> None:
-    if "--" not in argv:
-        raise SystemExit(__doc__)
-    split = argv.index("--")
-    ap = argparse.ArgumentParser(prog="benchmarks/ttfb_trace.py")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--requests", type=int, default=4)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--stack", action="store_true", help="record Python functions too (slower host)")
-    mine = ap.parse_args(argv[:split])
-    out = Path(mine.out)
-    out.mkdir(parents=True, exist_ok=True)
-
     from benchmarks import one_stream
     from cosyvoice_fast import bench
 
-    one = one_stream.load(argv[split + 1:], "benchmarks/ttfb_trace.py")
+    def flags(ap: argparse.ArgumentParser) -> None:
+        ap.add_argument("--requests", type=int, default=4)
+        ap.add_argument("--warmup", type=int, default=3)
+        ap.add_argument("--stack", action="store_true", help="record Python functions too (slower host)")
+
+    mine, bench_argv, out = one_stream.script_args(argv, __doc__, "benchmarks/ttfb_trace.py", flags)
+    one = one_stream.load(bench_argv, "benchmarks/ttfb_trace.py")
     svc, make = one.svc, one.make
     engine, dev = svc.engine, svc.models.device
 
