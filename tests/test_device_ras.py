@@ -174,16 +174,21 @@ class PhiloxRas:
         return token
 
 
+def _ras_stage(tiny_models, monkeypatch, slots: int, llm=None, **kw):  # noqa: ANN001
+    """The ``cudagraph`` LLM with device RAS on the CPU graph maths (interpreter kernels), as these tests drive it."""
+    monkeypatch.setattr(cudagraph_llm, "why_unavailable", lambda llm: None)
+    return _CpuGraphLLM(llm or tiny_models.llm, tiny_models.config, progress=False, slots=slots, max_len=512,
+                        kv_buckets=(128, 256), prefill_buckets=(64,), device_ras=True, **kw)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="drives CPU graph maths through the Triton interpreter; "
                     "on a GPU the gpu tests below use real generators")
 def test_cpu_backend_with_device_ras_equals_the_eager_loop_with_the_same_draws(tiny_models, case, monkeypatch):
     """Stand-in CUDA generators through the CPU graph maths (interpreter kernel): every token of solo and
     staggered interleaved requests equals the model's own loop sampling with the same Philox draws, fallbacks
     happen, and each generator ends at the offset the eager draws leave it at."""
-    monkeypatch.setattr(cudagraph_llm, "why_unavailable", lambda llm: None)
     llm = tiny_models.llm
-    stage = _CpuGraphLLM(llm, tiny_models.config, progress=False, slots=4, max_len=512, kv_buckets=(128, 256),
-                         prefill_buckets=(64,), device_ras=True)
+    stage = _ras_stage(tiny_models, monkeypatch, 4)
     assert stage.device_ras
     inputs, text = _inputs(case), case["text"]
     seeds, n = (3, (1 << 63) + 5, 11), (40, 25, 33)
@@ -285,10 +290,8 @@ def test_cpu_decode_ahead_keeps_every_token_through_joins_sit_outs_and_a_cancel(
     """With ``decode_ahead`` each call launches the rows' next step before reading this one.  Through joins,
     rows sitting out, a cancel with a step launched ahead (its slot reused) and a stop token: every token and
     every generator offset equals the model's own loop with the same draws."""
-    monkeypatch.setattr(cudagraph_llm, "why_unavailable", lambda llm: None)
     llm = _eos_prone(tiny_models.llm)
-    stage = _CpuGraphLLM(llm, tiny_models.config, progress=False, slots=4, max_len=512, kv_buckets=(128, 256),
-                         prefill_buckets=(64,), device_ras=True)
+    stage = _ras_stage(tiny_models, monkeypatch, 4, llm)
     assert stage.decode_ahead
     inputs, text = _inputs(case), case["text"]
     ref = [_philox_reference(llm, inputs, text, seed, n, eos) for seed, n, eos, _, _ in SIT_OUT_JOBS]
@@ -301,10 +304,8 @@ def test_cpu_decode_ahead_keeps_every_token_through_joins_sit_outs_and_a_cancel(
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="drives CPU graph maths through the Triton interpreter")
 def test_cpu_decode_ahead_off_launches_each_step_from_the_host(tiny_models, case, monkeypatch):
-    monkeypatch.setattr(cudagraph_llm, "why_unavailable", lambda llm: None)
     llm = tiny_models.llm
-    stage = _CpuGraphLLM(llm, tiny_models.config, progress=False, slots=2, max_len=512, kv_buckets=(128, 256),
-                         prefill_buckets=(64,), device_ras=True, decode_ahead=False)
+    stage = _ras_stage(tiny_models, monkeypatch, 2, decode_ahead=False)
     inputs, text = _inputs(case), case["text"]
     gen = PhiloxGen(77)
     assert generate_alone(stage, inputs, text, gen, 30, True) == _philox_reference(llm, inputs, text, 77, 30)[0]
@@ -319,10 +320,8 @@ def test_cpu_no_ahead_skips_one_step_ahead_and_keeps_every_token(tiny_models, ca
     """A decode call for a state with ``no_ahead`` (the engine pauses it after this step) launches nothing ahead
     for it; its next call launches that step from the host.  Tokens and the generator's offset equal the
     model's own loop, and exactly one step ahead fewer is launched than with ``decode_ahead`` throughout."""
-    monkeypatch.setattr(cudagraph_llm, "why_unavailable", lambda llm: None)
     llm = tiny_models.llm
-    stage = _CpuGraphLLM(llm, tiny_models.config, progress=False, slots=2, max_len=512, kv_buckets=(128, 256),
-                         prefill_buckets=(64,), device_ras=True)
+    stage = _ras_stage(tiny_models, monkeypatch, 2)
     assert stage.decode_ahead
     inputs, text = _inputs(case), case["text"]
     n, pause = 30, 10
