@@ -20,8 +20,6 @@ stages).
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -46,40 +44,18 @@ def main(argv: list[str]) -> None:
 
     mine, bench_argv, out = one_stream.script_args(argv, __doc__, "benchmarks/first_chunk_pause_ab.py", flags)
 
-    import torch
-
-    from cosyvoice_fast import bench
     from cosyvoice_fast.runtime.scheduler import Scheduler
 
     one = one_stream.load(bench_argv, "benchmarks/first_chunk_pause_ab.py")
-    svc, a, backend = one.svc, one.args, one.backend
     shipped = (Scheduler._yields, Scheduler._completes_first_chunk)
-    variants = {"before": (before_yields, lambda self, st: False), "after": shipped}
-    dev = svc.models.device
-    results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-                               "torch": torch.__version__, "args": argv, "rounds": []}
-    try:
-        for r in range(mine.rounds):
-            order = ("before", "after") if r % 2 == 0 else ("after", "before")
-            row: dict[str, Any] = {}
-            for name in order:
-                Scheduler._yields, Scheduler._completes_first_chunk = variants[name]
-                agg = bench.bench_config(svc.engine, backend, 1, mine.requests, a)
-                row[name] = {k: v for k, v in agg.items() if k.startswith("ttfb") or k in (
-                    "llm_ms_per_token", "audio_s_per_s", "underruns", "n", "queue_chunk_ms")}
-                print(f"round {r} {name}: TTFB p50 {agg['ttfb_ms']['p50']:.2f} p95 {agg['ttfb_ms']['p95']:.2f}; "
-                      + ", ".join(f"{k[5:-3]} {v['p50']:.2f}" for k, v in agg.items()
-                                  if k.startswith("ttfb.") and isinstance(v, dict)), flush=True)
-            results["rounds"].append(row)
-            (out / "first_chunk_pause_ab.json").write_text(json.dumps(results, indent=1, default=str))
-    finally:
-        Scheduler._yields, Scheduler._completes_first_chunk = shipped
-        svc.close()
-    for name in variants:
-        p50 = [row[name]["ttfb_ms"]["p50"] for row in results["rounds"]]
-        results[f"{name}_ttfb_p50_median"] = statistics.median(p50)
-        print(f"{name}: TTFB p50 per round {', '.join(f'{x:.2f}' for x in p50)}")
-    (out / "first_chunk_pause_ab.json").write_text(json.dumps(results, indent=1, default=str))
+
+    def use(rule: tuple[Any, Any]) -> Any:
+        def apply() -> None:
+            Scheduler._yields, Scheduler._completes_first_chunk = rule
+        return apply
+
+    one_stream.ab_rounds(one, {"before": use((before_yields, lambda self, st: False)), "after": use(shipped)},
+                         mine.rounds, mine.requests, out / "first_chunk_pause_ab.json", argv)
 
 
 if __name__ == "__main__":

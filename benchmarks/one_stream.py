@@ -1,5 +1,6 @@
 """The service and requests of the bench's concurrency-1 workload, for the scripts that time single streams
-(``ttfb_trace.py``, ``host_path_check.py``, ``first_chunk_pause_ab.py``).
+(``ttfb_trace.py``, ``host_path_check.py``, ``first_chunk_pause_ab.py``, ``host_staging_ab.py``), and the
+alternating same-process A/B the last two run (:func:`ab_rounds`).
 
 They take the bench's model, device and engine flags plus its workload flags after ``--`` and build requests
 exactly as ``python -m cosyvoice_fast.bench`` does (seeded synthetic token ids, a new voice per request, EOS
@@ -72,3 +73,46 @@ def load(bench_argv: Sequence[str], prog: str) -> OneStream:
                                 max_tokens=a.gen_tokens, ignore_eos=True)
 
     return OneStream(svc, a, backend, make)
+
+
+def ab_rounds(one: OneStream, variants: dict[str, Callable[[], None]], rounds: int, requests: int, out_file: Path,
+              argv: Sequence[str]) -> dict[str, Any]:
+    """Alternate ``variants`` (name -> a function that patches that variant in; the last one should be the
+    shipped code) over ``rounds`` rounds of the bench's c1 measurement (``bench.bench_config``: a warm-up wave,
+    then ``requests`` requests one after another), the order reversed every other round.  Writes
+    ``out_file`` after each round; returns the results, with each variant's median TTFB p50.  Closes the
+    service and leaves the last variant patched in."""
+    import json
+    import statistics
+
+    import torch
+
+    from cosyvoice_fast import bench
+
+    svc, a, backend = one.svc, one.args, one.backend
+    dev = svc.models.device
+    results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                               "torch": torch.__version__, "args": list(argv), "rounds": []}
+    names = list(variants)
+    try:
+        for r in range(rounds):
+            row: dict[str, Any] = {}
+            for name in names if r % 2 == 0 else names[::-1]:
+                variants[name]()
+                agg = bench.bench_config(svc.engine, backend, 1, requests, a)
+                row[name] = {k: v for k, v in agg.items() if k.startswith("ttfb") or k in (
+                    "llm_ms_per_token", "audio_s_per_s", "underruns", "n", "queue_chunk_ms")}
+                print(f"round {r} {name}: TTFB p50 {agg['ttfb_ms']['p50']:.2f} p95 {agg['ttfb_ms']['p95']:.2f}; "
+                      + ", ".join(f"{k[5:-3]} {v['p50']:.2f}" for k, v in agg.items()
+                                  if k.startswith("ttfb.") and isinstance(v, dict)), flush=True)
+            results["rounds"].append(row)
+            out_file.write_text(json.dumps(results, indent=1, default=str))
+    finally:
+        variants[names[-1]]()
+        svc.close()
+    for name in names:
+        p50 = [row[name]["ttfb_ms"]["p50"] for row in results["rounds"]]
+        results[f"{name}_ttfb_p50_median"] = statistics.median(p50)
+        print(f"{name}: TTFB p50 per round {', '.join(f'{x:.2f}' for x in p50)}")
+    out_file.write_text(json.dumps(results, indent=1, default=str))
+    return results

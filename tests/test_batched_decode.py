@@ -126,6 +126,35 @@ def test_nucleus_pick_rows_equals_per_row_pick():
         assert tokens[-1].item() < 290
 
 
+def test_lm_input_rows_equals_build_lm_input_on_each_prompts_positions(tiny_models, case):
+    """The batched prefill's in-graph gather: prompts in the three modes' layouts (zero-shot, no prompt, no
+    prompt speech) in one id batch, stale ids everywhere else, give :meth:`build_lm_input`'s rows exactly on
+    their own positions; ``lm_input_length`` is its length."""
+    llm = tiny_models.llm
+    empty = torch.zeros(1, 0, dtype=torch.int32)
+    text = case["text"]
+    prompts = [(text, case["prompt_text"], case["prompt_speech_token"]), (text, empty, empty),
+               (text[:, :3], case["prompt_text"], None)]
+    with torch.inference_mode():
+        refs = [llm.build_lm_input(*p) for p in prompts]
+        assert [llm.lm_input_length(*p) for p in prompts] == [r.shape[1] for r in refs]
+        n = max(r.shape[1] for r in refs) + 4
+        top = max(llm.decoder.embed_tokens.num_embeddings, llm.speech_embedding.num_embeddings)
+        ids = torch.randint(0, top, (len(prompts), n), generator=torch.Generator().manual_seed(0),
+                            dtype=torch.int32)  # stale ids of either table, also where a prompt puts its own
+        n_text = []
+        for j, (t, pt, sp) in enumerate(prompts):
+            t = torch.cat([x.reshape(-1) for x in (pt, t) if x is not None])
+            sp = empty.reshape(-1) if sp is None else sp.reshape(-1)
+            ids[j, 1:1 + t.numel()] = t
+            ids[j, 2 + t.numel():2 + t.numel() + sp.numel()] = sp
+            n_text.append(t.numel())
+        got = llm.lm_input_rows(ids, torch.tensor(n_text))
+    assert got.shape == (len(prompts), n, llm.cfg.llm_input_size)
+    for j, ref in enumerate(refs):
+        assert torch.equal(got[j, :ref.shape[1]], ref[0])
+
+
 def test_nucleus_keep_rows_is_nucleus_keep_per_row():
     g = torch.Generator().manual_seed(0)
     limit = torch.tensor(0.8)

@@ -200,3 +200,32 @@ def test_host_path_check_wraps_methods_and_staticmethods_and_records_each_call(m
     assert cursor.tokens_short(40) == 5 and ChunkRunner._to_host([]) == []
     assert [c[0] for c in hp.CALLS] == ["ChunkCursor.tokens_short", "ChunkRunner._to_host"]
     assert all(t1 >= t0 for _, _, t0, t1 in hp.CALLS)
+
+
+def test_ab_rounds_alternates_the_variants_and_leaves_the_last_patched_in(tmp_path, monkeypatch):
+    """The same-process A/B loop: each round runs every variant once, in reversed order every other round,
+    each right after patching it in; the service is closed and the shipped (last) variant stays in."""
+    from types import SimpleNamespace
+
+    from benchmarks import one_stream
+    from cosyvoice_fast import bench
+
+    applied, measured = [], []
+    p50 = iter([41.0, 40.0, 40.5, 39.5, 42.0, 39.0])
+
+    def bench_config(engine, backend, concurrency, requests, args):  # noqa: ANN001
+        assert concurrency == 1 and requests == 7
+        measured.append(applied[-1])
+        return {"ttfb_ms": {"p50": next(p50), "p95": 50.0}, "ttfb.prefill_ms": {"p50": 2.0}, "n": requests}
+
+    monkeypatch.setattr(bench, "bench_config", bench_config)
+    closed = []
+    svc = SimpleNamespace(models=SimpleNamespace(device=torch.device("cpu")), engine=None,
+                          close=lambda: closed.append(True))
+    one = one_stream.OneStream(svc, SimpleNamespace(), None, lambda seed: None)
+    variants = {"old": lambda: applied.append("old"), "new": lambda: applied.append("new")}
+    res = one_stream.ab_rounds(one, variants, 3, 7, tmp_path / "ab.json", ["--x"])
+    assert measured == ["old", "new", "new", "old", "old", "new"]
+    assert applied[-1] == "new" and closed == [True]
+    assert res["old_ttfb_p50_median"] == 41.0 and res["new_ttfb_p50_median"] == 40.0
+    assert _read(tmp_path / "ab.json")["rounds"][1]["new"]["ttfb_ms"]["p50"] == 40.5

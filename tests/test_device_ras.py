@@ -316,6 +316,27 @@ def test_cpu_decode_ahead_off_launches_each_step_from_the_host(tiny_models, case
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="drives CPU graph maths through the Triton interpreter")
+def test_cpu_prefill_graph_draws_each_rows_variates_from_its_own_generator(tiny_models, case, monkeypatch):
+    """With device RAS the batched prefill draws each row's first-token variates inside its graph, from the
+    row's seed and offset: two requests of different lengths prefilled by one replay leave in their slot rows
+    exactly what their generators' ``exponential_`` draws at that offset, and each generator is one draw on."""
+    stage = _ras_stage(tiny_models, monkeypatch, 2)
+    assert stage.prefiller.draws
+    inputs, text = _inputs(case), case["text"]
+    seeds, offsets = (5, (1 << 63) + 9), (0, 7 * DRAW_OFFSET)
+    gens = [PhiloxGen(s, o) for s, o in zip(seeds, offsets)]
+    states = [stage.new_state(inputs, t, g, 10, True) for t, g in zip((text, text[:, :2]), gens)]
+    calls = stage.prefiller.calls
+    stage.prefill(states)
+    assert stage.prefiller.calls - calls == 1
+    for st, seed, offset in zip(states, seeds, offsets):
+        q = stage.pool.item(st.slot).q
+        assert torch.equal(q, _draw(PhiloxGen(seed, offset), q.numel()))
+    assert [g.offset for g in gens] == [o + DRAW_OFFSET for o in offsets]
+    for st in states:
+        stage.release(st)
+
+
 def test_cpu_no_ahead_skips_one_step_ahead_and_keeps_every_token(tiny_models, case, monkeypatch):
     """A decode call for a state with ``no_ahead`` (the engine pauses it after this step) launches nothing ahead
     for it; its next call launches that step from the host.  Tokens and the generator's offset equal the

@@ -148,6 +148,32 @@ def test_encode_signature_serves_rows_of_one_shape(flow, case, fake_graphs):
     assert enc.replays == 1 and enc.batched_calls == 1
 
 
+def test_a_replay_is_staged_as_prompt_ids_then_folded_host_ids_then_lengths(flow, case, fake_graphs):
+    """A chunk call's graph input row: the prompt's ids (copied on the device), the chunk's token ids from the
+    host folded into the flow's vocabulary, zeros up to the bucket, then the row's length and body length; the
+    speaker embedding in its own input.  Its encoding equals the model's own ``encode`` of the call."""
+    enc = GraphEncoder(flow, torch.device("cpu"), buckets=(200,), rows=(1,))  # frames: a 100-token bucket
+    _, inp, tok, call = _calls(case)[0]
+    vocab = flow.cfg.vocab_size
+    tok = tok.clone()
+    tok[0, :2] += vocab  # ids past the flow's table (the tiny fixture's smaller flow vocabulary): folded
+    p, n = inp.flow_prompt_speech_token.shape[1], tok.shape[1]
+    with torch.inference_mode():
+        (got,) = enc.encode_calls([(inp, tok, call)], not call.finalize)
+    ((key, g),) = enc.caches[not call.finalize].graphs.items()
+    stage, emb = g.inputs
+    assert key == (100, 1, inp.embedding.dtype) and stage.shape == (1, 102)
+    want = torch.cat((inp.flow_prompt_speech_token[0].long(), torch.remainder(tok[0].long(), vocab),
+                      torch.zeros(100 - p - n, dtype=torch.long),
+                      torch.tensor([p + n, p + n - (0 if call.finalize else call.lookahead)])))
+    assert torch.equal(stage[0], want) and torch.equal(emb, inp.embedding)
+    ptok = inp.flow_prompt_speech_token
+    with torch.inference_mode():
+        ref = flow.encode(torch.remainder(tok, vocab), torch.tensor([n]), ptok, torch.tensor([p]), inp.embedding,
+                          streaming=not call.finalize, finalize=call.finalize, n_lookahead=call.lookahead)
+    assert got.mu.shape == ref.mu.shape and (got.mu - ref.mu).abs().max().item() <= TOL
+
+
 def test_too_much_look_ahead_is_refused_with_a_message(flow, case, fake_graphs):
     enc = GraphEncoder(flow, torch.device("cpu"), buckets=(100,))
     _, inp, tok, call = _calls(case)[0]

@@ -199,7 +199,7 @@ class CudaGraphLLM:
             self.prefiller = BatchedPrefill(
                 llm, SlotRows(self._cache, self._bias, self._q, self._logp, self._token, self._limit),
                 buckets=[b for b in prefill_buckets if 0 < b <= max_len], slots=slots, max_tokens=prefill_tokens,
-                fused=fused_prefill)
+                fused=fused_prefill, draw=self._philox.exponential_rows if self.device_ras else None)
             # batched step inputs: with device_ras a column per slot that the graph advances itself (StepFeed);
             # else row 0 = fed tokens, row 1 = positions (idle rows sit at max_len - 1), copied in per step
             self._feed = StepFeed(slots, max_len, win, self._philox.DRAW_OFFSET, dev) if self.device_ras else None
@@ -415,15 +415,19 @@ class CudaGraphLLM:
                 out.append(e)
         return out
 
-    def _draw_q(self, s: _Slot, gen: torch.Generator) -> None:
-        """The nucleus variates of a prefill draw into the slot's buffer: ``exponential_`` of the request's
-        generator, or with device RAS the same bits from its seed and offset (and the offset advanced)."""
+    def _prefill_draw(self, it: PrefillItem, in_graph: bool) -> None:
+        """The nucleus variates of a prefill draw: ``exponential_`` of the request's generator into the slot's
+        buffer, or with device RAS the same bits from its seed and offset, drawn by the prefill graph itself
+        (``in_graph``: its item carries them) or here; the generator is advanced past them either way."""
+        gen, s = it.state.generator, it.slot
         if not self.device_ras:
             s.q.exponential_(1.0, generator=gen)
             return
         offset = gen.get_offset()
-        state = torch.tensor([[int64(gen.initial_seed())], [offset]], dtype=torch.long)
-        self._philox.exponential_rows(state.to(self.device, non_blocking=True), s.q.view(1, -1))
+        it.draw = (int64(gen.initial_seed()), offset)
+        if not in_graph:
+            state = torch.tensor([[it.draw[0]], [offset]], dtype=torch.long)
+            self._philox.exponential_rows(state.to(self.device, non_blocking=True), s.q.view(1, -1))
         gen.set_offset(offset + self._philox.DRAW_OFFSET)
 
     def _check_generator(self, gen: torch.Generator) -> None:
@@ -474,17 +478,18 @@ class CudaGraphLLM:
                 try:
                     st.slot, s = self.pool.acquire()
                     self._set_mask(s, 0, st.min_len, st.ignore_eos)
-                    lm_input = self.llm.build_lm_input(st.text, st.prompt_text, st.prompt_speech)
-                    st.pos = lm_input.shape[1]  # the next cache position to write
+                    item = PrefillItem(i, st, s, ids=(st.prompt_text, st.text, st.prompt_speech))
+                    st.pos = item.length  # the next cache position to write
                     st.max_len = token_budget(st.pos, st.max_len, self.max_len, st.ignore_eos)
-                    if st.generator.device.type == "cuda":
-                        self._draw_q(s, st.generator)
-                    items.append(PrefillItem(i, st, s, lm_input))
+                    items.append(item)
                 except Exception as e:  # noqa: BLE001 - a row's failure is that row's own
                     self.release(st)
                     out[i] = e
             for padded, group in self.prefiller.groups(items):
                 try:
+                    for it in group:
+                        if it.state.generator.device.type == "cuda":
+                            self._prefill_draw(it, in_graph=padded is not None and self.prefiller.draws)
                     drawn = self.prefiller.run(padded, group)
                 except Exception as e:  # noqa: BLE001 - the replay failed: each of its rows gets the error
                     for it in group:
@@ -529,7 +534,7 @@ class CudaGraphLLM:
                 self._set_mask(s, 0, 0, False)
                 token_budget(lm_input.shape[1], len(tokens) + 1, self.max_len, True)
                 s.q.exponential_(1.0, generator=gen)
-                (group,) = self.prefiller.groups([PrefillItem(0, None, s, lm_input)])
+                (group,) = self.prefiller.groups([PrefillItem(0, None, s, lm_input=lm_input)])
                 self.prefiller.run(*group)
                 rows = [s.logp.clone()]
                 row = LLMState(text=lm_input, prompt_text=None, prompt_speech=None, generator=gen, min_len=0,

@@ -8,6 +8,13 @@ why padding is exact).  Look-ahead length and finalize are runtime inputs (each 
 graph keys, so a handful of graphs serves every voice length; :meth:`GraphEncoder.capture_all` captures all of
 them at start-up and then freezes, so serving a new voice never captures.  Calls outside the buckets or the
 memory budget run the model's own eager ``encode`` (counted in ``eager_calls``).
+
+A graph's integer inputs (each row's ids, then its length and body length) are one (rows, bucket + 2) buffer,
+so a replay is staged with one host-to-device copy of the chunk's new token ids (on the host already: the
+scheduler holds them) and lengths, a device copy of each row's prompt ids and speaker embedding, and the launch.
+A first chunk's encoder runs on an otherwise idle GPU, so every launch before it is on the path to first audio;
+building the ids on the device (a token copy, the vocabulary fold, a concatenation, a clear, copies per row and
+two length copies) cost more host time than the graph's GPU time.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import logging
 import threading
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -23,6 +31,10 @@ log = logging.getLogger(__name__)
 
 #: requests per encoder graph: a call of more rows is split, fewer are padded up to the next size
 ENCODER_ROWS = (1, 2, 4, 8, 16)
+
+#: one row of an encoder call: its leading ids on the device (1, p) (the prompt's, or all of them), the ids after
+#: them on the host (n,) int64, its body length (ids not used as look-ahead) and its speaker embedding (1, E)
+_Row = tuple[Tensor, np.ndarray, int, Tensor]
 
 
 def token_buckets(frame_buckets: Sequence[int] | None, ratio: int, granularity: int, max_tokens: int
@@ -68,7 +80,9 @@ class GraphEncoder:
     def _fn(self, streaming: bool):
         encode = self.encode
 
-        def run(ids: Tensor, full: Tensor, body: Tensor, emb: Tensor) -> tuple[Tensor, Tensor]:
+        def run(stage: Tensor, emb: Tensor) -> tuple[Tensor, Tensor]:
+            n = stage.shape[1] - 2  # ids, then each row's length and body length (see the module docstring)
+            ids, full, body = stage[:, :n].contiguous(), stage[:, n].contiguous(), stage[:, n + 1].contiguous()
             enc = encode(ids, full, body, emb, streaming=streaming)
             return enc.mu, enc.spks
 
@@ -99,10 +113,11 @@ class GraphEncoder:
 
     def _example(self, bucket: int, rows: int, dtype: torch.dtype) -> tuple[Tensor, ...]:
         dev = self.device
-        ones = torch.ones(rows, dtype=torch.int64, device=dev)
+        stage = torch.zeros(rows, bucket + 2, dtype=torch.int64, device=dev)
+        stage[:, bucket:] = 1  # one token, all of it body
         emb = torch.zeros(rows, self.flow.cfg.spk_embed_dim, device=dev, dtype=dtype)
         emb[:, 0] = 1  # a unit vector: the speaker condition L2-normalises it
-        return (torch.zeros(rows, bucket, dtype=torch.int64, device=dev), ones, ones.clone(), emb)
+        return stage, emb
 
     def capture_all(self, dtype: torch.dtype, progress: bool = True) -> int:
         """Capture every graph of :meth:`jobs`, then freeze; returns how many."""
@@ -137,33 +152,32 @@ class GraphEncoder:
     def encode_calls(self, items: Sequence[tuple[Any, Tensor, Any]], streaming: bool) -> list[Any]:
         """Many requests' chunk calls ``(inputs, tokens, call)`` of one attention mode, any lengths: one
         ``FlowEncoding`` each, in order (what ``flow.encode`` gives for that call alone, float rounding)."""
-        from .eager import fold_to_flow_vocab
-
-        dev = items[0][0].flow_prompt_speech_token.device
-        # token ids come from the scheduler on the host: one copy for all calls
-        flat = torch.cat([tokens.reshape(-1).to(items[0][1].device) for _, tokens, _ in items]).to(dev)
-        flat = fold_to_flow_vocab(flat, self.flow.cfg.vocab_size)
-        rows, at = [], 0
+        rows = []
         for inputs, tokens, call in items:
             if not call.finalize and call.lookahead > self.lookahead:
                 raise ValueError(f"{call.lookahead} look-ahead tokens asked, the flow model uses at most "
                                  f"{self.lookahead} (lower pre_lookahead_len)")
             ptok = inputs.flow_prompt_speech_token
-            n = tokens.shape[-1]
-            ids = torch.cat((ptok, flat[at:at + n].unsqueeze(0).to(ptok.dtype)), dim=1)
-            at += n
-            rows.append((ids, ids.shape[1] - (0 if call.finalize else call.lookahead), inputs.embedding))
-        return self.encode_rows(rows, streaming)
+            # the scheduler's token ids are on the host (a device tensor is read back, once); folded as
+            # ``fold_to_flow_vocab`` does (both take the divisor's sign)
+            tail = np.remainder(tokens.reshape(-1).cpu().numpy().astype(np.int64), self.flow.cfg.vocab_size)
+            n = ptok.shape[1] + tail.shape[0]
+            rows.append((ptok, tail, n - (0 if call.finalize else call.lookahead), inputs.embedding))
+        return self._encode(rows, streaming)
 
     def encode_rows(self, rows: Sequence[tuple[Tensor, int, Tensor]], streaming: bool) -> list[Any]:
         """``(ids (1, n), body length, embedding (1, E))`` per row -> one ``FlowEncoding`` per row with ``mu``
         of ``stride * body`` frames.  Rows are grouped by bucket and split to the captured row counts."""
+        return self._encode([(ids, np.zeros(0, np.int64), body, emb) for ids, body, emb in rows], streaming)
+
+    def _encode(self, rows: Sequence[_Row], streaming: bool) -> list[Any]:
+        """:meth:`encode_rows` of rows whose ids are a device prefix followed by host ids (:data:`_Row`)."""
         from ..models.flow import FlowEncoding
 
         out: list[Any] = [None] * len(rows)
         groups: dict[int | None, list[int]] = {}
-        for i, (ids, _, _) in enumerate(rows):
-            groups.setdefault(self.bucket(ids.shape[1]), []).append(i)
+        for i, (prefix, tail, _, _) in enumerate(rows):
+            groups.setdefault(self.bucket(prefix.shape[1] + tail.shape[0]), []).append(i)
         for bucket, idx in groups.items():
             while idx:
                 take = self._rows_for(bucket, len(idx))
@@ -181,8 +195,7 @@ class GraphEncoder:
             return n
         return min(n, fitting[-1])
 
-    def _run(self, bucket: int | None, rows: Sequence[tuple[Tensor, int, Tensor]], streaming: bool
-             ) -> list[tuple[Tensor, Tensor]]:
+    def _run(self, bucket: int | None, rows: Sequence[_Row], streaming: bool) -> list[tuple[Tensor, Tensor]]:
         n = len(rows)
         prows = next((r for r in self.rows if r >= n), None)
         dev = rows[0][0].device
@@ -192,7 +205,7 @@ class GraphEncoder:
         with self.lock, torch.inference_mode():
             g = None
             if usable:
-                dtype = rows[0][2].dtype
+                dtype = rows[0][3].dtype
                 cache = self.caches[bool(streaming)]
                 key = (bucket, prows, dtype)
                 g = cache.graphs.get(key)
@@ -205,31 +218,37 @@ class GraphEncoder:
             if on_gpu and self._last_replay is not None:
                 # static buffers are shared: a replay enqueued by another thread/stream must finish first
                 torch.cuda.current_stream(dev).wait_event(self._last_replay)
-            ids_in, full_in, body_in, emb_in = g.inputs
+            stage_in, emb_in = g.inputs
             src = [rows[j] if j < n else rows[0] for j in range(prows)]  # padding rows repeat row 0 (no empty rows)
-            ids_in.zero_()
-            for j, (ids, _, emb) in enumerate(src):
-                ids_in[j, :ids.shape[1]].copy_(ids[0])
+            # pinned: an asynchronous copy (the caching host allocator keeps the block until the copy is done)
+            stage = torch.zeros(stage_in.shape, dtype=torch.int64, pin_memory=on_gpu)
+            host = stage.numpy()
+            for j, (prefix, tail, body, _) in enumerate(src):
+                p = prefix.shape[1]
+                host[j, p:p + tail.shape[0]] = tail
+                host[j, bucket], host[j, bucket + 1] = p + tail.shape[0], body
+            stage_in.copy_(stage, non_blocking=True)
+            for j, (prefix, _, _, emb) in enumerate(src):  # after the host copy: the prefix goes over its zeros
+                if prefix.shape[1]:
+                    stage_in[j, :prefix.shape[1]].copy_(prefix[0])
                 emb_in[j].copy_(emb[0])
-            lens = torch.tensor([[r[0].shape[1] for r in src], [r[1] for r in src]], dtype=torch.int64)
-            if on_gpu:
-                lens = lens.pin_memory()  # one asynchronous copy; a pageable one would wait for the stream
-            full_in.copy_(lens[0], non_blocking=True)
-            body_in.copy_(lens[1], non_blocking=True)
             g.graph.replay()
             self.caches[bool(streaming)].replays += 1
             self.batched_calls += n > 1
             mu, spks = g.outputs
             # outputs live in the graph pool: copy each row out before the next replay
-            res = [(mu[j:j + 1, :, :self.stride * rows[j][1]].clone(), spks[j:j + 1].clone()) for j in range(n)]
+            res = [(mu[j:j + 1, :, :self.stride * rows[j][2]].clone(), spks[j:j + 1].clone()) for j in range(n)]
             if on_gpu:
                 self._last_replay = torch.cuda.Event()
                 self._last_replay.record(torch.cuda.current_stream(dev))
             return res
 
-    def _eager(self, row: tuple[Tensor, int, Tensor], streaming: bool) -> tuple[Tensor, Tensor]:
+    def _eager(self, row: _Row, streaming: bool) -> tuple[Tensor, Tensor]:
         """One row through the model's own ``encode`` (prompt folded into the tokens: the same sequence)."""
-        ids, body, emb = row
+        prefix, tail, body, emb = row
+        ids = prefix
+        if tail.shape[0]:
+            ids = torch.cat((prefix, torch.from_numpy(tail).to(prefix.device, prefix.dtype).view(1, -1)), dim=1)
         self.eager_calls += 1
         n = ids.shape[1]
         dev = ids.device

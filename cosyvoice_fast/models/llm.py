@@ -84,6 +84,33 @@ class Qwen2LM(nn.Module):
             parts.append(self.speech_embedding(speech))
         return torch.cat(parts, dim=1)
 
+    @staticmethod
+    def lm_input_length(text: torch.Tensor | None, prompt_text: torch.Tensor | None = None,
+                        prompt_speech_token: torch.Tensor | None = None) -> int:
+        """Positions of :meth:`build_lm_input`'s result: sos, the text ids, task id, the speech ids."""
+        return 2 + sum(int(t.numel()) for t in (text, prompt_text, prompt_speech_token) if t is not None)
+
+    def lm_input_rows(self, ids: torch.Tensor, n_text: torch.Tensor) -> torch.Tensor:
+        """:meth:`build_lm_input` of several prompts at once, from their ids, as fixed-shape math a CUDA graph can
+        capture (the batched prefill's gather: no host work per prompt but copying its ids in).
+
+        Row ``r`` of ``ids`` (R, N) is laid out as the result: position 0 becomes ``sos``, positions
+        ``1 .. n_text[r]`` the text embeddings of their ids (prompt text then text), the next one ``task_id``, and
+        every later position the speech embedding of its id.  ``n_text`` is (R,) or (R, 1).  The ids at
+        position 0, at the task position and past the prompt's end are not read as such: those positions come
+        out as fixed or arbitrary in-range rows, which causal attention keeps out of the prompt's own positions.
+        -> (R, N, H), equal row for row to :meth:`build_lm_input` on each prompt's real positions."""
+        n = ids.shape[1]
+        pos = torch.arange(n, device=ids.device)
+        end = n_text.reshape(-1, 1)
+        ids = ids.long()
+        text = self.decoder.embed_tokens(ids.clamp(0, self.decoder.embed_tokens.num_embeddings - 1))
+        speech = self.speech_embedding(ids.clamp(0, self.speech_embedding.num_embeddings - 1))
+        w = self.llm_embedding.weight
+        frame = torch.where((pos == 0)[:, None], w[self.cfg.sos_id], w[self.cfg.task_id])  # (N, H)
+        out = torch.where((pos > end + 1)[..., None], speech, frame)
+        return torch.where(((pos >= 1) & (pos <= end))[..., None], text, out)
+
     def embed_segments(self, segments: Sequence[tuple[str, int, int]] | Sequence[Any], text_ids: Sequence[int],
                        prompt_speech: Sequence[int], out_tokens: Sequence[int]) -> torch.Tensor:
         """The LM input rows a bi-streaming step feeds, (1, rows, H), from its segment descriptions.
