@@ -245,8 +245,8 @@ def _drive_sitting_out(stage, states, monkeypatch) -> tuple[list[list[int]], int
     jobs = SIT_OUT_JOBS
     launches: list[tuple[bool, list[int]]] = []
     launch = stage._launch
-    monkeypatch.setattr(stage, "_launch", lambda rows, ahead: (
-        launches.append((ahead, [st.slot for st in rows])), launch(rows, ahead))[1])
+    monkeypatch.setattr(stage, "_launch", lambda rows, ahead, prefilled=False: (
+        launches.append((ahead or prefilled, [st.slot for st in rows])), launch(rows, ahead, prefilled))[1])
     got: list[list[int]] = [[] for _ in jobs]
     returning = 0
     take = partial(_take, got)
@@ -277,10 +277,11 @@ def _check_sitting_out(stage, states, got, returning, ref, ref_offsets, offsets)
     assert [offsets[i] for i in keep] == [ref_offsets[i] for i in keep]
     assert returning == 3
     assert len(got[1]) == states[1].min_len < 60  # stopped at the first step the stop token was allowed
-    # a row of m tokens (its limit) gets a step ahead in every decode call but its last: m - 2; the stopped and
-    # the cancelled row in every call, and exactly those two steps ahead are thrown away
+    # every row's first decode step is launched by its prefill; then a row of m tokens (its limit) gets a step
+    # ahead in every decode call but its last: m - 2; the stopped and the cancelled row in every call, and
+    # exactly those two steps ahead are thrown away
     capped = sum(n - 2 for i, (_, n, eos, _, _) in enumerate(SIT_OUT_JOBS) if eos and i != CANCEL)
-    assert stage.ahead_rows == capped + len(got[1]) + len(got[CANCEL]) - 1
+    assert stage.ahead_rows == len(SIT_OUT_JOBS) + capped + len(got[1]) + len(got[CANCEL]) - 1
     assert stage._feed.dropped == 2
     assert stage.slots_in_use == 0
 
@@ -319,9 +320,10 @@ def test_cpu_decode_ahead_off_launches_each_step_from_the_host(tiny_models, case
 def test_cpu_prefill_graph_draws_each_rows_variates_from_its_own_generator(tiny_models, case, monkeypatch):
     """With device RAS the batched prefill draws each row's first-token variates inside its graph, from the
     row's seed and offset: two requests of different lengths prefilled by one replay leave in their slot rows
-    exactly what their generators' ``exponential_`` draws at that offset, and each generator is one draw on."""
-    stage = _ras_stage(tiny_models, monkeypatch, 2)
-    assert stage.prefiller.draws
+    exactly what their generators' ``exponential_`` draws at that offset, and each generator is one draw on.
+    (Without ``decode_ahead``: with it the first decode step, launched right behind, draws into the same rows.)"""
+    stage = _ras_stage(tiny_models, monkeypatch, 2, decode_ahead=False)
+    assert stage.prefiller.draws and not stage.prefiller.starts_decode
     inputs, text = _inputs(case), case["text"]
     seeds, offsets = (5, (1 << 63) + 9), (0, 7 * DRAW_OFFSET)
     gens = [PhiloxGen(s, o) for s, o in zip(seeds, offsets)]
@@ -335,6 +337,39 @@ def test_cpu_prefill_graph_draws_each_rows_variates_from_its_own_generator(tiny_
     assert [g.offset for g in gens] == [o + DRAW_OFFSET for o in offsets]
     for st in states:
         stage.release(st)
+
+
+def test_cpu_prefill_launches_the_first_decode_step_before_reading_its_tokens(tiny_models, case, monkeypatch):
+    """With ``decode_ahead`` a prefill launches each row's first decode step from the inputs its graph wrote
+    (the token it drew, the next position, the generator past its draw, a window of that token) before it reads
+    its tokens.  The step is pending after the prefill, the decode call takes it instead of launching it, and
+    every token and generator offset equals the model's own loop; a row that its prefill token ends gets none."""
+    llm = tiny_models.llm
+    stage = _ras_stage(tiny_models, monkeypatch, 3)
+    assert stage.prefiller.starts_decode
+    inputs, text = _inputs(case), case["text"]
+    seeds, n = (41, (1 << 63) + 3), (12, 20)
+    refs = [_philox_reference(llm, inputs, t, s, m) for t, s, m in zip((text, text[:, :3]), seeds, n)]
+    gens = [PhiloxGen(s) for s in seeds]
+    states = [stage.new_state(inputs, t, g, m, True) for t, g, m in zip((text, text[:, :3]), gens, n)]
+    replays = stage.replays
+    got = [[tok] for tok in stage.prefill(states)]
+    assert stage.replays - replays == 1 and stage.ahead_rows == 2  # one decode replay for both rows
+    assert all(stage._feed.pending(st.slot, st, 1) for st in states)
+    fresh = []
+    real_launch = stage._launch
+    monkeypatch.setattr(stage, "_launch", lambda rows, ahead, prefilled=False: (
+        fresh.append(not (ahead or prefilled)), real_launch(rows, ahead, prefilled))[1])
+    while not all(st.done for st in states):
+        live = [st for st in states if not st.done]
+        for st, tok in zip(live, stage.decode(live)):
+            got[states.index(st)].append(tok)
+    assert not any(fresh)  # every step came from the device: none from the host's state
+    assert got == [r[0] for r in refs] and [g.offset for g in gens] == [r[1] for r in refs]
+    assert stage._feed.dropped == 0 and stage.slots_in_use == 0
+    one = stage.new_state(inputs, text, PhiloxGen(9), 1, True)  # done with its prefill token
+    assert stage.prefill([one])[0] == _philox_reference(llm, inputs, text, 9, 1)[0][0]
+    assert one.done and stage.slots_in_use == 0 and stage._feed.dropped == 0  # no step was launched for it
 
 
 def test_cpu_no_ahead_skips_one_step_ahead_and_keeps_every_token(tiny_models, case, monkeypatch):
@@ -361,8 +396,9 @@ def test_cpu_no_ahead_skips_one_step_ahead_and_keeps_every_token(tiny_models, ca
             assert stage._feed.pending(st.slot, st, st.step)
         calls += 1
     assert got == ref and gen.offset == ref_offset
-    # every call but the last launches one step ahead (n - 2 of them, see _check_sitting_out), less the paused one
-    assert stage.ahead_rows == n - 3 and stage._feed.dropped == 0 and stage.slots_in_use == 0
+    # the prefill launches the first decode step and every call but the last one step ahead (n - 2 of them, see
+    # _check_sitting_out), less the paused one
+    assert stage.ahead_rows == 1 + n - 3 and stage._feed.dropped == 0 and stage.slots_in_use == 0
 
 
 def test_device_ras_is_off_on_cpu_by_default_and_refused_where_it_cannot_run(tiny_models, monkeypatch):

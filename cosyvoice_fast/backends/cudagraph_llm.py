@@ -20,7 +20,9 @@ repetition check reads the row's last history tokens, and the host only advances
 (two after a fallback).  A step then costs one input copy, one replay and one read of the tokens, whatever the
 row count and however many rows fall back.  The graph also writes each row's next inputs back into its own
 input columns (:mod:`.decode_feed`), so with ``decode_ahead`` (on with device RAS) each call launches the step
-after the one it returns before reading anything: the host's per-token work overlaps the GPU's next step.
+after the one it returns before reading anything: the host's per-token work overlaps the GPU's next step.  A
+prefill does the same for each row's first decode step (its graph writes that step's inputs), so the GPU goes
+from a new request's prefill straight into its first step while the host reads the prefill's tokens.
 Otherwise (prefill, no Triton) the variates are drawn eagerly from each request's generator into a static
 buffer just before the replay, the repetition check runs on the host and a fallback draw runs eagerly
 (:func:`random_sample`, with its own syncs).  A CPU generator falls back to the eager sampler entirely.
@@ -196,13 +198,14 @@ class CudaGraphLLM:
             self._drawn = torch.zeros(2, slots + 1, dtype=torch.long, device=dev)  # tokens; fallback flags
             self._token = self._drawn[0]
             self._q_again = torch.ones(slots, vocab, dtype=f32, device=dev) if self.device_ras else None
-            self.prefiller = BatchedPrefill(
-                llm, SlotRows(self._cache, self._bias, self._q, self._logp, self._token, self._limit),
-                buckets=[b for b in prefill_buckets if 0 < b <= max_len], slots=slots, max_tokens=prefill_tokens,
-                fused=fused_prefill, draw=self._philox.exponential_rows if self.device_ras else None)
             # batched step inputs: with device_ras a column per slot that the graph advances itself (StepFeed);
             # else row 0 = fed tokens, row 1 = positions (idle rows sit at max_len - 1), copied in per step
             self._feed = StepFeed(slots, max_len, win, self._philox.DRAW_OFFSET, dev) if self.device_ras else None
+            self.prefiller = BatchedPrefill(
+                llm, SlotRows(self._cache, self._bias, self._q, self._logp, self._token, self._limit),
+                buckets=[b for b in prefill_buckets if 0 < b <= max_len], slots=slots, max_tokens=prefill_tokens,
+                fused=fused_prefill, draw=self._philox.exponential_rows if self.device_ras else None,
+                feed=self._feed if self.decode_ahead else None)
             if self._feed is None:
                 self._step_in = torch.zeros(2, slots, dtype=torch.long, device=dev)
                 self._step_in[1].fill_(max_len - 1)
@@ -342,25 +345,44 @@ class CudaGraphLLM:
                 s.q.exponential_(1.0, generator=r.generator)
         self._replay(max(r.pos for r in rows), max(s.index for s in slots))
 
-    def _launch(self, rows: Sequence[LLMState], ahead: bool) -> None:
+    def _launch(self, rows: Sequence[LLMState], ahead: bool, prefilled: bool = False) -> None:
         """Replay one device-RAS step for ``rows``: each at its next step whose result is not pending yet.
         ``ahead``: one past the step pending for it, with inputs the graph left on the device; else its next
-        step from the host's state (a fresh column).  Its result becomes pending (:class:`.decode_feed.StepFeed`).
-        """
+        step from the host's state (a fresh column).  ``prefilled``: the first decode step of rows whose prefill
+        was just launched and whose token is not read yet (the prefill graph wrote their columns).  Its result
+        becomes pending (:class:`.decode_feed.StepFeed`)."""
         columns: dict[int, list[int] | None] = {}
         launched, top = [], 0
         for st in rows:
             s = self.pool.item(st.slot)
-            step, pos = (st.step + 1, st.pos + 1) if ahead else (st.step, st.pos)
+            step, pos = (st.step + 1, st.pos + 1) if ahead else (st.step + prefilled, st.pos)
             s.cache.check_room(pos, 1)
             self._set_mask(s, step, st.min_len, st.ignore_eos)
-            columns[s.index] = None if ahead else self._feed.column(st.history[-1], pos, st.generator, st.history)
+            fresh = not (ahead or prefilled)
+            columns[s.index] = self._feed.column(st.history[-1], pos, st.generator, st.history) if fresh else None
             launched.append(Row(s.index, st, step))
             top = max(top, pos)
         self._feed.stage(columns)
         self._replay(top, max(columns))
         self._feed.collect(self._drawn, launched)
-        self.ahead_rows += len(launched) if ahead else 0
+        self.ahead_rows += len(launched) if ahead or prefilled else 0
+
+    def _launch_first(self, group: Sequence[PrefillItem]) -> None:
+        """Between a prefill replay and the read of its tokens: launch the first decode step of each row that
+        will take one (its prefill graph wrote the step's inputs), so the GPU goes on from the prefill to that
+        step while the host reads, accepts and schedules.  A row whose prefill token ends it (a stop id) drops
+        the step when its slot is released."""
+        if any(it.state.generator.device.type != "cuda" for it in group):
+            return  # a CPU generator's row is sampled on the host from the prefill's log-probs: keep them
+        rows = [it.state for it in group if it.state.max_len > 1 and it.state.pos < self.max_len]
+        if not rows:
+            return
+        try:
+            self._launch(rows, ahead=False, prefilled=True)
+        except Exception:  # noqa: BLE001 - only a head start: the decode call launches these steps itself
+            log.exception("launching the first decode step after a prefill failed; the decode call will")
+            for st in rows:
+                self._feed.drop(st.slot)
 
     def _replay(self, top: int, last_slot: int) -> None:
         """Replay the batched decode graph for positions up to ``top`` (its KV bucket) over slot rows
@@ -436,6 +458,10 @@ class CudaGraphLLM:
 
     # -------------------------------------------------------------------------------------- public
 
+    #: :meth:`prefill` returns after reading its tokens from the device, so the prefill's GPU work is done by then
+    #: (the engine does not synchronise after it: that would also wait for the decode step launched behind it)
+    prefill_synced = True
+
     @property
     def capacity(self) -> int:
         """Slots: states that can hold a KV cache at once."""
@@ -490,7 +516,8 @@ class CudaGraphLLM:
                     for it in group:
                         if it.state.generator.device.type == "cuda":
                             self._prefill_draw(it, in_graph=padded is not None and self.prefiller.draws)
-                    drawn = self.prefiller.run(padded, group)
+                    first = partial(self._launch_first, group) if self.prefiller.starts_decode else None
+                    drawn = self.prefiller.run(padded, group, after=first)
                 except Exception as e:  # noqa: BLE001 - the replay failed: each of its rows gets the error
                     for it in group:
                         self.release(it.state)

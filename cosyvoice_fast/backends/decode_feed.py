@@ -99,7 +99,8 @@ class StepFeed:
         self.rows = WINDOW + window
         self.device = device
         self._cuda = device.type == "cuda"
-        self.step_in = torch.zeros(self.rows, slots, dtype=torch.long, device=device)
+        # one column per slot plus a spare one, which a batched prefill's unused rows write (:meth:`begin`)
+        self.step_in = torch.zeros(self.rows, slots + 1, dtype=torch.long, device=device)
         self.step_in[POS].fill_(max_len - 1)
         self.staged = torch.zeros(self.rows + 2, slots, dtype=torch.long, device=device)  # + fresh, live flags
         self._host = [torch.zeros(self.rows + 2, slots, dtype=torch.long, pin_memory=self._cuda)
@@ -142,6 +143,20 @@ class StepFeed:
         if self.window:
             parts += [inp[WINDOW + 1:], token[None]]
         inp.copy_(torch.where(live, torch.cat(parts), inp))
+
+    def begin(self, slots: torch.Tensor, token: torch.Tensor, last: torch.Tensor, seed: torch.Tensor,
+              offset: torch.Tensor) -> None:
+        """Graph side, at the end of a prefill: write each prefilled row's first decode step into its column
+        (``slots`` (R,) int64, the spare column for a replay's unused rows): the prefill's drawn ``token`` fed at
+        the position after the prompt's ``last``, the generator's ``seed`` and its ``offset`` moved past the
+        prefill's one draw (the repetition rule never redraws a first token: its window is empty), and a window
+        holding only that token.  So that step can be launched before the host has read the token."""
+        cols = [token[None], (last + 1).clamp(max=self.max_len - 1)[None], seed[None],
+                (offset + self.draw_offset)[None]]
+        if self.window:
+            cols += [torch.full((self.window - 1, token.shape[0]), -1, dtype=torch.long, device=token.device),
+                     token[None]]
+        self.step_in.index_copy_(1, slots, torch.cat(cols))
 
     # ---------------------------------------------------------------------------------------- host side
 

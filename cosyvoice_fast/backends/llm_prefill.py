@@ -95,12 +95,16 @@ class BatchedPrefill:
     ``fused``: run the decoder's fused prefill (default: whenever the decoder has one).  ``draw``: a function
     ``draw(state (2, R) int64 seeds and offsets, out (R, k) fp32)`` that fills each row's exponential variates
     (:func:`..kernels.philox.exponential_rows`); given, the graphs draw every row's first-token variates from
-    its item's ``draw``, else they read what the runner put in the slot's ``q`` row.  ``calls`` / ``rows_done``
+    its item's ``draw``, else they read what the runner put in the slot's ``q`` row.  ``feed``: the runner's
+    :class:`~.decode_feed.StepFeed` (with ``draw``); the graphs then also write each row's first decode step into
+    its column (:meth:`~.decode_feed.StepFeed.begin`), so the runner can launch that step before it reads the
+    prefill's tokens (:meth:`run`'s ``after``).  ``calls`` / ``rows_done``
     count replays and the requests they carried.  Not thread-safe: the runner's lock serialises it with the
     decode graphs (they share one graph memory pool)."""
 
     def __init__(self, llm: Any, rows: SlotRows, *, buckets: Sequence[int], slots: int, max_tokens: int,
-                 fused: bool | None = None, draw: Callable[[torch.Tensor, torch.Tensor], Any] | None = None):
+                 fused: bool | None = None, draw: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+                 feed: Any = None):
         self.llm = llm
         self.rows = rows
         self.buckets = tuple(sorted(set(buckets)))
@@ -123,8 +127,14 @@ class BatchedPrefill:
         # the tokens that ends each run, so the copy is done by then)
         self._meta_host = torch.zeros_like(self._meta, device="cpu", pin_memory=dev.type == "cuda")
         self._meta_np = self._meta_host.numpy()
+        if feed is not None and draw is None:
+            raise ValueError("a prefill that starts the decode steps (feed) must draw its variates (draw)")
         self.draws = draw is not None
         self._draw = draw
+        self._feed = feed
+        self.starts_decode = feed is not None  # the graphs write each row's first decode step (see ``feed``)
+        self._tokens_host = torch.zeros_like(rows.token, device="cpu", pin_memory=dev.type == "cuda")
+        self._read = torch.cuda.Event() if dev.type == "cuda" else None
         self._q = (torch.ones(rows_in, rows.q.shape[1], dtype=rows.q.dtype, device=dev) if draw is not None
                    else None)
         # a decoder with its own fused prefill writes straight into the slot rows: no scratch cache to copy from
@@ -156,6 +166,8 @@ class BatchedPrefill:
         logp, token = nucleus_pick_rows(self.llm.log_probs(last), r.bias.index_select(0, dst), q, r.limit)
         r.logp.index_copy_(0, dst, logp)
         r.token.index_copy_(0, dst, token)
+        if self._feed is not None:
+            self._feed.begin(dst, token, m[LAST, :rows], m[SEED, :rows], m[OFFSET, :rows])
         if not self._fused:
             for src, out in zip(self._cache.k + self._cache.v, r.cache.k + r.cache.v):
                 out[:, :, :n].index_copy_(0, dst, src[:rows, :, :n])
@@ -184,10 +196,13 @@ class BatchedPrefill:
             pending = pending[take:]
         return out
 
-    def run(self, padded: int | None, group: list[PrefillItem]) -> list[int]:
+    def run(self, padded: int | None, group: list[PrefillItem], after: Callable[[], None] | None = None
+            ) -> list[int]:
         """Prefill ``group`` (slots taken, masks set; variates drawn into the slot rows, or each item's ``draw``
         set when the graph draws) and return each row's draw read on the host.  ``padded`` None: the eager
-        prefill, whose variates always come from the slot row."""
+        prefill, whose variates always come from the slot row.  ``after``: called once the replay is launched
+        and before its tokens are read (only for a replay, not the eager prefill): work it queues on the stream
+        runs right after the prefill's, without waiting for the host's read."""
         if padded is None:  # longer than any captured length: the eager prefill, exactly as the eager backend
             (it,) = group
             s = it.slot
@@ -212,7 +227,16 @@ class BatchedPrefill:
         self.graphs[padded, rows].replay()
         self.calls += 1
         self.rows_done += len(group)
-        drawn = self.rows.token.tolist()  # the one sync of the replay
+        if after is None:
+            drawn = self.rows.token.tolist()  # the one sync of the replay
+        else:  # read the tokens as of the replay, whatever ``after`` queues behind it
+            self._tokens_host.copy_(self.rows.token, non_blocking=True)
+            if self._read is not None:
+                self._read.record()
+            after()
+            if self._read is not None:
+                self._read.synchronize()
+            drawn = self._tokens_host.tolist()
         return [drawn[it.slot.index] for it in group]
 
     def _put_ids(self, j: int, ids: tuple[torch.Tensor | None, ...]) -> int:

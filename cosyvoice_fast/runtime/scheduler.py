@@ -353,7 +353,8 @@ class Scheduler:
                 if st.segment.index == 0:
                     st.telemetry.prefill_start = t0
             results = llm.prefill([st.segment.llm for st in take])
-            self.sync()
+            if not getattr(llm, "prefill_synced", False):
+                self.sync()
             t1 = now()
             for st, res in zip(take, results):
                 st.segment.llm_started = True
