@@ -372,6 +372,32 @@ def test_cpu_prefill_launches_the_first_decode_step_before_reading_its_tokens(ti
     assert one.done and stage.slots_in_use == 0 and stage._feed.dropped == 0  # no step was launched for it
 
 
+def test_cpu_prefill_starts_no_decode_step_when_the_rule_could_redraw_its_token(tiny_models, case, monkeypatch):
+    """A zero repetition threshold redraws every token, a first one too (two draws), so the inputs the prefill
+    graph wrote would carry the wrong generator offset: no step is launched behind the prefill, and the tokens
+    still equal the model's own loop."""
+    import copy
+    import dataclasses
+
+    llm = copy.deepcopy(tiny_models.llm)
+    llm.cfg = dataclasses.replace(llm.cfg, tau_r=0.0)
+    # the host's fallback draw for the prefill's token, with the stand-in generator (as PhiloxRas draws it)
+    monkeypatch.setattr(cudagraph_llm, "random_sample",
+                        lambda logp, gen: int((logp.float().softmax(0) / _draw(gen, logp.numel())).argmax()))
+    stage = _ras_stage(tiny_models, monkeypatch, 2, llm)
+    assert stage.prefiller.starts_decode and stage._repeats == 0
+    inputs, text = _inputs(case), case["text"]
+    gen = PhiloxGen(13)
+    st = stage.new_state(inputs, text, gen, 6, True)
+    got = stage.prefill([st])
+    assert isinstance(got[0], int) and stage.fallback_draws == 1
+    assert stage.ahead_rows == 0 and not stage._feed.pending(st.slot, st, 1)
+    for _ in range(5):
+        got += stage.decode([st])
+    assert st.done and stage.slots_in_use == 0
+    assert (got, gen.offset) == _philox_reference(llm, inputs, text, 13, 6)
+
+
 def test_cpu_no_ahead_skips_one_step_ahead_and_keeps_every_token(tiny_models, case, monkeypatch):
     """A decode call for a state with ``no_ahead`` (the engine pauses it after this step) launches nothing ahead
     for it; its next call launches that step from the host.  Tokens and the generator's offset equal the

@@ -371,9 +371,12 @@ class CudaGraphLLM:
         """Between a prefill replay and the read of its tokens: launch the first decode step of each row that
         will take one (its prefill graph wrote the step's inputs), so the GPU goes on from the prefill to that
         step while the host reads, accepts and schedules.  A row whose prefill token ends it (a stop id) drops
-        the step when its slot is released."""
+        the step when its slot is released.  The inputs assume the prefill's token was drawn with one draw: true
+        whenever the repetition threshold is positive (an empty window never repeats)."""
         if any(it.state.generator.device.type != "cuda" for it in group):
             return  # a CPU generator's row is sampled on the host from the prefill's log-probs: keep them
+        if self._repeats <= 0:
+            return  # a rule that redraws even on an empty window moves the generator twice: the column is wrong
         rows = [it.state for it in group if it.state.max_len > 1 and it.state.pos < self.max_len]
         if not rows:
             return

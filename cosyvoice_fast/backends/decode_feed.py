@@ -149,8 +149,9 @@ class StepFeed:
         """Graph side, at the end of a prefill: write each prefilled row's first decode step into its column
         (``slots`` (R,) int64, the spare column for a replay's unused rows): the prefill's drawn ``token`` fed at
         the position after the prompt's ``last``, the generator's ``seed`` and its ``offset`` moved past the
-        prefill's one draw (the repetition rule never redraws a first token: its window is empty), and a window
-        holding only that token.  So that step can be launched before the host has read the token."""
+        prefill's one draw, and a window holding only that token.  So that step can be launched before the host
+        has read the token.  One draw: with a positive repetition threshold the rule never redraws a first token
+        (its window is empty); the runner starts no step this way otherwise."""
         cols = [token[None], (last + 1).clamp(max=self.max_len - 1)[None], seed[None],
                 (offset + self.draw_offset)[None]]
         if self.window:
