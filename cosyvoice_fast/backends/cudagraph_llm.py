@@ -383,7 +383,7 @@ class CudaGraphLLM:
         try:
             self._launch(rows, ahead=False, prefilled=True)
         except Exception:  # noqa: BLE001 - only a head start: the decode call launches these steps itself
-            log.exception("launching the first decode step after a prefill failed; the decode call will")
+            log.exception("could not launch the first decode step behind a prefill; the decode call launches it")
             for st in rows:
                 self._feed.drop(st.slot)
 

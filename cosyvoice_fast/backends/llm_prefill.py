@@ -15,7 +15,7 @@ A request's LM input is gathered inside the graph from its token ids (:meth:`~..
 and, where the runner hands over Philox state (device RAS), its first draw's variates are drawn there too.  So a
 replay's host work is a few device-to-device copies of the ids, one copy of the rows' parameters (``_meta``), the
 launch and one read of the tokens, instead of ~10 eager ops building each LM input and a copy and a launch per
-draw; on a lone request the GPU used to sit idle for that host time before its prefill.  Rows given as
+draw (a lone request's GPU is idle for whatever host time comes before its prefill).  Rows given as
 embeddings (teacher forcing) still work: their rows are copied in and marked.
 
 The runner owns the per-slot buffers (KV cache rows, eos mask, exponential variates, log-probs, tokens) and the
@@ -32,6 +32,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..models.llm import Qwen2LM
 from ..models.qwen2 import KVCache
 from .llm_buckets import prefill_row_counts
 from .nucleus import nucleus_pick, nucleus_pick_rows
@@ -65,7 +66,7 @@ class PrefillItem:
         if self.lm_input is not None:
             return int(self.lm_input.shape[1])
         prompt_text, text, speech = self.ids
-        return 2 + sum(int(t.numel()) for t in (prompt_text, text, speech) if t is not None)
+        return Qwen2LM.lm_input_length(text, prompt_text, speech)
 
     def embeddings(self, llm: Any) -> torch.Tensor:
         """The LM input as (1, L, H) embeddings (the eager prefill's)."""
@@ -98,9 +99,9 @@ class BatchedPrefill:
     its item's ``draw``, else they read what the runner put in the slot's ``q`` row.  ``feed``: the runner's
     :class:`~.decode_feed.StepFeed` (with ``draw``); the graphs then also write each row's first decode step into
     its column (:meth:`~.decode_feed.StepFeed.begin`), so the runner can launch that step before it reads the
-    prefill's tokens (:meth:`run`'s ``after``).  ``calls`` / ``rows_done``
-    count replays and the requests they carried.  Not thread-safe: the runner's lock serialises it with the
-    decode graphs (they share one graph memory pool)."""
+    prefill's tokens (:meth:`run`'s ``after``).  ``calls`` / ``rows_done`` count replays and the requests they
+    carried.  Not thread-safe: the runner's lock serialises it with the decode graphs (they share one graph
+    memory pool)."""
 
     def __init__(self, llm: Any, rows: SlotRows, *, buckets: Sequence[int], slots: int, max_tokens: int,
                  fused: bool | None = None, draw: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
