@@ -19,7 +19,6 @@ stages).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,11 +37,8 @@ def before_yields(self: Any, st: Any) -> bool:
 def main(argv: list[str]) -> None:
     from benchmarks import one_stream
 
-    def flags(ap: argparse.ArgumentParser) -> None:
-        ap.add_argument("--rounds", type=int, default=3)
-        ap.add_argument("--requests", type=int, default=32)
-
-    mine, bench_argv, out = one_stream.script_args(argv, __doc__, "benchmarks/first_chunk_pause_ab.py", flags)
+    mine, bench_argv, out = one_stream.script_args(argv, __doc__, "benchmarks/first_chunk_pause_ab.py",
+                                                   one_stream.ab_flags)
 
     from cosyvoice_fast.runtime.scheduler import Scheduler
 

@@ -23,7 +23,6 @@ Results: ``OUT/host_staging_ab.json`` (per round and variant the bench's aggrega
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -120,11 +119,7 @@ def before_run(self: Any, bucket: Any, rows: Sequence[Any], streaming: bool) -> 
 def main(argv: list[str]) -> None:
     from benchmarks import one_stream
 
-    def flags(ap: argparse.ArgumentParser) -> None:
-        ap.add_argument("--rounds", type=int, default=3)
-        ap.add_argument("--requests", type=int, default=32)
-
-    mine, bench_argv, out = one_stream.script_args(argv, __doc__, "benchmarks/host_staging_ab.py", flags)
+    mine, bench_argv, out = one_stream.script_args(argv, __doc__, "benchmarks/host_staging_ab.py", one_stream.ab_flags)
 
     from cosyvoice_fast.backends.cudagraph_llm import CudaGraphLLM
     from cosyvoice_fast.backends.graph_encoder import GraphEncoder

@@ -75,6 +75,12 @@ def load(bench_argv: Sequence[str], prog: str) -> OneStream:
     return OneStream(svc, a, backend, make)
 
 
+def ab_flags(ap: argparse.ArgumentParser) -> None:
+    """The A/B scripts' own flags: how many alternating rounds, and requests per measurement."""
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=32)
+
+
 def ab_rounds(one: OneStream, variants: dict[str, Callable[[], None]], rounds: int, requests: int, out_file: Path,
               argv: Sequence[str]) -> dict[str, Any]:
     """Alternate ``variants`` (name -> a function that patches that variant in; the last one should be the
