@@ -14,7 +14,10 @@ kernels.philox`): are the recomputed variates ``exponential_``'s bits, and what 
    the RAS rule in the graph with each call's next step launched ahead (``ahead``, the default), the same with
    the sort-based torch nucleus draw instead of the one-launch kernel (``ahead_sort``), the rule in the graph
    without the step ahead (``graph``), the rule on the host (``host``), and the default with the sampling tail
-   and the step-input merge/advance as torch ops instead of kernels (``ahead_torch_tail``): wall ms per decode
+   and the step-input merge/advance as torch ops instead of kernels (``ahead_torch_tail``), the default with
+   the nucleus draw cut at its floor (``ahead_floor``: ``nucleus_topk.USE_FLOOR`` on), and the default with the
+   step's embedding gather, final norm and speech head as torch ops (``before_session28``: ``Tiles.gemv_head``
+   off): wall ms per decode
    round at each row count (150 forced tokens, sampling and the per-step sync included) and RAS fallbacks per
    token.  ``--ways`` picks some; ``--steps`` picks steps (``profile_torch_tail``: the profile of that way).
 
@@ -24,6 +27,7 @@ Results: ``OUT/device_ras_check.json``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from contextlib import contextmanager
@@ -79,13 +83,20 @@ def _lm_and_request() -> tuple:
 def _switches(way: str) -> Iterator[None]:
     """The module switches a way builds under (read while the graphs are captured)."""
     from cosyvoice_fast.backends import decode_feed, nucleus
+    from cosyvoice_fast.kernels import nucleus_topk, qwen2_proj
 
+    tiles = qwen2_proj.TILES
     nucleus.USE_KERNEL = way != "ahead_sort"
     nucleus.USE_RULE_KERNELS = decode_feed.USE_KERNELS = way != "ahead_torch_tail"
+    floor = nucleus_topk.USE_FLOOR
+    nucleus_topk.USE_FLOOR = way == "ahead_floor"
+    if way == "before_session28":
+        qwen2_proj.TILES = dataclasses.replace(tiles, gemv_head=False)
     try:
         yield
     finally:
         nucleus.USE_KERNEL = nucleus.USE_RULE_KERNELS = decode_feed.USE_KERNELS = True
+        qwen2_proj.TILES, nucleus_topk.USE_FLOOR = tiles, floor
 
 
 def backend(rows_list: list[int], results: dict, save, only: list[str] | None) -> None:  # noqa: ANN001
@@ -96,7 +107,8 @@ def backend(rows_list: list[int], results: dict, save, only: list[str] | None) -
 
     ahead = {"device_ras": True, "decode_ahead": True}
     ways = {"ahead": ahead, "ahead_sort": ahead, "graph": {"device_ras": True, "decode_ahead": False},
-            "host": {"device_ras": False}, "ahead_torch_tail": ahead}
+            "host": {"device_ras": False}, "ahead_torch_tail": ahead, "ahead_floor": ahead,
+            "before_session28": ahead}
     for way in only or list(ways):  # in the order asked for (repeats allowed: alternate to see drift)
         kwargs = ways[way]
         t = time.perf_counter()
@@ -171,7 +183,7 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=None, help="seconds for the whole script")
     ap.add_argument("--rows", default="1,16,64", help="row counts of the backend step (comma-separated)")
     ap.add_argument("--steps", default="bits,profile,backend",
-                    help="comma-separated: bits, profile, profile_torch_tail, backend")
+                    help="comma-separated: bits, profile, profile_torch_tail, profile_before, backend")
     ap.add_argument("--ways", default=None, help="comma-separated ways of the backend step (default: all)")
     a = ap.parse_args()
     require_cuda("device_ras_check.py")
@@ -185,6 +197,8 @@ def main() -> int:
         runner.run("profile", lambda: profile(rows))
     if "profile_torch_tail" in steps:
         runner.run("profile_torch_tail", lambda: profile(rows, "ahead_torch_tail"))
+    if "profile_before" in steps:
+        runner.run("profile_before", lambda: profile(rows, "before_session28"))
     if "backend" in steps:
         runner.run("backend", lambda: backend(rows, results, runner.save, ways), store=False)
     return 0

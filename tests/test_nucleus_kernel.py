@@ -22,7 +22,9 @@ pytest.importorskip("triton")
 
 from cosyvoice_fast.backends import nucleus  # noqa: E402
 from cosyvoice_fast.backends.nucleus import nucleus_pick_rows  # noqa: E402
-from cosyvoice_fast.kernels.nucleus_topk import MAX_TOP_K, MAX_VOCAB, nucleus_draw_rows  # noqa: E402
+from cosyvoice_fast.kernels import nucleus_topk  # noqa: E402
+from cosyvoice_fast.kernels.nucleus_topk import (  # noqa: E402
+    CANDIDATES, MAX_TOP_K, MAX_VOCAB, candidate_count, nucleus_draw_rows)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -62,9 +64,11 @@ def _random(rows: int, vocab: int, k: int, seed: int) -> tuple[torch.Tensor, tor
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("vocab,k", [(6564, 25), (6564, 1), (37, 25), (37, 1), (37, 37)])
-def test_random_rows_match_reference(rows, vocab, k):
+@pytest.mark.parametrize("floor", [False, True])
+def test_random_rows_match_reference(rows, vocab, k, floor, monkeypatch):
     """Random rows of odd widths (not powers of two), top_k 25, 1 and the whole row: tokens equal the
-    reference's, at top_p 0.8 and at a per-case random top_p."""
+    reference's, at top_p 0.8 and at a per-case random top_p, walked or cut at the floor."""
+    monkeypatch.setattr(nucleus_topk, "USE_FLOOR", floor)
     probs, q = _random(rows, vocab, k, seed=rows * 1000 + vocab + k)
     for limit in (0.8, float(np.random.default_rng(vocab + k + rows).uniform(0.05, 1.0))):
         assert _draw(probs, q, limit) == reference(probs, q, limit)
@@ -87,6 +91,35 @@ def test_ties_rank_smaller_ids_first():
     assert _draw(probs[:1], q_equal[:1], 0.8) == [0]
     # smallest id of the top level comes first; with equal variates it wins
     assert _draw(probs[1:2], q_equal[:1], 0.8) == [int((probs[1] == 5e-4).nonzero()[0])]
+
+
+def test_both_ways_of_cutting_a_row_in_one_launch(monkeypatch):
+    """With the floor on, it cuts a random row to a few dozen keys (ranked directly) and leaves a tie-heavy row
+    with more than ``CANDIDATES`` (walked one candidate at a time); a head whose ids all sit in one group is cut
+    too.  One launch with all three kinds of row gives the reference's tokens."""
+    monkeypatch.setattr(nucleus_topk, "USE_FLOOR", True)
+    vocab, k = 6564, 25
+    probs, q = _random(3, vocab, k, seed=31)
+    probs[1] = torch.full((vocab,), 1.0 / vocab)  # every id ties: the floor keeps whole groups
+    probs[2] = torch.rand(vocab, generator=torch.Generator().manual_seed(32)) * 1e-4
+    probs[2, 100:125] = torch.linspace(0.02, 0.01, 25)  # the head: ids 100..124, one group of 64
+    probs[2] /= probs[2].sum()
+    count = candidate_count(probs, k).tolist()
+    assert count[0] <= CANDIDATES.value < count[1] and k <= count[2] <= CANDIDATES.value, count
+    for limit in (0.8, 0.3, 1.0):
+        assert _draw(probs, q, limit) == reference(probs, q, limit)
+    assert reference(probs[2:], q[2:], 1.0)[0] in range(100, 125)
+
+
+def test_the_floor_is_off_by_default_and_gives_the_same_tokens(monkeypatch):
+    """The default walks every row (``USE_FLOOR`` off: see the module docstring); with the floor the tokens are
+    the same."""
+    assert nucleus_topk.USE_FLOOR is False
+    probs, q = _random(4, 6564, 25, seed=41)
+    want = reference(probs, q, 0.8)
+    assert _draw(probs, q, 0.8) == want
+    monkeypatch.setattr(nucleus_topk, "USE_FLOOR", True)
+    assert _draw(probs, q, 0.8) == want
 
 
 def test_zeros_masked_ids_and_limit_one():
@@ -206,14 +239,19 @@ def _gpu_rows(rows: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Ten
 @pytest.mark.parametrize("vocab,k", [(6564, 25), (6564, 1), (6564, 64), (37, 37), (1000, 25)])
 def test_gpu_tokens_equal_torch_path(vocab, k, monkeypatch):
     """On CUDA the kernel's tokens equal ``nucleus_pick_rows``'s sort-based torch path bit for bit, for 2048 rows
-    of each shape, at several top_p, with and without masked ids, tie-heavy rows included."""
+    of each shape, at several top_p, with and without masked ids, tie-heavy rows included, walked (the default)
+    and cut at the floor on alternate top_p."""
     monkeypatch.setattr(nucleus, "USE_KERNEL", False)  # the reference: the torch ops, not this kernel
     rows = 2048
     for seed, limit in enumerate((0.8, 0.5, 0.95, 1.0)):
+        monkeypatch.setattr(nucleus_topk, "USE_FLOOR", seed % 2 == 1)  # walked, then cut at the floor
         logp, bias = _gpu_rows(rows, vocab, seed)
         q = torch.empty(rows, k, device="cuda").exponential_()
         lim = torch.tensor(limit, device="cuda")
         for b in (torch.zeros_like(bias), bias):
+            if (vocab, k) == (6564, 25):  # both ways run: the tie-heavy quarter is walked, the rest ranked
+                count = candidate_count((logp + b).softmax(-1), k)
+                assert (count > CANDIDATES.value).any() and (count <= CANDIDATES.value).any()
             _, want = nucleus_pick_rows(logp, b, q, lim)
             got = nucleus_draw_rows((logp + b).softmax(-1), q, lim)
             assert torch.equal(got, want), (limit, (got != want).sum().item())

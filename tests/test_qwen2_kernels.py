@@ -23,11 +23,12 @@ from cosyvoice_fast.config import QwenConfig  # noqa: E402
 from cosyvoice_fast.kernels import qwen2_attention as attn_k  # noqa: E402
 from cosyvoice_fast.kernels import qwen2_gemv as gemv_k  # noqa: E402
 from cosyvoice_fast.kernels import qwen2_proj as proj_k  # noqa: E402
-from cosyvoice_fast.kernels.qwen2_decode import FusedDecoder, decode_step, kernels_per_step  # noqa: E402
+from cosyvoice_fast.kernels.qwen2_decode import FusedDecoder, decode_step, kernels_per_step, step_logits  # noqa: E402
 from cosyvoice_fast.models.qwen2 import KVCache, Qwen2Decoder  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 1e-5
+_gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 CFG = QwenConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=96, vocab_size=50)
 
@@ -218,6 +219,69 @@ def test_decode_steps_equal_the_decoder_per_row_and_shared_positions(gemv, early
     assert _err(FusedDecoder(dec, splits=2)(x, p, one[1], kv_len=16), dec(x, p, one[0], kv_len=16)) <= 1e-4
 
 
+@torch.inference_mode()
+@pytest.mark.parametrize("rows", [1, 2])
+def test_step_logits_equal_embedding_step_and_head(rows, monkeypatch):
+    """A GEMV step from token ids to logits (one gather-and-zero kernel, the layers, one norm-and-head kernel)
+    equals the embedding, the decoder and the head as modules, in fp32; K/V land in the cache; the counters the
+    gather zeroes were dirty.  Steps the GEMV kernels do not take (three rows, or ``gemv_head`` off) return
+    None."""
+    monkeypatch.setattr(proj_k, "TILES", proj_k.Tiles(down_chunk=64))
+    dec = _decoder(5)
+    torch.manual_seed(6)
+    table = torch.randn(37, CFG.hidden_size, device=DEV)
+    head = torch.nn.Linear(CFG.hidden_size, 29).to(DEV)
+    max_len = 16
+    caches = [KVCache.for_config(CFG, max_len, rows, device=DEV) for _ in range(2)]
+    for ref_t, fused_t in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+        fused_t.copy_(ref_t.normal_())
+    tokens = torch.tensor([[36], [4]], device=DEV)[:rows]
+    pos = torch.tensor([[5], [9]], device=DEV)[:rows]
+    want = head(dec(table[tokens[:, 0]][:, None], pos, caches[0], kv_len=12)[:, -1])
+    got = step_logits(dec, table, head, tokens, pos, caches[1], kv_len=12, splits=2)
+    assert got.dtype == torch.float32 and got.shape == (rows, 29) and _err(got, want) <= 1e-4
+    for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+        assert _err(a, b) <= 1e-5
+    three = KVCache.for_config(CFG, max_len, 3, device=DEV)
+    assert step_logits(dec, table, head, torch.zeros(3, 1, dtype=torch.long, device=DEV), pos[:1], three) is None
+    monkeypatch.setattr(proj_k, "TILES", proj_k.Tiles(gemv_head=False))
+    assert step_logits(dec, table, head, tokens, pos, caches[1]) is None
+
+
+@torch.inference_mode()
+def test_embed_gathers_fp32_rows_and_zeroes_every_counter():
+    """The step's first kernel writes each row's embedding (bf16 table) as fp32 and zeroes every counter, from
+    program 0 only; bad shapes are refused with the expected form."""
+    torch.manual_seed(7)
+    table = torch.randn(11, CFG.hidden_size, device=DEV).to(torch.bfloat16)
+    resid, counters = _nan(2, CFG.hidden_size), torch.full((70,), 5, dtype=torch.int32, device=DEV)
+    gemv_k.embed(torch.tensor([10, 3], device=DEV), table, resid, counters)
+    assert torch.equal(resid, table[[10, 3]].float()) and not counters.any()
+    with pytest.raises(ValueError, match=r"embed: 2 token ids, a \(V, 64\) table and int32 counters expected"):
+        gemv_k.embed(torch.tensor([1, 2], device=DEV), table, resid, counters.long())
+
+
+@_gpu
+@torch.inference_mode()
+def test_gpu_head_rounds_once_to_the_weight_dtype():
+    """In bf16 (the interpreter cannot do bf16 arithmetic, so on CUDA) the head's logits are the final norm
+    kernel's output through the linear layer, bias added before the one rounding, as fp32: within one bf16
+    step of cuBLAS's accumulation order."""
+    torch.manual_seed(7)
+    dec = _decoder(8).to(torch.bfloat16)
+    x = torch.randn(2, CFG.hidden_size, device=DEV) * 2
+    lin = torch.nn.Linear(CFG.hidden_size, 6564).to(DEV).to(torch.bfloat16)
+    out = _nan(2, 6564)
+    gemv_k.head(x, dec.norm.weight, lin.weight, lin.bias, out, dec.norm.eps)
+    hidden = torch.empty(2, CFG.hidden_size, dtype=torch.bfloat16, device=DEV)
+    proj_k.rmsnorm(x, dec.norm.weight, hidden, dec.norm.eps)  # the step's final norm before, then the module
+    want = lin(hidden).float()
+    assert torch.equal(out, out.to(torch.bfloat16).float())  # values of the weight dtype
+    assert ((out - want).abs() <= torch.maximum(out.abs(), want.abs()) * 2 ** -7 + 1e-6).all()  # one rounding flip
+    with pytest.raises(ValueError, match=r"head: weight \(6564, 64\), bias \(6564,\) and a \(2, 6564\) float32"):
+        gemv_k.head(x, dec.norm.weight, lin.weight, lin.bias, out.double(), dec.norm.eps)
+
+
 def test_tiles_are_validated_by_field():
     with pytest.raises(ValueError, match="Tiles.down must be a power of two >= 16, got 8"):
         proj_k.Tiles(down=8)
@@ -231,6 +295,8 @@ def test_tiles_are_validated_by_field():
         proj_k.Tiles(gemv_rows=17)
     with pytest.raises(ValueError, match="Tiles.gemv must be True or False, got 1"):
         proj_k.Tiles(gemv=1)
+    with pytest.raises(ValueError, match="Tiles.gemv_head must be True or False, got 0"):
+        proj_k.Tiles(gemv_head=0)
     with pytest.raises(ValueError, match="Tiles.down_chunk must be a power of two >= 16, got 100"):
         proj_k.Tiles(down_chunk=100)
     with pytest.raises(ValueError, match=r"Tiles.cublas_rows must be an int in 0..1024 \(0: never\), got -1"):

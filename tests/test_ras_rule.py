@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 from cosyvoice_fast.backends import decode_feed, nucleus  # noqa: E402
 from cosyvoice_fast.backends.decode_feed import StepFeed  # noqa: E402
 from cosyvoice_fast.backends.nucleus import nucleus_pick_rows, ras_pick_into, ras_pick_rows  # noqa: E402
-from cosyvoice_fast.kernels import ras_rule, step_feed  # noqa: E402
+from cosyvoice_fast.kernels import nucleus_topk, ras_rule, step_feed  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 NEG = -float("inf")
@@ -64,10 +64,12 @@ def _both(logp, bias, q, q_again, window, repeats, limit=0.8):  # noqa: ANN001, 
 
 @pytest.mark.parametrize("vocab,k,w", [(37, 5, 4), (37, 37, 10), (6564, 25, 10), (300, 1, 1), (300, 25, 0)])
 @pytest.mark.parametrize("repeats", [1, 2])
-def test_fused_tail_equals_the_torch_rule(vocab, k, w, repeats):
+@pytest.mark.parametrize("floor", [False, True])
+def test_fused_tail_equals_the_torch_rule(vocab, k, w, repeats, floor, monkeypatch):
     """Tokens, fallback flags and masked log-probs of the kernels equal :func:`ras_pick_rows` exactly, with rows
     that keep their nucleus token and rows that redraw (widths that are not powers of two, top_k of 1 and of
-    the whole row, windows of 0, 1 and 10)."""
+    the whole row, windows of 0, 1 and 10), with the nucleus draw walking its rows or cut at its floor."""
+    monkeypatch.setattr(nucleus_topk, "USE_FLOOR", floor)
     logp, bias, q, q_again, window = _case(8, vocab, k, w, seed=vocab + k + w + repeats)
     (masked, token, fallback), (logp_out, tok, fb) = _both(logp, bias, q, q_again, window, repeats)
     assert torch.equal(logp_out, masked)
@@ -176,9 +178,11 @@ _gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 @_gpu
 @pytest.mark.parametrize("rows", [1, 16, 64])
-def test_gpu_fused_tail_equals_the_torch_rule_at_speech_vocab(rows):
+@pytest.mark.parametrize("floor", [False, True])
+def test_gpu_fused_tail_equals_the_torch_rule_at_speech_vocab(rows, floor, monkeypatch):
     """At V = 6564 and top_k 25, over many random batches on CUDA (torch's CUDA softmax and IEEE division as the
-    reference): tokens, flags and masked log-probs equal bit for bit, fallbacks included."""
+    reference): tokens, flags and masked log-probs equal bit for bit, fallbacks included, walked or cut."""
+    monkeypatch.setattr(nucleus_topk, "USE_FLOOR", floor)
     fallbacks = 0
     for seed in range(40):
         logp, bias, q, q_again, window = _case(rows, 6564, 25, 10, seed=1000 * rows + seed)

@@ -243,8 +243,7 @@ class CudaGraphLLM:
             tok, pos, gens, window, live = self._feed.read(n)
         else:
             tok, pos = self._step_in[0, :n].view(-1, 1), self._step_in[1, :n].view(-1, 1)
-        hidden = self.llm.decoder(self.llm.speech_embedding(tok), pos, self._cache.head(n), kv_len=bucket)
-        logp = self.llm.log_probs(hidden[:, -1])
+        logp = self.llm.step_log_probs(tok, pos, self._cache.head(n), kv_len=bucket)
         if self._feed is not None:
             self._philox.exponential_rows(gens, self._q[:n])
             self._philox.exponential_rows(gens, self._q_again[:n], self._philox.DRAW_OFFSET)

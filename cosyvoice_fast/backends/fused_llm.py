@@ -40,6 +40,17 @@ class _FusedView:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["_llm"], name)
 
+    def step_log_probs(self, tokens: torch.Tensor, pos: torch.Tensor, cache: Any,
+                       kv_len: int | None = None) -> torch.Tensor:
+        """The model's decode step on the fused decoder; a step of one or two rows runs from the embedding
+        gather to the speech head's logits as one kernel chain (:func:`~..kernels.qwen2_decode.step_logits`)."""
+        llm, decoder = self.__dict__["_llm"], self.__dict__["decoder"]
+        logits = decoder.step_logits(llm.speech_embedding.weight, llm.llm_decoder, tokens, pos, cache, kv_len)
+        if logits is None:
+            hidden = decoder(llm.speech_embedding(tokens), pos, cache, kv_len=kv_len)
+            return llm.log_probs(hidden[:, -1])
+        return logits.log_softmax(dim=-1)
+
 
 class FusedLLM(CudaGraphLLM):
     """:class:`CudaGraphLLM` over the fused decode step; same constructor arguments and public behaviour, plus

@@ -2,14 +2,23 @@
 
 The torch path stable-sorts all V probabilities of each row (about 9 CUDA kernels for V = 6564) only to look at
 the first ``top_k``, then cuts at ``top_p`` with sequential fp32 running sums, divides by the exponential
-variates and takes an argmax (about 8 more small kernels).  Here one program holds a whole row and selects the
-``top_k`` head one candidate at a time with a max-reduction over unique int64 keys: a non-negative fp32's bit
-pattern orders like its value, so ``bits(p) << 32 | (2**31 - 1 - id)`` orders exactly like the stable
-descending sort (larger probability first, smaller id first on ties) and no two ids share a key.  The running
-sum, the cut, the IEEE division (``div_rn``: Triton's ``/`` may be approximate) and the first-wins argmax are
-scalars updated in the order the torch path computes them, so the tokens are the same bit for bit (the GPU
-tests compare both on CUDA).  Once the running sum reaches ``top_p`` every later candidate is cut, so the loop
-stops there: a peaked row costs a few reductions, not ``top_k``.
+variates and takes an argmax (about 8 more small kernels).  Here one program holds a whole row as unique int64
+keys: a non-negative fp32's bit pattern orders like its value, so ``bits(p) << 32 | (2**31 - 1 - id)`` orders
+exactly like the stable descending sort (larger probability first, smaller id first on ties).
+
+The head is taken one candidate at a time, each a max-reduction over the whole row; once the running sum
+reaches ``top_p`` every later candidate is cut, so the walk stops there.  That is ``top_k`` block-wide reductions
+in a row for a flat row.  ``USE_FLOOR`` cuts the row first instead: split into groups of consecutive ids, the
+``top_k`` largest group maxima are ``top_k`` distinct keys, so the ``top_k``-th largest of them is a floor no
+head key is below.  The keys at or above it (a few dozen on a speech-token row) are packed into the program's
+workspace, ranked against each other in one comparison, and the head is written back in order; a row the floor
+does not cut to ``CANDIDATES`` keys (many exact ties) walks instead.  Both give the same head.  The cut is off
+by default: its unrolled code is large, and inside a decode step that code is fetched from memory every step
+(BENCHMARKS.md, session 28, has the measurements).
+
+The running sum, the cut, the IEEE division (``div_rn``: Triton's ``/`` may be approximate) and the first-wins
+argmax follow the order the torch path computes them in, so the tokens are the same bit for bit (the CPU tests
+compare both ways of cutting with a numpy reference, the GPU tests with the torch path on CUDA).
 """
 
 from __future__ import annotations
@@ -24,19 +33,48 @@ from .estimator_common import can_run_on
 MAX_TOP_K = 64
 #: the widest row one program holds in registers (the speech vocabulary is 6564)
 MAX_VOCAB = 16384
+#: at most this many keys at or above the floor are ranked directly; a row with more walks all of its keys
+CANDIDATES = tl.constexpr(128)
+#: ids per group for the floor is the row's power-of-two width over this (at most this many groups)
+GROUPS = 128
+#: int64 workspace per row: the packed candidates, then the ordered head
+SCRATCH = tl.constexpr(CANDIDATES.value + MAX_TOP_K)
+#: cut rows at the floor before ranking (read at launch).  Off by default: alone the cut draw takes 12.9 µs
+#: against the walk's 21.5, but inside a decode step it saves nothing (BENCHMARKS.md, session 28): its ~85 KB
+#: of unrolled code is fetched from memory again every step, after the step's weight stream has evicted it
+USE_FLOOR = False
 
 
 @triton.jit
-def draw_row(probs_ptr, q_ptr, limit_ptr, row, V, K, stride_p, stride_q, BLOCK_V: tl.constexpr):
-    """Row ``row``'s token: ``argmax_j keep[j] ? head_p[j] / q[row, j] : -inf`` over the stable top-K head
-    (shared by this module's kernel and the RAS kernels of :mod:`.ras_rule`)."""
-    cols = tl.arange(0, BLOCK_V)
+def _row_keys(probs_ptr, row, V, stride_p, G: tl.constexpr, S: tl.constexpr):
+    """Row ``row`` as (G, S) unique int64 keys (group ``g`` holds ids ``g·S .. g·S + S - 1``); -1 past ``V``."""
+    cols = tl.arange(0, G)[:, None] * S + tl.arange(0, S)[None, :]
     valid = cols < V
     p = tl.load(probs_ptr + row * stride_p + cols, mask=valid, other=0.0)
     bits = tl.where(p == 0.0, 0, p.to(tl.int32, bitcast=True))  # -0.0 ranks as +0.0, like the sort
     keys = (bits.to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64)  # smaller ids rank first among ties
-    keys = tl.where(valid, keys, -1)  # below every real key (those are > 0)
-    limit = tl.load(limit_ptr)
+    return tl.where(valid, keys, -1)  # below every real key (those are > 0)
+
+
+@triton.jit
+def _key_p(key):
+    return (key >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _key_id(key):
+    return 0x7FFFFFFF - (key & 0x7FFFFFFF)
+
+
+@triton.jit
+def _walk_all(probs_ptr, q_ptr, limit, row, V, K, stride_p, stride_q, BLOCK_V: tl.constexpr):
+    """The head one candidate at a time, each a max-reduction over the whole row reloaded as one vector (any
+    row, but ``K`` block-wide reductions): the fallback when the floor leaves more than ``CANDIDATES`` keys."""
+    cols = tl.arange(0, BLOCK_V)
+    valid = cols < V
+    p = tl.load(probs_ptr + row * stride_p + cols, mask=valid, other=0.0)
+    bits = tl.where(p == 0.0, 0, p.to(tl.int32, bitcast=True))
+    keys = tl.where(valid, (bits.to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64), -1)  # as _row_keys
     run = tl.zeros([], dtype=tl.float32)  # fp32 sum of the candidates taken so far, added in order
     best = tl.full([], float("-inf"), dtype=tl.float32)
     token = tl.zeros([], dtype=tl.int64)
@@ -45,23 +83,90 @@ def draw_row(probs_ptr, q_ptr, limit_ptr, row, V, K, stride_p, stride_q, BLOCK_V
     while go:
         top = tl.max(keys, axis=0)
         keys = tl.where(keys == top, -1, keys)
-        head_p = (top >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        head_i = 0x7FFFFFFF - (top & 0x7FFFFFFF)
-        score = tl.math.div_rn(head_p, tl.load(q_ptr + row * stride_q + j))
+        score = tl.math.div_rn(_key_p(top), tl.load(q_ptr + row * stride_q + j))
         better = score > best  # strict: the first of equal scores wins, like argmax
-        token = tl.where(better, head_i, token)
+        token = tl.where(better, _key_id(top), token)
         best = tl.where(better, score, best)
-        run = run + head_p
+        run = run + _key_p(top)
         j = j + 1
         go = (j < K) & (run < limit)  # candidate j is kept while the sum of those before it is < limit
     return token
 
 
 @triton.jit
-def _nucleus_draw_kernel(probs_ptr, q_ptr, limit_ptr, out_ptr, V, K, stride_p, stride_q,
-                         BLOCK_V: tl.constexpr):
+def _walk_head(head_ptr, q_ptr, limit, row, K, stride_q, BLOCK_K: tl.constexpr):
+    """The head's first argmax of ``p / q`` over the kept candidates, from the sorted head keys at
+    ``head_ptr`` (K of them): the running sums one scalar at a time, in order, the rest on vectors."""
+    kk = tl.arange(0, BLOCK_K)
+    inside = kk < K
+    head = tl.load(head_ptr + kk, mask=inside, other=0, cache_modifier=".cg")
+    run = tl.zeros([], dtype=tl.float32)
+    before = tl.zeros([BLOCK_K], dtype=tl.float32)  # fp32 sum of the candidates before each, added in order
+    for j in tl.static_range(BLOCK_K):
+        before = tl.where(kk == j, run, before)
+        run = run + _key_p(tl.load(head_ptr + j, mask=j < K, other=0, cache_modifier=".cg"))
+    keep = inside & ((kk == 0) | (before < limit))
+    q = tl.load(q_ptr + row * stride_q + kk, mask=inside, other=1.0)
+    score = tl.where(keep, tl.math.div_rn(_key_p(head), q), float("-inf"))
+    first = tl.argmax(score, axis=0, tie_break_left=True)  # the first of equal scores wins, like argmax
+    return tl.sum(tl.where(kk == first, _key_id(head), 0), axis=0)
+
+
+@triton.jit
+def draw_row(probs_ptr, q_ptr, limit_ptr, scratch_ptr, row, V, K, stride_p, stride_q, G: tl.constexpr,
+             S: tl.constexpr, BLOCK_K: tl.constexpr, CUT: tl.constexpr):
+    """Row ``row``'s token: ``argmax_j keep[j] ? head_p[j] / q[row, j] : -inf`` over the stable top-K head
+    (shared by this module's kernel and the RAS kernels of :mod:`.ras_rule`).  ``scratch_ptr`` is the row's
+    ``SCRATCH`` int64 of workspace."""
+    limit = tl.load(limit_ptr)
+    if CUT:
+        keys = _row_keys(probs_ptr, row, V, stride_p, G, S)
+        # the K-th largest group maximum bounds the head from below: the K largest groups hold K keys >= it
+        most = tl.max(keys, axis=1)
+        above = tl.sum((most[None, :] > most[:, None]).to(tl.int32), axis=1)  # (G,): group maxima above each
+        floor = tl.min(tl.where(above < K, most, 0x7FFFFFFFFFFFFFFF), axis=0)
+        floor = tl.where(K > G, 1, tl.maximum(floor, 1))  # fewer groups than K: every real key (all are > 0)
+        pick = (keys >= floor).to(tl.int32)
+        count = tl.sum(tl.sum(pick, axis=1), axis=0)
+        if count <= CANDIDATES:
+            # pack the candidates (row-major order), rank them against each other, write the head in order
+            per_group = tl.sum(pick, axis=1)
+            slot = (tl.cumsum(per_group, axis=0) - per_group)[:, None] + tl.cumsum(pick, axis=1) - 1
+            tl.store(scratch_ptr + slot, keys, mask=pick != 0)
+            tl.debug_barrier()
+            c = tl.arange(0, CANDIDATES)
+            cand = tl.load(scratch_ptr + c, mask=c < count, other=-1, cache_modifier=".cg")
+            rank = tl.sum((cand[None, :] > cand[:, None]).to(tl.int32), axis=1)
+            tl.store(scratch_ptr + CANDIDATES + rank, cand, mask=(c < count) & (rank < K))
+            tl.debug_barrier()
+            token = _walk_head(scratch_ptr + CANDIDATES, q_ptr, limit, row, K, stride_q, BLOCK_K)
+        else:
+            token = _walk_all(probs_ptr, q_ptr, limit, row, V, K, stride_p, stride_q, G * S)
+    else:
+        token = _walk_all(probs_ptr, q_ptr, limit, row, V, K, stride_p, stride_q, G * S)
+    return token
+
+
+@triton.jit
+def _nucleus_draw_kernel(probs_ptr, q_ptr, limit_ptr, scratch_ptr, out_ptr, V, K, stride_p, stride_q,
+                         G: tl.constexpr, S: tl.constexpr, BLOCK_K: tl.constexpr, CUT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    tl.store(out_ptr + row, draw_row(probs_ptr, q_ptr, limit_ptr, row, V, K, stride_p, stride_q, BLOCK_V))
+    token = draw_row(probs_ptr, q_ptr, limit_ptr, scratch_ptr + row * SCRATCH, row, V, K, stride_p, stride_q, G,
+                     S, BLOCK_K, CUT)
+    tl.store(out_ptr + row, token)
+
+
+def draw_shape(vocab: int, k: int) -> dict[str, int]:
+    """The draw's block sizes for rows of ``vocab`` and a head of ``k``: ``G`` groups of ``S`` ids (``G * S``
+    is the row's power-of-two width) and ``BLOCK_K``."""
+    block = triton.next_power_of_2(vocab)
+    s = max(1, block // GROUPS)
+    return {"G": block // s, "S": s, "BLOCK_K": triton.next_power_of_2(k), "CUT": USE_FLOOR}
+
+
+def draw_scratch(rows: int, device: torch.device) -> torch.Tensor:
+    """The draw's workspace for ``rows`` rows (every launch writes what it reads: no clearing needed)."""
+    return torch.empty(rows, SCRATCH.value, dtype=torch.int64, device=device)
 
 
 def row_warps(block: int) -> int:
@@ -111,7 +216,24 @@ def nucleus_draw_rows(probs: torch.Tensor, q: torch.Tensor, limit: torch.Tensor,
         out = torch.empty(rows, dtype=torch.int64, device=probs.device)
     if rows == 0:
         return out
-    block = triton.next_power_of_2(vocab)
-    _nucleus_draw_kernel[(rows,)](probs, q, limit, out, vocab, q.shape[1], probs.stride(0), q.stride(0),
-                                  BLOCK_V=block, num_warps=row_warps(block))
+    _nucleus_draw_kernel[(rows,)](probs, q, limit, draw_scratch(rows, probs.device), out, vocab, q.shape[1],
+                                  probs.stride(0), q.stride(0), **draw_shape(vocab, q.shape[1]),
+                                  num_warps=row_warps(triton.next_power_of_2(vocab)))
     return out
+
+
+def candidate_count(probs: torch.Tensor, k: int) -> torch.Tensor:
+    """How many keys of each row of ``probs`` (B, V) the draw's floor keeps for a head of ``k``, (B,) int64 (the
+    same rule in torch ops): at most ``CANDIDATES`` are ranked directly, more take the walk over the row."""
+    rows, vocab = probs.shape
+    shape = draw_shape(vocab, k)
+    ids = torch.arange(shape["G"] * shape["S"], device=probs.device)
+    p = torch.zeros(rows, ids.numel(), dtype=torch.float32, device=probs.device)
+    p[:, :vocab] = probs
+    bits = torch.where(p == 0.0, 0, p.view(torch.int32)).to(torch.int64)
+    keys = torch.where(ids < vocab, (bits << 32) | (0x7FFFFFFF - ids), -1)
+    most = keys.view(rows, shape["G"], shape["S"]).amax(dim=2)
+    if k > shape["G"]:
+        return (keys > 0).sum(dim=1)
+    floor = most.sort(dim=1, descending=True).values[:, k - 1].clamp(min=1)
+    return (keys >= floor[:, None]).sum(dim=1)

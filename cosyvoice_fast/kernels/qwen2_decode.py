@@ -8,6 +8,8 @@ Per layer: (1) RMSNorm + q/k/v + bias + RoPE + KV-cache write, (2) decode attent
 split merge in the same kernel, (3) o-projection + residual, (4) RMSNorm + gate/up + SiLU*mul, (5) the
 down projection split over K, whose last split adds the partial sums to the residual.  Per step: the copy of
 the input embeddings into the fp32 residual stream, the zeroing of the merge counters, and the final RMSNorm.
+:func:`step_logits` (steps of one or two rows) gathers the embeddings and zeroes the counters in one kernel and
+ends with the final norm and the speech head in another, so the whole step to its logits is one chain.
 Steps of one or two rows (``Tiles.gemv_rows``) take the projections of :mod:`.qwen2_gemv` (weights loaded
 before each kernel waits for the previous one, no tensor cores; ``Tiles.gemv``), larger steps the looped ones
 of :mod:`.qwen2_proj`.
@@ -64,72 +66,120 @@ def decode_step(decoder: Qwen2Decoder, inputs_embeds: torch.Tensor, pos: torch.T
     ``splits``: key splits of the attention (a power of two; default from the row count, see
     :func:`~.qwen2_attention.attention_splits`).
     """
-    cfg = decoder.cfg
     rows, t, hidden = inputs_embeds.shape
     if t != 1:
         raise ValueError(f"the fused decode step takes one token per row, got {t}")
-    if not can_run_on(inputs_embeds.device):
-        raise RuntimeError("the fused Qwen2 kernels need CUDA tensors (on CPU, set TRITON_INTERPRET=1 to run them "
-                           "through Triton's interpreter, as the tests do)")
-    if cache.batch != rows:
-        raise ValueError(f"a cache of {cache.batch} rows for a step of {rows} rows")
-    dtype = inputs_embeds.dtype
-    if cache.dtype != dtype:
-        raise ValueError(f"cache dtype {cache.dtype} differs from the model's {dtype}")
-    decoder.fuse_projections()  # idempotent: re-links q/k/v and gate/up after a .to() gave them new storage
-    n_heads, n_kv, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    kv_len = cache.max_len if kv_len is None else min(int(kv_len), cache.max_len)
-    positions = _positions(pos, rows)
-    splits = attn_k.attention_splits(rows, n_kv) if splits is None else int(splits)
-    if splits < 1 or splits & (splits - 1):
-        raise ValueError(f"attention splits must be a power of two >= 1, got {splits}")
-    if 0 < proj_k.TILES.cublas_rows <= rows:  # many rows: cuBLAS GEMMs with the Triton glue
-        return decode_rows(decoder, inputs_embeds, positions, cache, kv_len, splits)
-    dev = inputs_embeds.device
-    resid = torch.empty(rows, hidden, dtype=torch.float32, device=dev)
+    step = _Step(decoder, inputs_embeds, rows, pos, cache, kv_len, splits)
+    if step.hybrid:  # many rows: cuBLAS GEMMs with the Triton glue
+        return decode_rows(decoder, inputs_embeds, step.positions, cache, step.kv_len, step.splits)
+    counters = torch.zeros(step.counter_count, dtype=torch.int32, device=inputs_embeds.device)
+    resid = torch.empty(rows, hidden, dtype=torch.float32, device=inputs_embeds.device)
     resid.copy_(inputs_embeds.reshape(rows, hidden))
-    q = torch.empty(rows, n_heads, head_dim, dtype=dtype, device=dev)
-    attn = torch.empty(rows, n_heads, head_dim, dtype=dtype, device=dev)
-    o_part = torch.empty(rows, n_heads, splits, head_dim, dtype=torch.float32, device=dev)
-    m_part = torch.empty(rows, n_heads, splits, dtype=torch.float32, device=dev)
-    l_part = torch.empty(rows, n_heads, splits, dtype=torch.float32, device=dev)
-    h = torch.empty(rows, cfg.intermediate_size, dtype=dtype, device=dev)
-    gemv = rows <= proj_k.TILES.gemv_rows and proj_k.TILES.gemv
-    if gemv:  # weights loaded before each kernel's wait (.qwen2_gemv); the down projection in K pieces
-        proj = gemv_k
-        split = gemv_k.split_count(cfg.intermediate_size)
-        down_tiles = hidden  # counters: at most one per output column
-    else:
-        proj = proj_k
-        split = proj_k.TILES.down_split
-        down_tiles = triton.cdiv(hidden, proj_k.TILES.down) * triton.cdiv(rows, proj_k.row_block(rows))
-    # one memset zeroes the attention's merge counters and the down projection's split counters; each kernel
-    # puts its counters back to zero, so every layer (and the next replay) finds them so
-    counters = torch.zeros(rows * n_kv + down_tiles, dtype=torch.int32, device=dev)
-    attn_counters, down_counters = counters[:rows * n_kv].view(rows, n_kv), counters[rows * n_kv:]
-    parts = torch.empty(split, rows, hidden, dtype=torch.float32, device=dev) if split > 1 else None
-    inv_freq = decoder.rotary.inv_freq
-    for i, layer in enumerate(decoder.layers):
-        a, mlp = layer.self_attn, layer.mlp
-        kc, vc = cache.k[i], cache.v[i]
-        proj.qkv_rope(resid, layer.input_layernorm.weight, _contig(a.qkv_weight), _contig(a.qkv_bias), inv_freq,
-                      positions, q, kc, vc, layer.input_layernorm.eps, n_heads, n_kv, head_dim)
-        attn_k.decode_attention(q, kc, vc, positions, kv_len, attn, o_part, m_part, l_part, attn_counters)
-        o_in, wo = attn.view(rows, n_heads * head_dim), _contig(a.o_proj.weight)
-        gate_in = (resid, layer.post_attention_layernorm.weight, _contig(mlp.gate_up_weight), h,
-                   layer.post_attention_layernorm.eps)
-        if gemv:
-            gemv_k.proj_residual(o_in, wo, resid)
-            gemv_k.gate_up(*gate_in)
-            gemv_k.proj_residual(h, _contig(mlp.down_proj.weight), resid, parts, down_counters)
-        else:
-            proj_k.proj_residual(o_in, wo, resid, block_n=proj_k.TILES.oproj)
-            proj_k.gate_up(*gate_in)
-            proj_k.proj_residual(h, _contig(mlp.down_proj.weight), resid, parts, down_counters,
-                                 block_n=proj_k.TILES.down)
-    out = torch.empty(rows, hidden, dtype=dtype, device=dev)
+    step.layers(resid, counters)
+    out = torch.empty(rows, hidden, dtype=inputs_embeds.dtype, device=inputs_embeds.device)
     proj_k.rmsnorm(resid, decoder.norm.weight, out, decoder.norm.eps)
     return out.view(rows, 1, hidden)
+
+
+def step_logits(decoder: Qwen2Decoder, table: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor,
+                pos: torch.Tensor, cache: KVCache, kv_len: int | None = None, splits: int | None = None
+                ) -> torch.Tensor | None:
+    """``head(decoder(table[tokens], pos, cache, kv_len))`` as fp32 (B, V) logits for a GEMV step (one or two
+    rows, ``Tiles.gemv_head``), or None where the step is not one: then embed, step and head apart.
+
+    Here the step starts with one kernel that gathers each row's embedding into the fp32 residual stream and
+    zeroes the counters, and ends with one that applies the final norm and the head (with its bias), so both
+    ends of the step sit in the programmatic-dependent-launch chain: five launches fewer per step (gather,
+    cast, memset, norm, the bias-and-cast around a cuBLAS GEMV).  ``tokens``: (B, 1) or (B,) int64 ids."""
+    rows = tokens.numel()
+    tiles = proj_k.TILES
+    if not (tiles.gemv and tiles.gemv_head and rows <= tiles.gemv_rows) or head.bias is None:
+        return None
+    hidden = table.shape[1]
+    step = _Step(decoder, table, rows, pos, cache, kv_len, splits)
+    if step.hybrid:
+        return None
+    dev = table.device
+    counters = torch.empty(step.counter_count, dtype=torch.int32, device=dev)
+    resid = torch.empty(rows, hidden, dtype=torch.float32, device=dev)
+    gemv_k.embed(tokens.reshape(rows), table, resid, counters)
+    step.layers(resid, counters)
+    logits = torch.empty(rows, head.weight.shape[0], dtype=torch.float32, device=dev)
+    gemv_k.head(resid, decoder.norm.weight, _contig(head.weight), head.bias, logits, decoder.norm.eps)
+    return logits
+
+
+class _Step:
+    """One fused decode step's plan: its checks, positions, splits and kernels (the layers' part of it)."""
+
+    def __init__(self, decoder: Qwen2Decoder, like: torch.Tensor, rows: int, pos: torch.Tensor, cache: KVCache,
+                 kv_len: int | None, splits: int | None):
+        cfg = decoder.cfg
+        if not can_run_on(like.device):
+            raise RuntimeError("the fused Qwen2 kernels need CUDA tensors (on CPU, set TRITON_INTERPRET=1 to run "
+                               "them through Triton's interpreter, as the tests do)")
+        if cache.batch != rows:
+            raise ValueError(f"a cache of {cache.batch} rows for a step of {rows} rows")
+        if cache.dtype != like.dtype:
+            raise ValueError(f"cache dtype {cache.dtype} differs from the model's {like.dtype}")
+        decoder.fuse_projections()  # idempotent: re-links q/k/v and gate/up after a .to() gave them new storage
+        self.decoder, self.cache, self.rows, self.dtype = decoder, cache, rows, like.dtype
+        self.kv_len = cache.max_len if kv_len is None else min(int(kv_len), cache.max_len)
+        self.positions = _positions(pos, rows)
+        n_kv = cfg.num_key_value_heads
+        self.splits = attn_k.attention_splits(rows, n_kv) if splits is None else int(splits)
+        if self.splits < 1 or self.splits & (self.splits - 1):
+            raise ValueError(f"attention splits must be a power of two >= 1, got {self.splits}")
+        self.hybrid = 0 < proj_k.TILES.cublas_rows <= rows
+        self.gemv = rows <= proj_k.TILES.gemv_rows and proj_k.TILES.gemv
+        hidden = cfg.hidden_size
+        if self.gemv:  # weights loaded before each kernel's wait (.qwen2_gemv); the down projection in K pieces
+            self.split = gemv_k.split_count(cfg.intermediate_size)
+            down_tiles = hidden  # counters: at most one per output column
+        else:
+            self.split = proj_k.TILES.down_split
+            down_tiles = triton.cdiv(hidden, proj_k.TILES.down) * triton.cdiv(rows, proj_k.row_block(rows))
+        self.attn_counters = rows * n_kv
+        self.counter_count = self.attn_counters + down_tiles
+
+    def layers(self, resid: torch.Tensor, counters: torch.Tensor) -> None:
+        """Every layer over the fp32 residual ``resid`` (B, H), in place.  ``counters`` holds the attention's
+        merge counters, then the down projection's split counters, all zero; each kernel puts its counters back
+        to zero, so every layer (and the next replay) finds them so."""
+        decoder, rows, dtype = self.decoder, self.rows, self.dtype
+        cfg, dev = decoder.cfg, resid.device
+        n_heads, n_kv, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        hidden = cfg.hidden_size
+        q = torch.empty(rows, n_heads, head_dim, dtype=dtype, device=dev)
+        attn = torch.empty(rows, n_heads, head_dim, dtype=dtype, device=dev)
+        o_part = torch.empty(rows, n_heads, self.splits, head_dim, dtype=torch.float32, device=dev)
+        m_part = torch.empty(rows, n_heads, self.splits, dtype=torch.float32, device=dev)
+        l_part = torch.empty(rows, n_heads, self.splits, dtype=torch.float32, device=dev)
+        h = torch.empty(rows, cfg.intermediate_size, dtype=dtype, device=dev)
+        attn_counters = counters[:self.attn_counters].view(rows, n_kv)
+        down_counters = counters[self.attn_counters:]
+        parts = torch.empty(self.split, rows, hidden, dtype=torch.float32, device=dev) if self.split > 1 else None
+        proj = gemv_k if self.gemv else proj_k
+        inv_freq = decoder.rotary.inv_freq
+        for i, layer in enumerate(decoder.layers):
+            a, mlp = layer.self_attn, layer.mlp
+            kc, vc = self.cache.k[i], self.cache.v[i]
+            proj.qkv_rope(resid, layer.input_layernorm.weight, _contig(a.qkv_weight), _contig(a.qkv_bias),
+                          inv_freq, self.positions, q, kc, vc, layer.input_layernorm.eps, n_heads, n_kv, head_dim)
+            attn_k.decode_attention(q, kc, vc, self.positions, self.kv_len, attn, o_part, m_part, l_part,
+                                    attn_counters)
+            o_in, wo = attn.view(rows, n_heads * head_dim), _contig(a.o_proj.weight)
+            gate_in = (resid, layer.post_attention_layernorm.weight, _contig(mlp.gate_up_weight), h,
+                       layer.post_attention_layernorm.eps)
+            if self.gemv:
+                gemv_k.proj_residual(o_in, wo, resid)
+                gemv_k.gate_up(*gate_in)
+                gemv_k.proj_residual(h, _contig(mlp.down_proj.weight), resid, parts, down_counters)
+            else:
+                proj_k.proj_residual(o_in, wo, resid, block_n=proj_k.TILES.oproj)
+                proj_k.gate_up(*gate_in)
+                proj_k.proj_residual(h, _contig(mlp.down_proj.weight), resid, parts, down_counters,
+                                     block_n=proj_k.TILES.down)
 
 
 def _contig(t: torch.Tensor) -> torch.Tensor:
@@ -155,6 +205,11 @@ class FusedDecoder:
         if cache is None or inputs_embeds.shape[1] != 1:
             return self.decoder(inputs_embeds, pos, cache, kv_len)
         return decode_step(self.decoder, inputs_embeds, pos, cache, kv_len, self.splits)
+
+    def step_logits(self, table: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor, pos: torch.Tensor,
+                    cache: KVCache, kv_len: int | None = None) -> torch.Tensor | None:
+        """:func:`step_logits` on the wrapped decoder (None where the step is not a GEMV one)."""
+        return step_logits(self.decoder, table, head, tokens, pos, cache, kv_len, self.splits)
 
     def prefill_rows(self, inputs_embeds: torch.Tensor, slots: torch.Tensor, last: torch.Tensor,
                      cache: KVCache) -> torch.Tensor:

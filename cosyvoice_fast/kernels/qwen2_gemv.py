@@ -128,6 +128,38 @@ def _proj_gemv_kernel(a_ptr, w_ptr, r_ptr, part_ptr, cnt_ptr, B, K, N, SPLIT_K: 
     split_add(acc, r_ptr, part_ptr, cnt_ptr, tl.program_id(0), rows, rows < B, cols, cmask, B, N, SPLIT_K)
 
 
+@triton.jit
+def _head_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, B, K, N, eps, BLOCK_N: tl.constexpr,
+                      KP: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
+    """``out[b, n] = float(bf16(norm(x[b]) @ W[n, :]^T + bias[n]))``: the final RMSNorm and the LM head (the
+    linear layer's output rounded to the weight dtype once, as a GEMM with a bias epilogue rounds it)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    w = _w_slice(w_ptr, cols, cmask, 0, K, KP)
+    bias = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    pdl_start(PDL)
+    for r in tl.static_range(ROWS):
+        live = _live(r, B)
+        y = _times_wt(_normed_row(x_ptr + r * K, nw_ptr, K, eps, live, KP), w) + bias
+        tl.store(out_ptr + r * N + cols[None, :], y.to(w_ptr.dtype.element_ty).to(tl.float32),
+                 mask=cmask[None, :] & live[:, None])
+
+
+@triton.jit
+def _embed_kernel(tok_ptr, table_ptr, x_ptr, cnt_ptr, K, C, KP: tl.constexpr, CP: tl.constexpr,
+                  PDL: tl.constexpr):
+    """Row ``b`` of the fp32 residual stream <- the embedding of token ``tok[b]``; program 0 also zeroes the
+    step's ``C`` merge and split counters (one launch for what were a gather, a cast and a memset)."""
+    pdl_start(PDL)
+    row = tl.program_id(0)
+    k = tl.arange(0, KP)
+    tok = tl.load(tok_ptr + row).to(tl.int64)
+    x = tl.load(table_ptr + tok * K + k, mask=k < K, other=0.0)
+    tl.store(x_ptr + row * K + k, x.to(tl.float32), mask=k < K)
+    c = tl.arange(0, CP)
+    tl.store(cnt_ptr + c, tl.zeros([CP], dtype=tl.int32), mask=c + row * CP < C)  # program 0 only
+
+
 # ------------------------------------------------------------------------------------------ launchers
 
 
@@ -194,6 +226,32 @@ def proj_residual(a: torch.Tensor, w: torch.Tensor, resid: torch.Tensor, parts: 
     _proj_gemv_kernel[grid](a, w, resid, resid if parts is None else parts,
                             resid if counters is None else counters, rows, k_dim, n, SPLIT_K=split, BLOCK_N=bn,
                             KP=kp, ROWS=block, **launch_options(a, 1))
+
+
+def head(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+         eps: float) -> None:
+    """out (B, N) fp32 <- the speech head over the final norm: ``linear(rmsnorm(x), w, b)`` in the weight dtype,
+    as fp32, for up to ``Tiles.gemv_rows`` rows of the fp32 residual ``x`` (B, K)."""
+    rows, k_dim = x.shape
+    block = _check_rows(rows)
+    n = w.shape[0]
+    if w.shape != (n, k_dim) or b.shape != (n,) or out.shape != (rows, n) or out.dtype != torch.float32:
+        raise ValueError(f"head: weight ({n}, {k_dim}), bias ({n},) and a ({rows}, {n}) float32 output expected, got "
+                         f"{tuple(w.shape)}, {tuple(b.shape)}, {tuple(out.shape)} {out.dtype}")
+    bn = _cols(n)
+    _head_gemv_kernel[(triton.cdiv(n, bn),)](x, norm_w, w, b, out, rows, k_dim, n, eps, BLOCK_N=bn,
+                                             KP=triton.next_power_of_2(k_dim), ROWS=block, **launch_options(x, 1))
+
+
+def embed(tokens: torch.Tensor, table: torch.Tensor, x: torch.Tensor, counters: torch.Tensor) -> None:
+    """x (B, K) fp32 <- ``table[tokens]`` (tokens: B int64 ids, table (V, K)), and ``counters`` (int32) <- 0."""
+    rows, k_dim = x.shape
+    if tokens.numel() != rows or table.shape[1] != k_dim or counters.dtype != torch.int32:
+        raise ValueError(f"embed: {rows} token ids, a (V, {k_dim}) table and int32 counters expected, got "
+                         f"{tokens.numel()} ids, {tuple(table.shape)}, {counters.dtype}")
+    c = counters.numel()
+    _embed_kernel[(rows,)](tokens, table, x, counters, k_dim, c, KP=triton.next_power_of_2(k_dim),
+                           CP=triton.next_power_of_2(max(c, 1)), **launch_options(x, 1))
 
 
 def split_count(k_dim: int) -> int:

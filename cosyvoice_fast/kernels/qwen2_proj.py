@@ -58,6 +58,7 @@ class Tiles:
     early_tile: bool = True  # the looped projections load their first weight tile before the PDL wait
     gemv: bool = True  # steps of up to gemv_rows rows take the weight-prefetch GEMV kernels of .qwen2_gemv
     gemv_rows: int = 2  # the most rows a GEMV step takes (each program multiplies its weights by each row in turn)
+    gemv_head: bool = True  # a GEMV step gathers its embeddings and applies norm + speech head in its own kernels
     gemv_cols: int = 8  # output columns per program of those kernels (gate/up, down)
     gemv_small_cols: int = 4  # the same for q/k/v (per half-head) and the o-projection: ~2 MB matrices
     down_chunk: int = 512  # K elements per split of their down projection
@@ -78,7 +79,7 @@ class Tiles:
             raise ValueError(f"Tiles.cublas_rows must be an int in 0..1024 (0: never), got {self.cublas_rows!r}")
         if not 1 <= self.down_split <= 16:
             raise ValueError(f"Tiles.down_split must be 1..16, got {self.down_split}")
-        for name in ("pdl", "early_tile", "gemv"):
+        for name in ("pdl", "early_tile", "gemv", "gemv_head"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Tiles.{name} must be True or False, got {getattr(self, name)!r}")
 

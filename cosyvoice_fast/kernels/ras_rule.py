@@ -24,15 +24,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .nucleus_topk import check_draw, draw_row, row_warps
+from .nucleus_topk import SCRATCH, check_draw, draw_row, draw_scratch, draw_shape, row_warps
 
 
 @triton.jit
-def _rule_kernel(probs_ptr, logp_ptr, q_ptr, limit_ptr, win_ptr, drawn_ptr, banned_ptr, V, K, W, repeats,
-                 stride_p, stride_l, stride_q, stride_wb, stride_ww, stride_d, stride_b,
-                 BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr):
+def _rule_kernel(probs_ptr, logp_ptr, q_ptr, limit_ptr, scratch_ptr, win_ptr, drawn_ptr, banned_ptr, V, K, W,
+                 repeats, stride_p, stride_l, stride_q, stride_wb, stride_ww, stride_d, stride_b,
+                 BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
+                 BLOCK_K: tl.constexpr, CUT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    token = draw_row(probs_ptr, q_ptr, limit_ptr, row, V, K, stride_p, stride_q, BLOCK_V)
+    token = draw_row(probs_ptr, q_ptr, limit_ptr, scratch_ptr + row * SCRATCH, row, V, K, stride_p, stride_q, G, S,
+                     BLOCK_K, CUT)
     w = tl.arange(0, BLOCK_W)
     hist = tl.load(win_ptr + row * stride_wb + w * stride_ww, mask=w < W, other=-1)
     fallback = (tl.sum((hist == token).to(tl.int32), axis=0) >= repeats).to(tl.int64)
@@ -90,10 +92,11 @@ def ras_rule_rows(probs: torch.Tensor, logp: torch.Tensor, q: torch.Tensor, limi
         return banned
     block = triton.next_power_of_2(vocab)
     w = window.shape[1]
-    _rule_kernel[(rows,)](probs, logp, q, limit, window, drawn, banned, vocab, q.shape[1], w, repeats,
-                          probs.stride(0), logp.stride(0), q.stride(0), window.stride(0), window.stride(1),
-                          drawn.stride(0), banned.stride(0), BLOCK_V=block,
-                          BLOCK_W=max(2, triton.next_power_of_2(max(w, 1))), num_warps=row_warps(block))
+    _rule_kernel[(rows,)](probs, logp, q, limit, draw_scratch(rows, probs.device), window, drawn, banned, vocab,
+                          q.shape[1], w, repeats, probs.stride(0), logp.stride(0), q.stride(0), window.stride(0),
+                          window.stride(1), drawn.stride(0), banned.stride(0), BLOCK_V=block,
+                          BLOCK_W=max(2, triton.next_power_of_2(max(w, 1))), num_warps=row_warps(block),
+                          **draw_shape(vocab, q.shape[1]))
     return banned
 
 

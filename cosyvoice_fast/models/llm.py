@@ -161,6 +161,12 @@ class Qwen2LM(nn.Module):
         """Speech-token log-probabilities from decoder hidden states; the normalisation runs in fp32."""
         return self.llm_decoder(hidden).float().log_softmax(dim=-1)
 
+    def step_log_probs(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache,
+                       kv_len: int | None = None) -> torch.Tensor:
+        """One decode step of speech tokens ``tokens`` (B, 1) at ``pos`` over ``cache``: log-probs (B, V)."""
+        hidden = self.decoder(self.speech_embedding(tokens), pos, cache, kv_len=kv_len)
+        return self.log_probs(hidden[:, -1])
+
     def forward(self, lm_input: torch.Tensor) -> torch.Tensor:
         """One causal pass without a cache: log-probs for every position, (B, L, V)."""
         pos = torch.arange(lm_input.shape[1], device=lm_input.device)
