@@ -16,7 +16,6 @@ import argparse
 import importlib.util
 import json
 import re
-import statistics
 import sys
 from pathlib import Path
 
@@ -25,25 +24,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cosyvoice_fast.kernels import nucleus_topk as nt  # noqa: E402
+from benchmarks.steps import require_cuda  # noqa: E402
+from cosyvoice_fast.kernels.estimator_profile import replay_median_ms  # noqa: E402
 from cosyvoice_fast.kernels.nucleus_topk import SCRATCH  # noqa: E402
 
 
-def _time(fn, launches: int = 100, reps: int = 20) -> float:
+def _time(fn, launches: int = 100) -> float:
+    """µs per call of ``fn``: median of 20 replays of a graph of ``launches`` calls."""
     fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for _ in range(launches):
             fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / launches)
-    return round(statistics.median(times), 2)
+    return round(replay_median_ms(g, iters=20) * 1e3 / launches, 2)
 
 
 def main() -> int:
@@ -51,9 +45,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--old", default=None, help="the nucleus_topk.py of the tree before (its draw kernel is timed)")
     a = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("nucleus_draw_check.py needs a CUDA GPU", file=sys.stderr)
-        return 2
+    require_cuda("nucleus_draw_check.py")
     vocab, k = 6564, 25
     g = torch.Generator(device="cuda").manual_seed(0)
     probs = (torch.randn(1, vocab, device="cuda", generator=g) * 0.5).softmax(-1)

@@ -39,9 +39,9 @@ CANDIDATES = tl.constexpr(128)
 GROUPS = 128
 #: int64 workspace per row: the packed candidates, then the ordered head
 SCRATCH = tl.constexpr(CANDIDATES.value + MAX_TOP_K)
-#: cut rows at the floor before ranking (read at launch).  Off by default: alone the cut draw takes 12.9 µs
-#: against the walk's 21.5, but inside a decode step it saves nothing (BENCHMARKS.md, session 28): its ~85 KB
-#: of unrolled code is fetched from memory again every step, after the step's weight stream has evicted it
+#: cut rows at the floor before ranking (read at launch).  Off by default: faster than the walk on its own,
+#: no faster inside a decode step, where its large unrolled code is presumably fetched from memory again every
+#: step after the step's weight stream has evicted it (BENCHMARKS.md, session 28)
 USE_FLOOR = False
 
 
@@ -58,11 +58,13 @@ def _row_keys(probs_ptr, row, V, stride_p, G: tl.constexpr, S: tl.constexpr):
 
 @triton.jit
 def _key_p(key):
+    """A key's probability (its high word's fp32 bits)."""
     return (key >> 32).to(tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _key_id(key):
+    """A key's token id (from its low word)."""
     return 0x7FFFFFFF - (key & 0x7FFFFFFF)
 
 
