@@ -13,8 +13,7 @@ in a row for a flat row.  ``USE_FLOOR`` cuts the row first instead: split into g
 head key is below.  The keys at or above it (a few dozen on a speech-token row) are packed into the program's
 workspace, ranked against each other in one comparison, and the head is written back in order; a row the floor
 does not cut to ``CANDIDATES`` keys (many exact ties) walks instead.  Both give the same head.  The cut is off
-by default: its unrolled code is large, and inside a decode step that code is fetched from memory every step
-(BENCHMARKS.md, session 28, has the measurements).
+by default: it is faster alone but measured no faster inside a decode step (BENCHMARKS.md, session 28).
 
 The running sum, the cut, the IEEE division (``div_rn``: Triton's ``/`` may be approximate) and the first-wins
 argmax follow the order the torch path computes them in, so the tokens are the same bit for bit (the CPU tests
@@ -39,9 +38,8 @@ CANDIDATES = tl.constexpr(128)
 GROUPS = 128
 #: int64 workspace per row: the packed candidates, then the ordered head
 SCRATCH = tl.constexpr(CANDIDATES.value + MAX_TOP_K)
-#: cut rows at the floor before ranking (read at launch).  Off by default: faster than the walk on its own,
-#: no faster inside a decode step, where its large unrolled code is presumably fetched from memory again every
-#: step after the step's weight stream has evicted it (BENCHMARKS.md, session 28)
+#: cut rows at the floor before ranking (read at launch).  Off by default: faster than the walk on its own, but
+#: no faster inside a decode step (BENCHMARKS.md, session 28, has the measurements and what is not known)
 USE_FLOOR = False
 
 
