@@ -44,14 +44,19 @@ USE_FLOOR = False
 
 
 @triton.jit
-def _row_keys(probs_ptr, row, V, stride_p, G: tl.constexpr, S: tl.constexpr):
-    """Row ``row`` as (G, S) unique int64 keys (group ``g`` holds ids ``g·S .. g·S + S - 1``); -1 past ``V``."""
-    cols = tl.arange(0, G)[:, None] * S + tl.arange(0, S)[None, :]
+def _keys(probs_ptr, row, stride_p, cols, V):
+    """The unique int64 keys of ids ``cols`` (any shape) of row ``row``; -1 past ``V``."""
     valid = cols < V
     p = tl.load(probs_ptr + row * stride_p + cols, mask=valid, other=0.0)
     bits = tl.where(p == 0.0, 0, p.to(tl.int32, bitcast=True))  # -0.0 ranks as +0.0, like the sort
     keys = (bits.to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64)  # smaller ids rank first among ties
     return tl.where(valid, keys, -1)  # below every real key (those are > 0)
+
+
+@triton.jit
+def _row_keys(probs_ptr, row, V, stride_p, G: tl.constexpr, S: tl.constexpr):
+    """Row ``row`` as (G, S) keys: group ``g`` holds ids ``g·S .. g·S + S - 1``."""
+    return _keys(probs_ptr, row, stride_p, tl.arange(0, G)[:, None] * S + tl.arange(0, S)[None, :], V)
 
 
 @triton.jit
@@ -70,11 +75,7 @@ def _key_id(key):
 def _walk_all(probs_ptr, q_ptr, limit, row, V, K, stride_p, stride_q, BLOCK_V: tl.constexpr):
     """The head one candidate at a time, each a max-reduction over the whole row reloaded as one vector (any
     row, but ``K`` block-wide reductions): the fallback when the floor leaves more than ``CANDIDATES`` keys."""
-    cols = tl.arange(0, BLOCK_V)
-    valid = cols < V
-    p = tl.load(probs_ptr + row * stride_p + cols, mask=valid, other=0.0)
-    bits = tl.where(p == 0.0, 0, p.to(tl.int32, bitcast=True))
-    keys = tl.where(valid, (bits.to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64), -1)  # as _row_keys
+    keys = _keys(probs_ptr, row, stride_p, tl.arange(0, BLOCK_V), V)
     run = tl.zeros([], dtype=tl.float32)  # fp32 sum of the candidates taken so far, added in order
     best = tl.full([], float("-inf"), dtype=tl.float32)
     token = tl.zeros([], dtype=tl.int64)
