@@ -97,7 +97,7 @@ def test_unstored_step_keeps_what_it_put_in_results(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
-@pytest.mark.parametrize("name", ["hift_profile", "bf16_error", "nucleus_draw_check"])
+@pytest.mark.parametrize("name", ["hift_profile", "bf16_error", "nucleus_draw_check", "hift_conv_check"])
 def test_gpu_script_without_cuda_exits_2_with_a_clear_message(tmp_path, name):
     script = [sys.executable, f"benchmarks/{name}.py"]
     helped = subprocess.run(script + ["--help"], cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -23,14 +23,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from ..models.hift import Snake, SnakeResBlock, conv_time_major, weight_4d
+from .hift_conv import packed, run_conv, tf32_products, to_tf32, use_triton
 
 
 @triton.jit
 def _snake_pass_kernel(x_ptr, bias_ptr, res_ptr, alpha_ptr, sum_ptr, act_ptr, C, T, sb, sc, st, eps,
                        HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, WRITE_SUM: tl.constexpr,
-                       SNAKE: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
+                       SNAKE: tl.constexpr, ROUND: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
     """Program (batch row, channel block, time block) of (B, C, T) tensors that share the strides ``sb, sc, st``
     (channel-major or time-major: whichever stride is 1 is the contiguous direction of the tile)."""
     b = tl.program_id(0)
@@ -48,7 +50,10 @@ def _snake_pass_kernel(x_ptr, bias_ptr, res_ptr, alpha_ptr, sum_ptr, act_ptr, C,
     if SNAKE:
         a = tl.load(alpha_ptr + ch, mask=ch < C, other=1.0).to(tl.float32)[:, None]
         s = tl.sin(z * a)
-        tl.store(act_ptr + off, z + (1.0 / (a + eps)) * (s * s), mask=m)
+        act = z + (1.0 / (a + eps)) * (s * s)
+        if ROUND:
+            act = to_tf32(act)
+        tl.store(act_ptr + off, act, mask=m)
 
 
 def _dense(x: Tensor) -> Tensor:
@@ -61,10 +66,11 @@ def _dense(x: Tensor) -> Tensor:
 
 
 def snake_pass(x: Tensor, bias: Tensor | None = None, residual: Tensor | None = None, alpha: Tensor | None = None,
-               write_sum: bool = False) -> tuple[Tensor | None, Tensor | None]:
+               write_sum: bool = False, round_tf32: bool = False) -> tuple[Tensor | None, Tensor | None]:
     """``z = x + bias + residual`` over an fp32 (B, C, T) tensor (bias per channel), then
     ``(z if write_sum, snake_alpha(z) if alpha is given)``, in one pass.  Channel-major and time-major
-    (:func:`~cosyvoice_fast.models.hift.time_major`) inputs keep their layout in the outputs."""
+    (:func:`~cosyvoice_fast.models.hift.time_major`) inputs keep their layout in the outputs.  ``round_tf32``:
+    the Snake output rounded to TF32 (it feeds a TF32 conv of :mod:`.hift_conv` only)."""
     if x.dim() != 3 or x.dtype != torch.float32:
         raise ValueError(f"snake_pass takes a (B, C, T) fp32 tensor, got {tuple(x.shape)} {x.dtype}")
     if alpha is None and not write_sum:
@@ -85,26 +91,38 @@ def snake_pass(x: Tensor, bias: Tensor | None = None, residual: Tensor | None = 
                              total if total is not None else x, act if act is not None else x, c, t,
                              x.stride(0), x.stride(1), x.stride(2), Snake.EPS,
                              HAS_BIAS=bias is not None, HAS_RES=residual is not None, WRITE_SUM=write_sum,
-                             SNAKE=alpha is not None, BC=bc, BT=bt, num_warps=4)
+                             SNAKE=alpha is not None, ROUND=round_tf32, BC=bc, BT=bt, num_warps=4)
     return total, act
 
 
 class FusedSnakeResBlock(nn.Module):
     """The same residual units as ``block`` (a weight-norm-free :class:`SnakeResBlock`, whose parameters it
-    reads, not copies): per unit two bias-free convolutions and two :func:`snake_pass` calls."""
+    reads, not copies): per unit two bias-free convolutions and two :func:`snake_pass` calls; or, with
+    ``triton_convs``, two :func:`~cosyvoice_fast.kernels.hift_conv.conv1d` launches whose epilogues add the bias,
+    the residual and the next Snake (one :func:`snake_pass` per block remains, the first unit's Snake)."""
 
-    def __init__(self, block: SnakeResBlock):
+    def __init__(self, block: SnakeResBlock, triton_convs: bool = False):
         super().__init__()
         for conv in (*block.convs1, *block.convs2):
-            if not isinstance(conv.weight, nn.Parameter) or conv.bias is None:
+            if parametrize.is_parametrized(conv) or conv.bias is None:
                 raise ValueError("FusedSnakeResBlock needs plain conv weights with biases: fold the weight norm "
                                  "first (HiFTGenerator.remove_weight_norm)")
         self.block = block
+        self.triton_convs = triton_convs
 
     def forward(self, x: Tensor) -> Tensor:
         blk = self.block
         units = list(zip(blk.activations1, blk.convs1, blk.activations2, blk.convs2))
         x = _dense(x.float())
+        if self.triton_convs and use_triton(x.shape[0]):
+            tf32 = tf32_products(None)  # every Snake output feeds a conv only: stored rounded for TF32 products
+            kw = {"ieee": not tf32, "input_rounded": True, "round_act": True, "eps": Snake.EPS}
+            _, y = snake_pass(x, alpha=units[0][0].alpha, round_tf32=tf32)
+            for i, (_, c1, act2, c2) in enumerate(units):
+                _, t = run_conv(c1, y, write_sum=False, alpha=act2.alpha, **kw)
+                nxt = units[i + 1][0].alpha if i + 1 < len(units) else None
+                x, y = run_conv(c2, t, residual=x, alpha=nxt, **kw)
+            return x
         _, y = snake_pass(x, alpha=units[0][0].alpha)
         for i, (_, c1, act2, c2) in enumerate(units):
             t = self._conv(c1, y)
@@ -124,22 +142,47 @@ class FusedSnakeResBlock(nn.Module):
         return F.conv1d(x, conv.weight, None, conv.stride, conv.padding, conv.dilation)
 
 
-def fuse_hift(plain: nn.Module, time_major: bool = True) -> int:
+def fuse_hift(plain: nn.Module, time_major: bool = True, triton_convs: bool = False) -> int:
     """Swap every :class:`SnakeResBlock` of a weight-norm-folded HiFT (``remove_weight_norm()``'s copy, owned by
     the caller) for a :class:`FusedSnakeResBlock` in place, and set its ``time_major`` layout (see
     :func:`~cosyvoice_fast.models.hift.time_major`; with it every convolution gets a ``weight4`` buffer, a copy
-    of its weight made here); returns how many blocks were swapped."""
+    of its weight made here); returns how many blocks were swapped.
+
+    ``triton_convs`` (needs ``time_major``): every ``Conv1d`` of the filter network runs as
+    :func:`~cosyvoice_fast.kernels.hift_conv.conv1d` (its packed weight made here), through the model's
+    ``conv_override`` and the fused residual units; the transposed convolutions stay cuDNN's."""
+    if triton_convs and not time_major:
+        raise ValueError("fuse_hift: triton_convs runs the conv stack time-major; pass time_major=True")
     plain.time_major = time_major
+    parts = (plain.conv_pre, plain.ups, plain.source_downs, plain.resblocks, plain.source_resblocks,
+             plain.conv_post)
+    convs = [m for part in parts for m in part.modules() if isinstance(m, (nn.Conv1d, nn.ConvTranspose1d))]
     if time_major:  # every convolution of the filter network (not f0's) gets its 4-D channels-last weight
-        parts = (plain.conv_pre, plain.ups, plain.source_downs, plain.resblocks, plain.source_resblocks,
-                 plain.conv_post)
-        for conv in (m for part in parts for m in part.modules()):
-            if isinstance(conv, (nn.Conv1d, nn.ConvTranspose1d)) and not hasattr(conv, "weight4"):
+        for conv in convs:
+            if not hasattr(conv, "weight4"):
                 conv.register_buffer("weight4", weight_4d(conv), persistent=False)
+    if triton_convs:  # packed now, never inside a graph capture: both precisions, the f0 predictor's full fp32
+        for conv in convs:
+            if isinstance(conv, nn.Conv1d):
+                packed(conv, tf32=False)
+                packed(conv, tf32=True)
+        for conv in plain.f0_predictor.condnet:
+            if isinstance(conv, nn.Conv1d):
+                packed(conv, tf32=False)
+        plain.conv_override = _triton_conv
     n = 0
     for lists in (plain.resblocks, plain.source_resblocks):
         for i, blk in enumerate(lists):
             if isinstance(blk, SnakeResBlock):
-                lists[i] = FusedSnakeResBlock(blk)
+                lists[i] = FusedSnakeResBlock(blk, triton_convs=triton_convs)
                 n += 1
     return n
+
+
+def _triton_conv(conv: nn.Conv1d, x: Tensor) -> Tensor:
+    """``conv(x)`` as one :func:`~cosyvoice_fast.kernels.hift_conv.conv1d` launch, time-major out; calls of more
+    rows than :func:`~cosyvoice_fast.kernels.hift_conv.use_triton` allows take cuDNN's time-major path."""
+    if not use_triton(x.shape[0]):
+        return conv_time_major(conv, conv.weight4, x)
+    y, _ = run_conv(conv, x.float())
+    return y

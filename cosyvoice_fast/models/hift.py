@@ -120,6 +120,9 @@ class HiFTGenerator(nn.Module):
     on a GPU, cuDNN may pick other algorithms (float rounding)."""
 
     time_major = False
+    #: a replacement for the filter network's ``Conv1d`` calls, ``fn(conv, x) -> conv(x)`` (a speed setting a
+    #: backend installs, e.g. the fused vocoder's Triton convolutions); None: PyTorch's
+    conv_override = None
 
     def __init__(self, cfg: HiFTConfig):
         super().__init__()
@@ -216,6 +219,8 @@ class HiFTGenerator(nn.Module):
         return wav.clamp(-self.cfg.audio_limit, self.cfg.audio_limit)
 
     def _conv(self, conv: nn.Module, x: Tensor) -> Tensor:
+        if self.conv_override is not None and isinstance(conv, nn.Conv1d):
+            return self.conv_override(conv, x)
         w4 = getattr(conv, "weight4", None)
         return conv_time_major(conv, w4, x) if self.time_major and w4 is not None else conv(x)
 

@@ -1,0 +1,60 @@
+"""Same-process A/B of the fused vocoder's convolutions: cuDNN's against the Triton kernels (session 29).
+
+    PYTHONUNBUFFERED=1 python benchmarks/vocoder_ab.py --out $OUT --rounds 3 --requests 32 -- \\
+        --synthetic full --backends fused --dtype bf16 --flow-rows 1 --vocoder-rows 1
+
+One service, the bench's concurrency-1 workload, alternating per round (``one_stream.ab_rounds``) between
+vocoder stages built like the service's for the one stage set the requests run on (LLM and flow shared):
+
+- ``cudnn``: the fused vocoder as before session 29 (captured with ``hift_conv.LAUNCH["max_rows"]`` at 0: no
+  call takes the Triton convolutions);
+- ``triton``: the shipped stage (its one-row calls on :mod:`cosyvoice_fast.kernels.hift_conv`).
+
+Results: ``OUT/vocoder_ab.json`` (per round and variant the bench's aggregate: TTFB p50/p95 and its stages).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def build_cudnn_vocoder(stages: Any) -> Any:
+    """A ``fused`` vocoder stage like the service's (same captured lengths and rows), captured with
+    ``hift_conv.LAUNCH["max_rows"]`` at 0, so no call runs the Triton convolutions."""
+    from cosyvoice_fast.backends import _build_vocoder
+    from cosyvoice_fast.kernels import hift_conv
+
+    saved = hift_conv.LAUNCH["max_rows"]
+    hift_conv.LAUNCH["max_rows"] = 0
+    try:
+        return _build_vocoder(stages.models, "fused", stages.engine_config)
+    finally:
+        hift_conv.LAUNCH["max_rows"] = saved
+
+
+def main(argv: list[str]) -> None:
+    from benchmarks import one_stream
+
+    mine, bench_argv, out = one_stream.script_args(argv, __doc__, "benchmarks/vocoder_ab.py", one_stream.ab_flags)
+    one = one_stream.load(bench_argv, "benchmarks/vocoder_ab.py")
+    if one.backend.vocoder != "fused":
+        raise SystemExit(f"the A/B is of the fused vocoder; --backends gave vocoder {one.backend.vocoder!r}")
+    stages = one.svc.engine._stage_sets
+    shipped = one.svc.engine.stages(one.backend)  # builds the set the requests run on
+    vocoders = {"cudnn": build_cudnn_vocoder(stages), "triton": shipped.vocoder}
+
+    def use(name: str) -> Any:
+        def apply() -> None:
+            shipped.vocoder = vocoders[name]
+        return apply
+
+    one_stream.ab_rounds(one, {name: use(name) for name in vocoders}, mine.rounds, mine.requests,
+                         out / "vocoder_ab.json", argv)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
