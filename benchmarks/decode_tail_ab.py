@@ -54,14 +54,7 @@ def main(argv: list[str]) -> None:
     shipped = one.svc.engine.stages(one.backend)  # builds the set the requests run on
     llms = {"before": build_llm(stages, one, floor=False, head=False),
             "floor": build_llm(stages, one, floor=True, head=True), "after": shipped.llm}
-
-    def use(name: str) -> Any:
-        def apply() -> None:
-            shipped.llm = llms[name]
-        return apply
-
-    one_stream.ab_rounds(one, {name: use(name) for name in llms}, mine.rounds, mine.requests,
-                         out / "decode_tail_ab.json", argv)
+    one_stream.swap_rounds(one, shipped, "llm", llms, mine.rounds, mine.requests, out / "decode_tail_ab.json", argv)
 
 
 if __name__ == "__main__":

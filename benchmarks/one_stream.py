@@ -81,6 +81,16 @@ def ab_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--requests", type=int, default=32)
 
 
+def swap_rounds(one: OneStream, target: Any, attr: str, variants: dict[str, Any], rounds: int, requests: int,
+                out_file: Path, argv: Sequence[str]) -> dict[str, Any]:
+    """:func:`ab_rounds` over variants that differ in one attribute of ``target`` (a stage set's ``llm`` or
+    ``vocoder``): each variant sets ``target.<attr>`` to its value."""
+    def use(value: Any) -> Callable[[], None]:
+        return lambda: setattr(target, attr, value)
+
+    return ab_rounds(one, {name: use(value) for name, value in variants.items()}, rounds, requests, out_file, argv)
+
+
 def ab_rounds(one: OneStream, variants: dict[str, Callable[[], None]], rounds: int, requests: int, out_file: Path,
               argv: Sequence[str]) -> dict[str, Any]:
     """Alternate ``variants`` (name -> a function that patches that variant in; the last one should be the

@@ -46,14 +46,8 @@ def main(argv: list[str]) -> None:
     stages = one.svc.engine._stage_sets
     shipped = one.svc.engine.stages(one.backend)  # builds the set the requests run on
     vocoders = {"cudnn": build_cudnn_vocoder(stages), "triton": shipped.vocoder}
-
-    def use(name: str) -> Any:
-        def apply() -> None:
-            shipped.vocoder = vocoders[name]
-        return apply
-
-    one_stream.ab_rounds(one, {name: use(name) for name in vocoders}, mine.rounds, mine.requests,
-                         out / "vocoder_ab.json", argv)
+    one_stream.swap_rounds(one, shipped, "vocoder", vocoders, mine.rounds, mine.requests, out / "vocoder_ab.json",
+                           argv)
 
 
 if __name__ == "__main__":

@@ -231,6 +231,27 @@ def test_ab_rounds_alternates_the_variants_and_leaves_the_last_patched_in(tmp_pa
     assert _read(tmp_path / "ab.json")["rounds"][1]["new"]["ttfb_ms"]["p50"] == 40.5
 
 
+def test_swap_rounds_measures_each_variant_with_its_value_in_place(tmp_path, monkeypatch):
+    """The stage-swapping A/B (``vocoder_ab``, ``decode_tail_ab``): each measurement runs with its variant's
+    value in the target's attribute, and the last (shipped) value stays."""
+    from types import SimpleNamespace
+
+    from benchmarks import one_stream
+    from cosyvoice_fast import bench
+
+    target, seen = SimpleNamespace(vocoder=None), []
+
+    def bench_config(engine, backend, concurrency, requests, args):  # noqa: ANN001
+        seen.append(target.vocoder)
+        return {"ttfb_ms": {"p50": 40.0, "p95": 41.0}, "n": requests}
+
+    monkeypatch.setattr(bench, "bench_config", bench_config)
+    svc = SimpleNamespace(models=SimpleNamespace(device=torch.device("cpu")), engine=None, close=lambda: None)
+    one = one_stream.OneStream(svc, SimpleNamespace(), None, lambda seed: None)
+    one_stream.swap_rounds(one, target, "vocoder", {"cudnn": "A", "triton": "B"}, 2, 3, tmp_path / "ab.json", [])
+    assert seen == ["A", "B", "B", "A"] and target.vocoder == "B"
+
+
 def test_sass_sizes_counts_every_kernel_of_a_decode_step_without_a_gpu(tmp_path):
     """The code-size tool records a full-size one-row decode step's launches under the interpreter without
     running them (the embedding gather, five kernels per layer, the head) and compiles each distinct one for

@@ -59,6 +59,17 @@ def to_tf32(x):
 
 
 @triton.jit
+def snake(z, a, eps, ROUND: tl.constexpr):
+    """The model's Snake, ``z + sin(a z)^2 / (a + eps)``, of an fp32 tile with ``a`` broadcast along its channels;
+    ``ROUND``: rounded to TF32 (:func:`to_tf32`) for a TF32 conv that reads it next."""
+    s = tl.sin(z * a)
+    act = z + (1.0 / (a + eps)) * (s * s)
+    if ROUND:
+        act = to_tf32(act)
+    return act
+
+
+@triton.jit
 def _conv_kernel(x_ptr, w_ptr, b_ptr, res_ptr, alpha_ptr, sum_ptr, act_ptr,
                  T_in, T_out, C_in, C_out, sxb, sxc, sxt, syb, syc, syt,
                  stride, dilation, padding, slope, eps,
@@ -106,11 +117,7 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, res_ptr, alpha_ptr, sum_ptr, act_ptr,
         tl.store(sum_ptr + off, z, mask=m)
     if SNAKE:
         a = tl.load(alpha_ptr + co, mask=co_ok, other=1.0).to(tl.float32)[None, :]
-        s = tl.sin(z * a)
-        act = z + (1.0 / (a + eps)) * (s * s)
-        if ROUND_ACT:
-            act = to_tf32(act)
-        tl.store(act_ptr + off, act, mask=m)
+        tl.store(act_ptr + off, snake(z, a, eps, ROUND_ACT), mask=m)
 
 
 def round_tf32(x: Tensor) -> Tensor:

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from ..models.hift import Snake, SnakeResBlock, conv_time_major, weight_4d
-from .hift_conv import packed, run_conv, tf32_products, to_tf32, use_triton
+from .hift_conv import packed, run_conv, snake, tf32_products, use_triton
 
 
 @triton.jit
@@ -49,11 +49,7 @@ def _snake_pass_kernel(x_ptr, bias_ptr, res_ptr, alpha_ptr, sum_ptr, act_ptr, C,
         tl.store(sum_ptr + off, z, mask=m)
     if SNAKE:
         a = tl.load(alpha_ptr + ch, mask=ch < C, other=1.0).to(tl.float32)[:, None]
-        s = tl.sin(z * a)
-        act = z + (1.0 / (a + eps)) * (s * s)
-        if ROUND:
-            act = to_tf32(act)
-        tl.store(act_ptr + off, act, mask=m)
+        tl.store(act_ptr + off, snake(z, a, eps, ROUND), mask=m)
 
 
 def _dense(x: Tensor) -> Tensor:
