@@ -88,13 +88,13 @@ def test_calls_of_more_rows_than_max_rows_keep_the_cudnn_convs(tiny_models, monk
     """Above ``LAUNCH["max_rows"]`` the Triton-conv model runs exactly the cuDNN-conv model's operations."""
     from cosyvoice_fast.kernels import hift_conv
 
-    with_triton = tiny_models.hift.remove_weight_norm().eval()
-    without = tiny_models.hift.remove_weight_norm().eval()
+    with_triton = tiny_models.hift.remove_weight_norm().eval().to(DEV)
+    without = tiny_models.hift.remove_weight_norm().eval().to(DEV)
     fuse_hift(with_triton, triton_convs=True)
     fuse_hift(without)
     g = torch.Generator().manual_seed(4)
-    mel = torch.randn(2, with_triton.cfg.in_channels, 6, generator=g) - 5
-    src = torch.randn(2, 1, 6 * with_triton.samples_per_frame, generator=g) * 0.1
+    mel = (torch.randn(2, with_triton.cfg.in_channels, 6, generator=g) - 5).to(DEV)
+    src = (torch.randn(2, 1, 6 * with_triton.samples_per_frame, generator=g) * 0.1).to(DEV)
     launches = []
     monkeypatch.setattr(hift_conv, "conv1d", lambda *a, **k: launches.append(1))
     monkeypatch.setitem(hift_conv.LAUNCH, "max_rows", 1)
