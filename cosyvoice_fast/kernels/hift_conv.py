@@ -1,10 +1,10 @@
 """HiFT's 1-D convolutions as one Triton kernel each, with their element-wise neighbours in the epilogue.
 
 At a first chunk (one row, 50 mel frames) HiFT is launch- and latency-bound, and most of its kernels sit around
-its ~80 convolutions rather than in them (BENCHMARKS.md, session 29): per cuDNN convolution one or two layout or
-TF32-conversion passes (``convertTensor``, ``nchwToNhwc``, ``nhwcAddPadding``), and per residual unit two
-:func:`~cosyvoice_fast.kernels.hift_snake.snake_pass` launches; the f0 predictor's five fp32 convolutions use a
-32 x 32 tile CUDA-core kernel that leaves most of the GPU idle at 50 frames (~46 µs each).
+its ~80 convolutions rather than in them: per cuDNN convolution one or two layout or TF32-conversion passes
+(``convertTensor``, ``nchwToNhwc``, ``nhwcAddPadding``), and per residual unit two
+:func:`~cosyvoice_fast.kernels.hift_snake.snake_pass` launches; the f0 predictor's five fp32 convolutions run a
+small-tile CUDA-core kernel that leaves most of the GPU idle at 50 frames (BENCHMARKS.md, session 29).
 
 :func:`conv1d` computes ``y = conv(pre(x)) + bias`` as an implicit GEMM: a program owns a (time, output channel)
 tile and accumulates ``x[t·stride + j·dilation - padding, ci] · w[j, ci, co]`` over taps ``j`` and input-channel
