@@ -46,12 +46,8 @@ def build_llm(stages: Any, one: Any, floor: bool, head: bool) -> Any:
 def main(argv: list[str]) -> None:
     from benchmarks import one_stream
 
-    mine, bench_argv, out = one_stream.script_args(argv, __doc__, "benchmarks/decode_tail_ab.py", one_stream.ab_flags)
-    one = one_stream.load(bench_argv, "benchmarks/decode_tail_ab.py")
-    if one.backend.llm != "fused":
-        raise SystemExit(f"the A/B is of the fused LLM's decode graphs; --backends gave llm {one.backend.llm!r}")
-    stages = one.svc.engine._stage_sets
-    shipped = one.svc.engine.stages(one.backend)  # builds the set the requests run on
+    mine, out, one, stages, shipped = one_stream.stage_ab(argv, __doc__, "benchmarks/decode_tail_ab.py", "llm",
+                                                          "fused")
     llms = {"before": build_llm(stages, one, floor=False, head=False),
             "floor": build_llm(stages, one, floor=True, head=True), "after": shipped.llm}
     one_stream.swap_rounds(one, shipped, "llm", llms, mine.rounds, mine.requests, out / "decode_tail_ab.json", argv)

@@ -81,6 +81,19 @@ def ab_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--requests", type=int, default=32)
 
 
+def stage_ab(argv: Sequence[str], doc: str | None, prog: str, stage: str, backend: str
+             ) -> tuple[argparse.Namespace, Path, OneStream, Any, Any]:
+    """The start of a same-process A/B of one stage's implementations (``decode_tail_ab``, ``vocoder_ab``): the
+    script's flags (:func:`ab_flags`), its output folder, the loaded service, the engine's stage cache, and the
+    stage set the requests run on (built now).  Refuses a preset whose ``stage`` is not ``backend``."""
+    mine, bench_argv, out = script_args(argv, doc, prog, ab_flags)
+    one = load(bench_argv, prog)
+    got = getattr(one.backend, stage)
+    if got != backend:
+        raise SystemExit(f"{prog} compares {backend!r} {stage} stages; --backends gave {stage} {got!r}")
+    return mine, out, one, one.svc.engine._stage_sets, one.svc.engine.stages(one.backend)
+
+
 def swap_rounds(one: OneStream, target: Any, attr: str, variants: dict[str, Any], rounds: int, requests: int,
                 out_file: Path, argv: Sequence[str]) -> dict[str, Any]:
     """:func:`ab_rounds` over variants that differ in one attribute of ``target`` (a stage set's ``llm`` or

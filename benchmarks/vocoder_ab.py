@@ -39,12 +39,8 @@ def build_cudnn_vocoder(stages: Any) -> Any:
 def main(argv: list[str]) -> None:
     from benchmarks import one_stream
 
-    mine, bench_argv, out = one_stream.script_args(argv, __doc__, "benchmarks/vocoder_ab.py", one_stream.ab_flags)
-    one = one_stream.load(bench_argv, "benchmarks/vocoder_ab.py")
-    if one.backend.vocoder != "fused":
-        raise SystemExit(f"the A/B is of the fused vocoder; --backends gave vocoder {one.backend.vocoder!r}")
-    stages = one.svc.engine._stage_sets
-    shipped = one.svc.engine.stages(one.backend)  # builds the set the requests run on
+    mine, out, one, stages, shipped = one_stream.stage_ab(argv, __doc__, "benchmarks/vocoder_ab.py", "vocoder",
+                                                          "fused")
     vocoders = {"cudnn": build_cudnn_vocoder(stages), "triton": shipped.vocoder}
     one_stream.swap_rounds(one, shipped, "vocoder", vocoders, mine.rounds, mine.requests, out / "vocoder_ab.json",
                            argv)

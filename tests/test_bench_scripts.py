@@ -252,6 +252,18 @@ def test_swap_rounds_measures_each_variant_with_its_value_in_place(tmp_path, mon
     assert seen == ["A", "B", "B", "A"] and target.vocoder == "B"
 
 
+def test_stage_ab_refuses_a_preset_without_the_stage_it_compares(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from benchmarks import one_stream
+
+    backend = SimpleNamespace(vocoder="cudagraph", llm="fused")
+    monkeypatch.setattr(one_stream, "load", lambda argv, prog: one_stream.OneStream(None, None, backend, None))
+    with pytest.raises(SystemExit, match="benchmarks/vocoder_ab.py compares 'fused' vocoder stages; --backends gave "
+                                         "vocoder 'cudagraph'"):
+        one_stream.stage_ab(["--out", str(tmp_path), "--"], None, "benchmarks/vocoder_ab.py", "vocoder", "fused")
+
+
 def test_sass_sizes_counts_every_kernel_of_a_decode_step_without_a_gpu(tmp_path):
     """The code-size tool records a full-size one-row decode step's launches under the interpreter without
     running them (the embedding gather, five kernels per layer, the head) and compiles each distinct one for
