@@ -33,15 +33,13 @@ def why_unavailable() -> str | None:
 class FusedVocoder(CudaGraphVocoder):
     """HiFT in CUDA graphs with fused residual units; :class:`CudaGraphVocoder`'s constructor arguments, plus
     ``time_major``: run the conv stack time-major; ``triton_convs``: its ``Conv1d`` layers and the f0 predictor's
-    as Triton kernels (see :func:`~cosyvoice_fast.kernels.hift_snake.fuse_hift`; needs ``time_major``)."""
+    as Triton kernels (see :func:`~cosyvoice_fast.kernels.hift_snake.fuse_hift`, which refuses them without
+    ``time_major``)."""
 
     def __init__(self, hift: torch.nn.Module, time_major: bool = True, triton_convs: bool = True, **kwargs):
         reason = why_unavailable()
         if reason is not None:
             raise BackendUnavailable(reason)
-        if triton_convs and not time_major:
-            raise ValueError("FusedVocoder: triton_convs runs the conv stack time-major; pass time_major=True "
-                             "or triton_convs=False")
         self.time_major = time_major
         self.triton_convs = triton_convs
         super().__init__(hift, **kwargs)
