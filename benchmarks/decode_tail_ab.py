@@ -11,7 +11,11 @@ stages built for the one stage set the requests run on (the flow and vocoder sta
   are the torch ops around the fused layers (``Tiles.gemv_head`` off);
 - ``floor``: the shipped step with the nucleus draw cut at its floor (``nucleus_topk.USE_FLOOR`` on; off by
   default);
+- ``split_attn``: the shipped step with the attention apart from the o-projection (``Tiles.attn_oproj_kv`` 0,
+  session 30), only with ``--variants``;
 - ``after``: the shipped code.
+
+``--variants before,floor`` (the default) names the variants built beside ``after``.
 
 The switches are read while a stage captures its graphs, so each variant is its own ``FusedLLM``, built under
 them at start-up.  Results: ``OUT/decode_tail_ab.json`` (per round and variant the bench's aggregate: TTFB
@@ -28,14 +32,19 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def build_llm(stages: Any, one: Any, floor: bool, head: bool) -> Any:
-    """A ``fused`` LLM stage like the service's, captured with the floor and the step's head as asked."""
+VARIANTS = {"before": {"floor": False, "gemv_head": False}, "floor": {"floor": True},
+            "split_attn": {"attn_oproj_kv": 0}}
+
+
+def build_llm(stages: Any, one: Any, floor: bool = False, **tiles_change: Any) -> Any:
+    """A ``fused`` LLM stage like the service's, captured with the floor as asked and ``qwen2_proj.TILES``
+    changed by ``tiles_change``."""
     from cosyvoice_fast.backends import _build_llm
     from cosyvoice_fast.kernels import nucleus_topk, qwen2_proj
 
     config = one.backend
     tiles, use_floor = qwen2_proj.TILES, nucleus_topk.USE_FLOOR
-    qwen2_proj.TILES, nucleus_topk.USE_FLOOR = dataclasses.replace(tiles, gemv_head=head), floor
+    qwen2_proj.TILES, nucleus_topk.USE_FLOOR = dataclasses.replace(tiles, **tiles_change), floor
     try:
         return _build_llm(stages.models, config.llm, stages._cast("llm", config.torch_dtype), config.torch_dtype,
                           stages.engine_config)
@@ -43,13 +52,21 @@ def build_llm(stages: Any, one: Any, floor: bool, head: bool) -> Any:
         qwen2_proj.TILES, nucleus_topk.USE_FLOOR = tiles, use_floor
 
 
+def _add_variants(ap: Any) -> None:
+    ap.add_argument("--variants", default="before,floor", help=f"built beside 'after', from {sorted(VARIANTS)}")
+
+
 def main(argv: list[str]) -> None:
     from benchmarks import one_stream
 
     mine, out, one, stages, shipped = one_stream.stage_ab(argv, __doc__, "benchmarks/decode_tail_ab.py", "llm",
-                                                          "fused")
-    llms = {"before": build_llm(stages, one, floor=False, head=False),
-            "floor": build_llm(stages, one, floor=True, head=True), "after": shipped.llm}
+                                                          "fused", _add_variants)
+    names = [v for v in mine.variants.split(",") if v]
+    bad = [v for v in names if v not in VARIANTS]
+    if bad:
+        raise SystemExit(f"decode_tail_ab.py: unknown variants {bad}; choose from {sorted(VARIANTS)}")
+    llms = {name: build_llm(stages, one, **VARIANTS[name]) for name in names}
+    llms["after"] = shipped.llm
     one_stream.swap_rounds(one, shipped, "llm", llms, mine.rounds, mine.requests, out / "decode_tail_ab.json", argv)
 
 

@@ -81,12 +81,19 @@ def ab_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--requests", type=int, default=32)
 
 
-def stage_ab(argv: Sequence[str], doc: str | None, prog: str, stage: str, backend: str
+def stage_ab(argv: Sequence[str], doc: str | None, prog: str, stage: str, backend: str,
+             add: Callable[[argparse.ArgumentParser], None] | None = None
              ) -> tuple[argparse.Namespace, Path, OneStream, Any, Any]:
     """The start of a same-process A/B of one stage's implementations (``decode_tail_ab``, ``vocoder_ab``): the
-    script's flags (:func:`ab_flags`), its output folder, the loaded service, the engine's stage cache, and the
-    stage set the requests run on (built now).  Refuses a preset whose ``stage`` is not ``backend``."""
-    mine, bench_argv, out = script_args(argv, doc, prog, ab_flags)
+    script's flags (:func:`ab_flags`, plus what ``add`` declares), its output folder, the loaded service, the
+    engine's stage cache, and the stage set the requests run on (built now).  Refuses a preset whose ``stage``
+    is not ``backend``."""
+    def flags(ap: argparse.ArgumentParser) -> None:
+        ab_flags(ap)
+        if add is not None:
+            add(ap)
+
+    mine, bench_argv, out = script_args(argv, doc, prog, flags)
     one = load(bench_argv, prog)
     got = getattr(one.backend, stage)
     if got != backend:
