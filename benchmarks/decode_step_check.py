@@ -20,10 +20,6 @@ kernels (weights loaded before the PDL wait, :mod:`cosyvoice_fast.kernels.qwen2_
    and the GEMV step's error at 4 and 16 rows.
 7. ``cublas_rows``: steps of 1..64 rows on the fused projections and on cuBLAS GEMMs with the Triton glue
    (``Tiles.cublas_rows``), two passes in turn.
-8. ``attn_oproj``: one- and two-row steps at contexts 100, 300 and 500 (KV bucket 512) with the attention
-   inside the o-projection (``Tiles.attn_oproj_kv``, a few column and key tiles) against the split attention
-   and a separate o-projection, three passes in turn, the kernels per step, and each way's correctness
-   against eager at rows 1 and 2.
 
 ``--steps gemv,graph`` runs only the named steps (default: all).
 
@@ -50,16 +46,10 @@ from cosyvoice_fast.kernels import qwen2_proj  # noqa: E402
 
 CONTEXT, MAX_LEN, BUCKET = 300, 1024, 512
 ROWS = (1, 2, 4, 8, 16, 32, 64)
-GEMV_ATTN_OPROJ = {"split": {"attn_oproj_kv": 0}, "fused": {}, "fused_cols32": {"attn_oproj_cols": 32},
-              "fused_cols128": {"attn_oproj_cols": 128}, "fused_keys32": {"attn_oproj_keys": 32},
-              "fused_keys128": {"attn_oproj_keys": 128}}
-VARIANTS = {"default": {}, "small4": {"gemv_small_cols": 4}, "small2": {"gemv_small_cols": 2},
+GEMV_VARIANTS = {"default": {}, "small4": {"gemv_small_cols": 4}, "small2": {"gemv_small_cols": 2},
                  "small16": {"gemv_small_cols": 16}, "small4_chunk256": {"gemv_small_cols": 4, "down_chunk": 256},
                  "small4_cols4": {"gemv_small_cols": 4, "gemv_cols": 4},
                  "small4_cols16": {"gemv_small_cols": 4, "gemv_cols": 16}}
-ATTN_OPROJ = {"split": {"attn_oproj_kv": 0}, "fused": {}, "fused_cols32": {"attn_oproj_cols": 32},
-              "fused_cols128": {"attn_oproj_cols": 128}, "fused_keys32": {"attn_oproj_keys": 32},
-              "fused_keys128": {"attn_oproj_keys": 128}}
 VARIANTS = {"attn_programs128": {"attn_programs": 128}, "attn_programs256": {"attn_programs": 256},
             "attn_programs512": {"attn_programs": 512}, "attn_keys64": {"attn_keys": 64}}
 
@@ -251,40 +241,11 @@ def main() -> int:
         (``Tiles.cublas_rows``, :func:`cosyvoice_fast.kernels.qwen2_hybrid.decode_rows`)."""
         rows_ab("cublas_rows", (1, 2, 4, 8, 16, 32, 64), {"fused": {"cublas_rows": 0}, "cublas": {"cublas_rows": 1}})
 
-    def run_attn_oproj() -> dict:
-        """Graph ms per decoder step under each :data:`ATTN_OPROJ` setting, three passes in turn; kernels per
-        step for the split and fused ways; fp32 and bf16 error of both against eager at rows 1 and 2."""
-        out: dict = {"ms": [], "kernels": {}, "correctness": []}
-        results["attn_oproj"] = out
-        try:
-            for rnd in range(3):
-                for context in (100, 300, 500):
-                    for rows in (1, 2):
-                        fn = profile_llm.decode_math(lm16, "fused", rows, context, MAX_LEN, BUCKET)
-                        for name, change in ATTN_OPROJ.items():
-                            qwen2_proj.TILES = dataclasses.replace(default, **change)
-                            if rnd == 0 and context == 300 and name in ("split", "fused"):
-                                out["kernels"][f"{name}_rows{rows}"] = profile_llm.kernel_profile(fn)[0]
-                            out["ms"].append({"way": name, "pass": rnd, "context": context, "rows": rows,
-                                              "graph_ms": round(profile_llm.graph_ms(fn, iters=200), 4)})
-                            print(out["ms"][-1], flush=True)
-                        runner.save()
-            lm32 = _lm(torch.float32)
-            lm16_same = copy.deepcopy(lm32).to(torch.bfloat16)
-            for name in ("split", "fused"):
-                qwen2_proj.TILES = dataclasses.replace(default, **ATTN_OPROJ[name])
-                for rows in (1, 2):
-                    out["correctness"].append({"way": name, **correctness(lm32, lm16_same, rows)})
-                    print(out["correctness"][-1], flush=True)
-        finally:
-            qwen2_proj.TILES = default
-        return out
-
     for name, fn in (("correctness", run_correctness), ("graph", run_graph), ("backend", run_backend),
                      ("variants", run_variants), ("gemv", run_gemv), ("gemv_rows", run_gemv_rows),
-                     ("cublas_rows", run_cublas_rows), ("attn_oproj", run_attn_oproj)):
+                     ("cublas_rows", run_cublas_rows)):
         if name in steps:
-            runner.run(name, fn, store=False, timeout=450 if name == "attn_oproj" else None)
+            runner.run(name, fn, store=False)
             torch.cuda.empty_cache()
     return 0
 

@@ -11,8 +11,6 @@ stages built for the one stage set the requests run on (the flow and vocoder sta
   are the torch ops around the fused layers (``Tiles.gemv_head`` off);
 - ``floor``: the shipped step with the nucleus draw cut at its floor (``nucleus_topk.USE_FLOOR`` on; off by
   default);
-- ``split_attn``: the shipped step with the attention apart from the o-projection (``Tiles.attn_oproj_kv`` 0,
-  session 30), only with ``--variants``;
 - ``after``: the shipped code.
 
 ``--variants before,floor`` (the default) names the variants built beside ``after``.
@@ -32,8 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-VARIANTS = {"before": {"floor": False, "gemv_head": False}, "floor": {"floor": True},
-            "split_attn": {"attn_oproj_kv": 0}}
+VARIANTS = {"before": {"floor": False, "gemv_head": False}, "floor": {"floor": True}}
 
 
 def build_llm(stages: Any, one: Any, floor: bool = False, **tiles_change: Any) -> Any:

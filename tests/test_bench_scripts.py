@@ -266,17 +266,16 @@ def test_stage_ab_refuses_a_preset_without_the_stage_it_compares(tmp_path, monke
 
 def test_sass_sizes_counts_every_kernel_of_a_decode_step_without_a_gpu(tmp_path):
     """The code-size tool records a full-size one-row decode step's launches under the interpreter without
-    running them (the embedding gather, four kernels per layer with the attention inside the o-projection at
-    its 512-position bucket, the head) and compiles each distinct one for sm_90 with the Triton installed
-    here."""
+    running them (the embedding gather, five kernels per layer, the head) and compiles each distinct one for
+    sm_90 with the Triton installed here."""
     pytest.importorskip("triton")
     out = tmp_path / "sass.json"
     run = subprocess.run([sys.executable, "benchmarks/sass_sizes.py", "--out", str(out), "--what", "decode"],
                          cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     decode = json.loads(out.read_text())["decode"]
-    assert decode["launches"] == 4 * 24 + 2 and decode["variants"] == 6
+    assert decode["launches"] == 5 * 24 + 2 and decode["variants"] == 7
     sizes = {r["kernel"]: r["sass"] for r in decode["kernels"]}
-    assert set(sizes) == {"_embed_kernel", "_qkv_gemv_kernel", "_attn_oproj_kernel", "_proj_gemv_kernel",
+    assert set(sizes) == {"_embed_kernel", "_qkv_gemv_kernel", "_attn_split_kernel", "_proj_gemv_kernel",
                           "_gate_up_gemv_kernel", "_head_gemv_kernel"}
     assert all(n > 0 for n in sizes.values()) and min(sizes, key=sizes.get) == "_embed_kernel"

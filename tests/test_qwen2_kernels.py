@@ -118,38 +118,6 @@ def test_split_attention_merges_to_softmax_attention(splits):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("rows,cols", [(1, 16), (3, 32)])
-def test_attention_inside_the_o_projection_equals_split_attention_then_projection(rows, cols, monkeypatch):
-    """``attn_oproj`` adds the same o-projection of the same attention to the residual as the split attention
-    followed by ``proj_residual``: rows early, mid-way and idle past ``kv_len`` (three rows take a 4-row block
-    with a padding row), keys walked in several tiles, nothing read past a row's own prefix (NaN there), every
-    counter back at zero, and the scratch serving the next call."""
-    monkeypatch.setattr(proj_k, "TILES", proj_k.Tiles(gemv_rows=4, attn_oproj_cols=cols, attn_oproj_keys=16))
-    max_len, kv_len, n = 40, 36, 48  # 48 columns: a ragged last column block at 32 per program
-    hq, hkv, d = CFG.num_attention_heads, CFG.num_key_value_heads, CFG.head_dim
-    pos = torch.tensor([int(torch.randint(0, 4, ())), int(torch.randint(17, 30, ())), max_len - 1], device=DEV)[:rows]
-    n_keys = [min(int(p) + 1, kv_len) for p in pos]
-    k = torch.randn(rows, hkv, max_len, d, device=DEV)
-    v = torch.randn(rows, hkv, max_len, d, device=DEV)
-    for b, nk in enumerate(n_keys):
-        k[b, :, nk:] = float("nan")
-        v[b, :, nk:] = float("nan")
-    q = torch.randn(rows, hq, d, device=DEV)
-    w = torch.randn(n, hq * d, device=DEV)
-    resid = torch.randn(rows, n, device=DEV)
-    added = _attention_ref(q, k, v, n_keys) @ w.t()
-    ref = resid + added
-    parts, counters = _nan(hq, rows, n), torch.zeros(n, dtype=torch.int32, device=DEV)
-    gemv_k.attn_oproj(q, k, v, pos, kv_len, w, resid, parts, counters)
-    assert _err(resid, ref) <= TOL and counters.eq(0).all()
-    gemv_k.attn_oproj(q, k, v, pos, kv_len, w, resid, parts, counters)
-    assert _err(resid, ref + added) <= TOL
-    with pytest.raises(ValueError, match=r"attn_oproj: q \(\d, 4, 16\) over 2 kv heads needs W_o \(N, 64\), "
-                                         r"parts \(4, \d, N\)"):
-        gemv_k.attn_oproj(q, k, v, pos, kv_len, w, resid, _nan(hq - 1, rows, n), counters)
-
-
-@torch.inference_mode()
 @pytest.mark.parametrize("split", [1, 3])
 def test_projection_adds_into_the_residual_whole_or_from_k_split_partials(split):
     rows, k_dim, n = 5, 80, 48  # K not a multiple of the K tile or of the split
@@ -224,16 +192,13 @@ def test_final_rmsnorm_matches_the_module():
 # steps looped, or GEMV for one row (the 3-row step looped) or for all three rows (a 4-row block with one
 # padding row); the GEMV q/k/v and o-projection with one column per program too
 # ... or all three rows on cuBLAS GEMMs with the Triton glue (cublas_rows=2, .qwen2_hybrid.decode_rows)
-# ... and GEMV steps with the split attention apart from the o-projection (attn_oproj_kv=0)
-@pytest.mark.parametrize("gemv,early,small,gemv_rows,cublas_rows,attn_oproj_kv",
-                         [(False, False, 4, 1, 0, 512), (True, True, 4, 1, 0, 512), (True, True, 1, 4, 0, 512),
-                          (True, True, 4, 1, 2, 512), (True, True, 4, 4, 0, 0)])
+@pytest.mark.parametrize("gemv,early,small,gemv_rows,cublas_rows", [(False, False, 4, 1, 0), (True, True, 4, 1, 0),
+                                                                     (True, True, 1, 4, 0), (True, True, 4, 1, 2)])
 def test_decode_steps_equal_the_decoder_per_row_and_shared_positions(gemv, early, small, gemv_rows, cublas_rows,
-                                                                     attn_oproj_kv, monkeypatch):
+                                                                     monkeypatch):
     monkeypatch.setattr(proj_k, "TILES", proj_k.Tiles(gemv=gemv, early_tile=early, down_split=2, down_chunk=64,
                                                       gemv_small_cols=small, gemv_rows=gemv_rows,
-                                                      cublas_rows=cublas_rows, attn_oproj_kv=attn_oproj_kv,
-                                                      attn_oproj_cols=16, attn_oproj_keys=16))
+                                                      cublas_rows=cublas_rows))
     dec = _decoder(4)
     rows, max_len = 3, 24
     caches = [KVCache.for_config(CFG, max_len, rows, device=DEV) for _ in range(2)]
@@ -336,12 +301,6 @@ def test_tiles_are_validated_by_field():
         proj_k.Tiles(down_chunk=100)
     with pytest.raises(ValueError, match=r"Tiles.cublas_rows must be an int in 0..1024 \(0: never\), got -1"):
         proj_k.Tiles(cublas_rows=-1)
-    with pytest.raises(ValueError, match="Tiles.attn_oproj_cols must be a power of two in 1..128, got 256"):
-        proj_k.Tiles(attn_oproj_cols=256)
-    with pytest.raises(ValueError, match="Tiles.attn_oproj_keys must be a power of two >= 16, got 8"):
-        proj_k.Tiles(attn_oproj_keys=8)
-    with pytest.raises(ValueError, match=r"Tiles.attn_oproj_kv must be an int >= 0 \(0: never\), got -1"):
-        proj_k.Tiles(attn_oproj_kv=-1)
 
 
 def test_attention_splits_fill_the_gpu_for_few_rows_and_stay_powers_of_two():
@@ -354,7 +313,6 @@ def test_fused_decoder_passes_prefill_through_and_rejects_bad_calls(monkeypatch)
     dec = _decoder(5)
     fused = FusedDecoder(dec)
     assert fused.layers is dec.layers and kernels_per_step(CFG.num_hidden_layers) == 13
-    assert kernels_per_step(CFG.num_hidden_layers, attn_oproj=True) == 11
     x = torch.randn(1, 4, CFG.hidden_size, device=DEV)
     pos = torch.arange(4, device=DEV)
     caches = [KVCache.for_config(CFG, 8, 1, device=DEV) for _ in range(2)]

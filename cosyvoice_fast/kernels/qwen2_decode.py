@@ -1,4 +1,4 @@
-"""One Qwen2 decode step (one token per row, static KV cache) as 4 or 5 Triton kernels per layer + 3 per step.
+"""One Qwen2 decode step (one token per row, static KV cache) as 5 Triton kernels per layer + 3 per step.
 
 From ``Tiles.cublas_rows`` rows on, the step runs :func:`~.qwen2_hybrid.decode_rows` instead: cuBLAS GEMMs with
 Triton kernels for RoPE/cache write, attention and SiLU*mul (9 launches per layer), which beats these
@@ -6,9 +6,7 @@ weight-streaming projections once many rows share each weight tile.
 
 Per layer: (1) RMSNorm + q/k/v + bias + RoPE + KV-cache write, (2) decode attention split over keys with the
 split merge in the same kernel, (3) o-projection + residual, (4) RMSNorm + gate/up + SiLU*mul, (5) the
-down projection split over K, whose last split adds the partial sums to the residual.  GEMV steps over KV
-buckets of at most ``Tiles.attn_oproj_kv`` positions run (2) and (3) as one kernel
-(:func:`~.qwen2_gemv.attn_oproj`): 4 per layer.  Per step: the copy of
+down projection split over K, whose last split adds the partial sums to the residual.  Per step: the copy of
 the input embeddings into the fp32 residual stream, the zeroing of the merge counters, and the final RMSNorm.
 :func:`step_logits` (steps of one or two rows) gathers the embeddings and zeroes the counters in one kernel and
 ends with the final norm and the speech head in another, so the whole step to its logits is one chain.
@@ -42,10 +40,10 @@ from .estimator_common import can_run_on
 from .qwen2_hybrid import decode_rows, prefill_rows
 
 
-def kernels_per_step(n_layers: int, attn_oproj: bool = False) -> int:
-    """Kernel launches of one fused decode step: 5 per layer (4 where the attention runs inside the
-    o-projection), the embedding copy, the counter memset and the final norm."""
-    return (4 if attn_oproj else 5) * n_layers + 3
+def kernels_per_step(n_layers: int) -> int:
+    """Kernel launches of one fused decode step: 5 per layer, the embedding copy, the counter memset and the
+    final norm."""
+    return 5 * n_layers + 3
 
 
 def _positions(pos: torch.Tensor, rows: int) -> torch.Tensor:
@@ -141,8 +139,6 @@ class _Step:
         else:
             self.split = proj_k.TILES.down_split
             down_tiles = triton.cdiv(hidden, proj_k.TILES.down) * triton.cdiv(rows, proj_k.row_block(rows))
-        # one row or two over a short KV bucket: the attention runs inside the o-projection (gemv_k.attn_oproj)
-        self.attn_oproj = self.gemv and 0 < self.kv_len <= proj_k.TILES.attn_oproj_kv
         self.attn_counters = rows * n_kv
         self.counter_count = self.attn_counters + down_tiles
 
@@ -155,13 +151,10 @@ class _Step:
         n_heads, n_kv, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         hidden = cfg.hidden_size
         q = torch.empty(rows, n_heads, head_dim, dtype=dtype, device=dev)
-        if self.attn_oproj:
-            o_parts = torch.empty(n_heads, rows, hidden, dtype=torch.float32, device=dev)
-        else:
-            attn = torch.empty(rows, n_heads, head_dim, dtype=dtype, device=dev)
-            o_part = torch.empty(rows, n_heads, self.splits, head_dim, dtype=torch.float32, device=dev)
-            m_part = torch.empty(rows, n_heads, self.splits, dtype=torch.float32, device=dev)
-            l_part = torch.empty(rows, n_heads, self.splits, dtype=torch.float32, device=dev)
+        attn = torch.empty(rows, n_heads, head_dim, dtype=dtype, device=dev)
+        o_part = torch.empty(rows, n_heads, self.splits, head_dim, dtype=torch.float32, device=dev)
+        m_part = torch.empty(rows, n_heads, self.splits, dtype=torch.float32, device=dev)
+        l_part = torch.empty(rows, n_heads, self.splits, dtype=torch.float32, device=dev)
         h = torch.empty(rows, cfg.intermediate_size, dtype=dtype, device=dev)
         attn_counters = counters[:self.attn_counters].view(rows, n_kv)
         down_counters = counters[self.attn_counters:]
@@ -173,22 +166,18 @@ class _Step:
             kc, vc = self.cache.k[i], self.cache.v[i]
             proj.qkv_rope(resid, layer.input_layernorm.weight, _contig(a.qkv_weight), _contig(a.qkv_bias),
                           inv_freq, self.positions, q, kc, vc, layer.input_layernorm.eps, n_heads, n_kv, head_dim)
-            wo = _contig(a.o_proj.weight)
-            if self.attn_oproj:  # its split counters: the down projection's, free until the down kernel runs
-                gemv_k.attn_oproj(q, kc, vc, self.positions, self.kv_len, wo, resid, o_parts, down_counters)
-            else:
-                attn_k.decode_attention(q, kc, vc, self.positions, self.kv_len, attn, o_part, m_part, l_part,
-                                        attn_counters)
-                o_in = attn.view(rows, n_heads * head_dim)
-                if self.gemv:
-                    gemv_k.proj_residual(o_in, wo, resid)
-                else:
-                    proj_k.proj_residual(o_in, wo, resid, block_n=proj_k.TILES.oproj)
-            proj.gate_up(resid, layer.post_attention_layernorm.weight, _contig(mlp.gate_up_weight), h,
-                         layer.post_attention_layernorm.eps)
+            attn_k.decode_attention(q, kc, vc, self.positions, self.kv_len, attn, o_part, m_part, l_part,
+                                    attn_counters)
+            o_in, wo = attn.view(rows, n_heads * head_dim), _contig(a.o_proj.weight)
+            gate_in = (resid, layer.post_attention_layernorm.weight, _contig(mlp.gate_up_weight), h,
+                       layer.post_attention_layernorm.eps)
             if self.gemv:
+                gemv_k.proj_residual(o_in, wo, resid)
+                gemv_k.gate_up(*gate_in)
                 gemv_k.proj_residual(h, _contig(mlp.down_proj.weight), resid, parts, down_counters)
             else:
+                proj_k.proj_residual(o_in, wo, resid, block_n=proj_k.TILES.oproj)
+                proj_k.gate_up(*gate_in)
                 proj_k.proj_residual(h, _contig(mlp.down_proj.weight), resid, parts, down_counters,
                                      block_n=proj_k.TILES.down)
 

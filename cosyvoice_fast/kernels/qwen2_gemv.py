@@ -129,58 +129,6 @@ def _proj_gemv_kernel(a_ptr, w_ptr, r_ptr, part_ptr, cnt_ptr, B, K, N, SPLIT_K: 
 
 
 @triton.jit
-def _head_attention(q_ptr, kc_ptr, vc_ptr, pos_ptr, r, live, head, kv_len, scale, stride_cb, stride_ch, stride_cp,
-                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Softmax attention of row ``r``'s query head ``head`` over its cache row's first ``min(pos + 1, kv_len)``
-    positions, as (1, D) in the q dtype (the value the split kernel stores).  An online softmax over key tiles
-    with fp32 broadcast-and-sum products (one query: no ``tl.dot`` padding to 16 rows).  A padding row
-    (``live`` false) reads nothing and gives zeros."""
-    dd = tl.arange(0, D)
-    q = tl.load(q_ptr + r * (HQ * D) + head * D + dd, mask=live & (dd < D), other=0.0)
-    n_keys = tl.minimum(tl.max(tl.load(pos_ptr + r + tl.arange(0, 1), mask=live, other=-1), axis=0).to(tl.int32) + 1,
-                        kv_len)
-    base = r * stride_cb + (head // (HQ // HKV)) * stride_ch
-    m = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), axis=0)
-    l_sum = tl.sum(tl.zeros([BLOCK_S], dtype=tl.float32), axis=0)
-    acc = tl.zeros([D], dtype=tl.float32)
-    for s0 in range(0, n_keys, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
-        smask = s < n_keys
-        off = base + s[:, None] * stride_cp + dd[None, :]
-        k = tl.load(kc_ptr + off, mask=smask[:, None], other=0.0)
-        v = tl.load(vc_ptr + off, mask=smask[:, None], other=0.0)
-        sc = tl.where(smask, tl.sum(k.to(tl.float32) * q.to(tl.float32)[None, :], axis=1) * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, axis=0))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(sc - m_new)
-        l_sum = l_sum * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
-        m = m_new
-    return (acc / tl.where(l_sum > 0, l_sum, 1.0)).to(q.dtype)[None, :]
-
-
-@triton.jit
-def _attn_oproj_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, w_ptr, r_ptr, part_ptr, cnt_ptr, B, N, kv_len, scale,
-                       stride_cb, stride_ch, stride_cp, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
-    """Program ``(i, 0, h)``: query head ``h``'s attention for each row, times the o-projection's columns
-    ``i·BLOCK_N ..`` over that head's D inputs; the heads' partial sums reach the residual through
-    :func:`~.qwen2_proj.split_add` (the head is the K split)."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cmask = cols < N
-    head = tl.program_id(2)
-    w = _w_slice(w_ptr, cols, cmask, head * D, HQ * D, D)
-    pdl_start(PDL)
-    rows = tl.arange(0, ROWS)
-    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-    for r in tl.static_range(ROWS):
-        a = _head_attention(q_ptr, kc_ptr, vc_ptr, pos_ptr, r, _live(r, B), head, kv_len, scale, stride_cb,
-                            stride_ch, stride_cp, HQ, HKV, D, BLOCK_S)
-        acc = tl.where(rows[:, None] == r, _times_wt(a, w), acc)
-    split_add(acc, r_ptr, part_ptr, cnt_ptr, tl.program_id(0), rows, rows < B, cols, cmask, B, N, HQ)
-
-
-@triton.jit
 def _head_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, B, K, N, eps, BLOCK_N: tl.constexpr,
                       KP: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
     """``out[b, n] = float(bf16(norm(x[b]) @ W[n, :]^T + bias[n]))``: the final RMSNorm and the LM head (the
@@ -278,37 +226,6 @@ def proj_residual(a: torch.Tensor, w: torch.Tensor, resid: torch.Tensor, parts: 
     _proj_gemv_kernel[grid](a, w, resid, resid if parts is None else parts,
                             resid if counters is None else counters, rows, k_dim, n, SPLIT_K=split, BLOCK_N=bn,
                             KP=kp, ROWS=block, **launch_options(a, 1))
-
-
-def attn_oproj(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, kv_len: int,
-               w: torch.Tensor, resid: torch.Tensor, parts: torch.Tensor, counters: torch.Tensor) -> None:
-    """resid (B, H) fp32 += o_proj(attention(q)) for up to ``Tiles.gemv_rows`` rows, in one kernel: the split
-    attention (:func:`~.qwen2_attention.decode_attention`) and the o-projection's :func:`proj_residual` fused.
-
-    Why: at one row the attention and the o-projection are two short links of the step's chain, each paying a
-    wait for the previous kernel and a round trip through memory for the attention's output.  Here every
-    program loads its slice of W_o (``Tiles.attn_oproj_cols`` columns by one head's D inputs) before its wait,
-    then computes that head's attention itself, so the head's output never leaves the program.  The price is
-    that each column block recomputes the attention and reads the head's keys and values, and a head's keys
-    are walked in series by one program (no split over keys): hence only for KV buckets up to
-    ``Tiles.attn_oproj_kv`` positions.  ``q`` (B, Hq, D), caches (B, Hkv, L, D) as for the split attention;
-    ``parts`` (Hq, B, H) fp32 scratch and ``counters`` (>= H / cols) int32 zeros, back at zero on return."""
-    rows, n_heads, head_dim = q.shape
-    block = _check_rows(rows)
-    n, n_kv = w.shape[0], k_cache.shape[1]
-    bn = max(1, min(qwen2_proj.TILES.attn_oproj_cols, triton.next_power_of_2(n)))
-    tiles = triton.cdiv(n, bn)
-    if (w.shape[1] != n_heads * head_dim or parts.shape != (n_heads, rows, n) or counters.numel() < tiles
-            or resid.shape != (rows, n) or n_heads % n_kv):
-        raise ValueError(f"attn_oproj: q {tuple(q.shape)} over {n_kv} kv heads needs W_o (N, {n_heads * head_dim}), "
-                         f"parts ({n_heads}, {rows}, N), a ({rows}, N) residual and {tiles} counters; got W_o "
-                         f"{tuple(w.shape)}, parts {tuple(parts.shape)}, residual {tuple(resid.shape)}, "
-                         f"{counters.numel()} counters")
-    keys = min(qwen2_proj.TILES.attn_oproj_keys, triton.next_power_of_2(max(int(kv_len), 1)))
-    _attn_oproj_kernel[(tiles, 1, n_heads)](
-        q, k_cache, v_cache, pos, w, resid, parts, counters, rows, n, kv_len, head_dim ** -0.5,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), HQ=n_heads, HKV=n_kv, D=head_dim, BLOCK_N=bn,
-        BLOCK_S=max(16, keys), ROWS=block, **launch_options(q, 1))
 
 
 def head(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Tensor,

@@ -63,26 +63,20 @@ class Tiles:
     gemv_small_cols: int = 4  # the same for q/k/v (per half-head) and the o-projection: ~2 MB matrices
     down_chunk: int = 512  # K elements per split of their down projection
     cublas_rows: int = 32  # steps of at least this many rows take cuBLAS GEMMs (.qwen2_hybrid); 0: never
-    attn_oproj_kv: int = 0  # GEMV steps over KV buckets up to this long run attention inside the o-projection
-    attn_oproj_cols: int = 64  # output columns per program of that kernel (each recomputes its head's attention)
-    attn_oproj_keys: int = 64  # keys per tile of its attention loop
 
     def __post_init__(self) -> None:
-        for name in ("qkv", "oproj", "gate_up", "down", "attn_keys", "k_bytes", "down_chunk", "attn_programs",
-                     "attn_oproj_keys"):
+        for name in ("qkv", "oproj", "gate_up", "down", "attn_keys", "k_bytes", "down_chunk", "attn_programs"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"Tiles.{name} must be a power of two >= 16, got {v}")
-        for name, most in (("gemv_cols", 64), ("gemv_small_cols", 64), ("attn_oproj_cols", 128)):
+        for name in ("gemv_cols", "gemv_small_cols"):
             v = getattr(self, name)
-            if not 1 <= v <= most or v & (v - 1):
-                raise ValueError(f"Tiles.{name} must be a power of two in 1..{most}, got {v}")
+            if not 1 <= v <= 64 or v & (v - 1):
+                raise ValueError(f"Tiles.{name} must be a power of two in 1..64, got {v}")
         if not 1 <= self.gemv_rows <= 16:
             raise ValueError(f"Tiles.gemv_rows must be 1..16, got {self.gemv_rows}")
         if not isinstance(self.cublas_rows, int) or not 0 <= self.cublas_rows <= 1024:
             raise ValueError(f"Tiles.cublas_rows must be an int in 0..1024 (0: never), got {self.cublas_rows!r}")
-        if not isinstance(self.attn_oproj_kv, int) or self.attn_oproj_kv < 0:
-            raise ValueError(f"Tiles.attn_oproj_kv must be an int >= 0 (0: never), got {self.attn_oproj_kv!r}")
         if not 1 <= self.down_split <= 16:
             raise ValueError(f"Tiles.down_split must be 1..16, got {self.down_split}")
         for name in ("pdl", "early_tile", "gemv", "gemv_head"):
