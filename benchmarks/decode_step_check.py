@@ -51,7 +51,8 @@ GEMV_VARIANTS = {"default": {}, "small4": {"gemv_small_cols": 4}, "small2": {"ge
                  "small4_cols4": {"gemv_small_cols": 4, "gemv_cols": 4},
                  "small4_cols16": {"gemv_small_cols": 4, "gemv_cols": 16}}
 VARIANTS = {"attn_programs128": {"attn_programs": 128}, "attn_programs256": {"attn_programs": 256},
-            "attn_programs512": {"attn_programs": 512}, "attn_keys64": {"attn_keys": 64}}
+            "attn_programs512": {"attn_programs": 512}, "attn_keys64": {"attn_keys": 64},
+            "attn_programs16_keys64": {"attn_programs": 16, "attn_keys": 64}}
 
 
 def _lm(dtype: torch.dtype) -> torch.nn.Module:

@@ -26,20 +26,26 @@ from .qwen2_proj import dot_precision, launch_options
 
 
 @triton.jit
-def kv_tile_step(q, kc_ptr, vc_ptr, off, smask, allowed, scale, m, l_sum, acc, PREC: tl.constexpr):
-    """One key/value tile of an online softmax: scores of ``q`` against the keys at ``off`` (rows ``smask``),
-    ``allowed`` (broadcast to the scores) masking the rest; returns the updated running max, sum and
-    unnormalised output.  Shared by the decode splits and the prefill's causal blocks."""
-    k = tl.load(kc_ptr + off, mask=smask[:, None], other=0.0)
+def kv_tile_math(q, k, v, allowed, scale, m, l_sum, acc, PREC: tl.constexpr):
+    """One loaded key/value tile of an online softmax: scores of ``q`` against ``k``, ``allowed`` (broadcast
+    to the scores) masking the rest; returns the updated running max, sum and unnormalised output."""
     sc = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
     sc = tl.where(allowed, sc, float("-inf"))
     m_new = tl.maximum(m, tl.max(sc, axis=1))
     alpha = tl.exp(m - m_new)
     p = tl.exp(sc - m_new[:, None])
     l_sum = l_sum * alpha + tl.sum(p, axis=1)
-    v = tl.load(vc_ptr + off, mask=smask[:, None], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return m_new, l_sum, acc
+
+
+@triton.jit
+def kv_tile_step(q, kc_ptr, vc_ptr, off, smask, allowed, scale, m, l_sum, acc, PREC: tl.constexpr):
+    """:func:`kv_tile_math` over the keys and values at ``off`` (rows ``smask``).  Shared by the decode splits
+    and the prefill's causal blocks."""
+    k = tl.load(kc_ptr + off, mask=smask[:, None], other=0.0)
+    v = tl.load(vc_ptr + off, mask=smask[:, None], other=0.0)
+    return kv_tile_math(q, k, v, allowed, scale, m, l_sum, acc, PREC)
 
 
 @triton.jit
@@ -48,8 +54,12 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, o_ptr, m_ptr, l_
                        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
                        QB: tl.constexpr, RB: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
                        PDL: tl.constexpr):
-    """Program (row, kv head, split): attention of the row's ``Hq / Hkv`` query heads over one key range."""
-    pdl_start(PDL)
+    """Program (row, kv head, split): attention of the row's ``Hq / Hkv`` query heads over one key range.
+
+    Before its PDL wait it reads the row's position and the first key/value tile of its range, all but this
+    step's own key: only that one (at ``pos``) is written by the kernel before (the q/k/v kernel), earlier
+    positions by earlier steps.  So after the wait the first tile costs one round trip for q and the new key
+    instead of one for the position and another for the tile."""
     REP: tl.constexpr = HQ // HKV
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -58,16 +68,29 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, o_ptr, m_ptr, l_
     imask = i < REP
     heads = kvh * REP + i
     dd = tl.arange(0, D)
-    q = tl.load(q_ptr + b * (HQ * D) + heads[:, None] * D + dd[None, :], mask=imask[:, None], other=0.0)
-    n_keys = tl.minimum(tl.load(pos_ptr + b).to(tl.int32) + 1, kv_len)
+    pos = tl.load(pos_ptr + b).to(tl.int32)
+    n_keys = tl.minimum(pos + 1, kv_len)
     chunk = (n_keys + SPLITS - 1) // SPLITS
     start = sid * chunk
     end = tl.minimum(start + chunk, n_keys)
+    base = b * stride_cb + kvh * stride_ch
+    s = start + tl.arange(0, BLOCK_S)
+    tile0 = base + s[:, None] * stride_cp + dd[None, :]
+    smask = s < end
+    old = (smask & (s != pos))[:, None]
+    k = tl.load(kc_ptr + tile0, mask=old, other=0.0)
+    v = tl.load(vc_ptr + tile0, mask=old, other=0.0)
+    pdl_start(PDL)
+    q = tl.load(q_ptr + b * (HQ * D) + heads[:, None] * D + dd[None, :], mask=imask[:, None], other=0.0)
+    new = (smask & (s == pos))[:, None]
+    k = tl.where(new, tl.load(kc_ptr + tile0, mask=new, other=0.0), k)
+    v = tl.where(new, tl.load(vc_ptr + tile0, mask=new, other=0.0), v)
     m = tl.full([QB], float("-inf"), dtype=tl.float32)
     l_sum = tl.zeros([QB], dtype=tl.float32)
     acc = tl.zeros([QB, D], dtype=tl.float32)
-    base = b * stride_cb + kvh * stride_ch
-    for s0 in range(start, end, BLOCK_S):
+    if start < end:  # an empty range (more splits than keys) leaves its partials empty, as the loop did
+        m, l_sum, acc = kv_tile_math(q, k, v, smask[None, :], scale, m, l_sum, acc, PREC)
+    for s0 in range(start + BLOCK_S, end, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
         smask = s < end
         m, l_sum, acc = kv_tile_step(q, kc_ptr, vc_ptr, base + s[:, None] * stride_cp + dd[None, :], smask,

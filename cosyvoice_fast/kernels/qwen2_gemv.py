@@ -31,7 +31,7 @@ import triton.language as tl
 
 from . import qwen2_proj
 from .pdl import pdl_start
-from .qwen2_proj import launch_options, rope_store, split_add
+from .qwen2_proj import launch_options, rope_inputs, rope_store, split_add
 
 
 @triton.jit
@@ -42,14 +42,22 @@ def _w_slice(w_ptr, cols, cmask, k0, K, KP: tl.constexpr):
 
 
 @triton.jit
-def _normed_row(x_ptr, nw_ptr, K, eps, valid, KP: tl.constexpr):
-    """``RMSNorm(x)`` of the fp32 residual row as (1, KP), rounded to the norm weight's dtype then scaled
-    (zeros where ``valid``, (1,) bool, is false: a padding row of the program's row block)."""
+def _norm_weight(nw_ptr, K, KP: tl.constexpr):
+    """The RMSNorm weight as (KP,), zeros past K: a weight, so the kernels load it before their PDL wait (after
+    it, its load would only be issued once the row's sum of squares is reduced: one more memory round trip on
+    the step's critical path)."""
     k = tl.arange(0, KP)
-    kmask = (k < K) & valid
-    x = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+    return tl.load(nw_ptr + k, mask=k < K, other=0.0)
+
+
+@triton.jit
+def _normed_row(x_ptr, nw, K, eps, valid, KP: tl.constexpr):
+    """``RMSNorm(x)`` of the fp32 residual row as (1, KP), rounded to the norm weight's dtype then scaled by
+    ``nw`` (:func:`_norm_weight`); zeros where ``valid``, (1,) bool, is false: a padding row of the program's
+    row block."""
+    k = tl.arange(0, KP)
+    x = tl.load(x_ptr + k, mask=(k < K) & valid, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
-    nw = tl.load(nw_ptr + k, mask=kmask, other=0.0)
     return ((x * rstd).to(nw.dtype) * nw)[None, :]
 
 
@@ -80,15 +88,17 @@ def _qkv_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_p
     col1 = head * D + d
     w1 = _w_slice(w_ptr, col1, dmask, 0, K, KP)
     w2 = _w_slice(w_ptr, col1 + HALF, dmask, 0, K, KP)
-    pdl_start(PDL)
+    nw = _norm_weight(nw_ptr, K, KP)
     rows = tl.arange(0, ROWS)
+    b1, b2, freq, pos = rope_inputs(head, d, dmask, rows, rows < B, b_ptr, freq_ptr, pos_ptr, D)
+    pdl_start(PDL)
     acc1 = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     for r in tl.static_range(ROWS):
-        xn = _normed_row(x_ptr + r * K, nw_ptr, K, eps, _live(r, B), KP)
+        xn = _normed_row(x_ptr + r * K, nw, K, eps, _live(r, B), KP)
         acc1 = tl.where(rows[:, None] == r, _times_wt(xn, w1), acc1)
         acc2 = tl.where(rows[:, None] == r, _times_wt(xn, w2), acc2)
-    rope_store(acc1, acc2, head, d, dmask, rows, rows < B, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
+    rope_store(acc1, acc2, head, d, dmask, rows, rows < B, b1, b2, freq, pos, q_ptr, kc_ptr, vc_ptr,
                stride_cb, stride_ch, stride_cp, HQ, HKV, D)
 
 
@@ -100,10 +110,11 @@ def _gate_up_gemv_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, B, K, N, eps, BLOCK_N: tl.
     cmask = cols < N
     wg = _w_slice(w_ptr, cols, cmask, 0, K, KP)
     wu = _w_slice(w_ptr, cols + N, cmask, 0, K, KP)
+    nw = _norm_weight(nw_ptr, K, KP)
     pdl_start(PDL)
     for r in tl.static_range(ROWS):
         live = _live(r, B)
-        xn = _normed_row(x_ptr + r * K, nw_ptr, K, eps, live, KP)
+        xn = _normed_row(x_ptr + r * K, nw, K, eps, live, KP)
         g = _times_wt(xn, wg)
         h = g * tl.sigmoid(g) * _times_wt(xn, wu)
         tl.store(h_ptr + r * N + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=cmask[None, :] & live[:, None])
@@ -118,14 +129,21 @@ def _proj_gemv_kernel(a_ptr, w_ptr, r_ptr, part_ptr, cnt_ptr, B, K, N, SPLIT_K: 
     cmask = cols < N
     k0 = tl.program_id(2) * KP
     w = _w_slice(w_ptr, cols, cmask, k0, K, KP)
+    rows = tl.arange(0, ROWS)
+    if SPLIT_K == 1:  # the o-projection: the residual was last written two kernels back, so load it now
+        r_off = rows[:, None] * N + cols[None, :]
+        r_mask = (rows < B)[:, None] & cmask[None, :]
+        r_old = tl.load(r_ptr + r_off, mask=r_mask, other=0.0)
     pdl_start(PDL)
     k = k0 + tl.arange(0, KP)
-    rows = tl.arange(0, ROWS)
     acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     for r in tl.static_range(ROWS):
         a = tl.load(a_ptr + r * K + k, mask=(k < K) & _live(r, B), other=0.0)[None, :]
         acc = tl.where(rows[:, None] == r, _times_wt(a, w), acc)
-    split_add(acc, r_ptr, part_ptr, cnt_ptr, tl.program_id(0), rows, rows < B, cols, cmask, B, N, SPLIT_K)
+    if SPLIT_K == 1:
+        tl.store(r_ptr + r_off, r_old + acc, mask=r_mask)
+    else:
+        split_add(acc, r_ptr, part_ptr, cnt_ptr, tl.program_id(0), rows, rows < B, cols, cmask, B, N, SPLIT_K)
 
 
 @triton.jit
@@ -137,10 +155,11 @@ def _head_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, B, K, N, eps, BLOCK_
     cmask = cols < N
     w = _w_slice(w_ptr, cols, cmask, 0, K, KP)
     bias = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    nw = _norm_weight(nw_ptr, K, KP)
     pdl_start(PDL)
     for r in tl.static_range(ROWS):
         live = _live(r, B)
-        y = _times_wt(_normed_row(x_ptr + r * K, nw_ptr, K, eps, live, KP), w) + bias
+        y = _times_wt(_normed_row(x_ptr + r * K, nw, K, eps, live, KP), w) + bias
         tl.store(out_ptr + r * N + cols[None, :], y.to(w_ptr.dtype.element_ty).to(tl.float32),
                  mask=cmask[None, :] & live[:, None])
 

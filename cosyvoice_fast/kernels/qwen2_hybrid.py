@@ -65,7 +65,7 @@ def _rope_kv_kernel(qkv_ptr, freq_ptr, slot_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
     else:
         pos = r % T
         crow = tl.load(slot_ptr + r // T, mask=rmask, other=0)
-    rotate_store(x1, x2, head, d, d < HALF, r, rmask, pos, crow, freq_ptr, q_ptr, kc_ptr, vc_ptr,
+    rotate_store(x1, x2, head, d, d < HALF, r, rmask, pos, crow, tl.load(freq_ptr + d), q_ptr, kc_ptr, vc_ptr,
                  stride_cb, stride_ch, stride_cp, HQ, HKV, D)
 
 

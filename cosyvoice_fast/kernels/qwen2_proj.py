@@ -117,14 +117,14 @@ def _normed_tile(x_ptr, rows, rmask, k, K, rstd, nw_ptr):
 
 
 @triton.jit
-def rotate_store(x1, x2, head, d, dmask, rows, rmask, pos, crow, freq_ptr, q_ptr, kc_ptr, vc_ptr,
+def rotate_store(x1, x2, head, d, dmask, rows, rmask, pos, crow, freq, q_ptr, kc_ptr, vc_ptr,
                  stride_cb, stride_ch, stride_cp, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
     """fp32 columns ``d`` and ``d + D/2`` of one q, k or v head for ``rows``: RoPE on q and k heads (half-split
     pairing: out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin; v heads do not rotate), then q to its scratch rows
-    and k/v into cache rows ``crow`` at positions ``pos``."""
+    and k/v into cache rows ``crow`` at positions ``pos``.  ``freq``: the rotary frequencies of columns ``d``."""
     HALF: tl.constexpr = D // 2
     rot = head < HQ + HKV
-    ang = pos.to(tl.float32)[:, None] * tl.load(freq_ptr + d, mask=dmask, other=0.0)[None, :]
+    ang = pos.to(tl.float32)[:, None] * freq[None, :]
     c = tl.where(rot, tl.cos(ang), 1.0)
     s = tl.where(rot, tl.sin(ang), 0.0)
     o1 = x1 * c - x2 * s
@@ -146,17 +146,26 @@ def rotate_store(x1, x2, head, d, dmask, rows, rmask, pos, crow, freq_ptr, q_ptr
 
 
 @triton.jit
-def rope_store(acc1, acc2, head, d, dmask, rows, rmask, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
-               stride_cb, stride_ch, stride_cp, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
-    """The q/k/v epilogue of a decode step: bias, then :func:`rotate_store` with each row's own position and
-    cache row."""
+def rope_inputs(head, d, dmask, rows, rmask, b_ptr, freq_ptr, pos_ptr, D: tl.constexpr):
+    """What the q/k/v epilogue reads besides the products: the bias of columns ``d`` and ``d + D/2`` of
+    ``head`` (fp32), their rotary frequencies and each row's position.  None of it is written by the kernel
+    before, so the GEMV kernel loads it ahead of its PDL wait."""
     HALF: tl.constexpr = D // 2
     col1 = head * D + d
-    acc1 += tl.load(b_ptr + col1, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    acc2 += tl.load(b_ptr + col1 + HALF, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    b1 = tl.load(b_ptr + col1, mask=dmask, other=0.0).to(tl.float32)
+    b2 = tl.load(b_ptr + col1 + HALF, mask=dmask, other=0.0).to(tl.float32)
+    freq = tl.load(freq_ptr + d, mask=dmask, other=0.0)
     pos = tl.load(pos_ptr + rows, mask=rmask, other=0)
-    rotate_store(acc1, acc2, head, d, dmask, rows, rmask, pos, rows, freq_ptr, q_ptr, kc_ptr, vc_ptr,
-                 stride_cb, stride_ch, stride_cp, HQ, HKV, D)
+    return b1, b2, freq, pos
+
+
+@triton.jit
+def rope_store(acc1, acc2, head, d, dmask, rows, rmask, b1, b2, freq, pos, q_ptr, kc_ptr, vc_ptr,
+               stride_cb, stride_ch, stride_cp, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
+    """The q/k/v epilogue of a decode step: bias, then :func:`rotate_store` with each row's own position and
+    cache row (``b1``, ``b2``, ``freq``, ``pos`` from :func:`rope_inputs`)."""
+    rotate_store(acc1 + b1[None, :], acc2 + b2[None, :], head, d, dmask, rows, rmask, pos, rows, freq, q_ptr,
+                 kc_ptr, vc_ptr, stride_cb, stride_ch, stride_cp, HQ, HKV, D)
 
 
 @triton.jit
@@ -237,7 +246,8 @@ def _qkv_rope_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_p
     col2 = col1 + HALF
     rows, rmask, acc1, acc2 = _normed_pair_gemm(x_ptr, nw_ptr, w_ptr, col1, col2, dmask, B, K, eps, BLOCK_M,
                                                 BLOCK_K, PREC, PDL, EARLY)
-    rope_store(acc1, acc2, head, d, dmask, rows, rmask, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
+    b1, b2, freq, pos = rope_inputs(head, d, dmask, rows, rmask, b_ptr, freq_ptr, pos_ptr, D)
+    rope_store(acc1, acc2, head, d, dmask, rows, rmask, b1, b2, freq, pos, q_ptr, kc_ptr, vc_ptr,
                stride_cb, stride_ch, stride_cp, HQ, HKV, D)
 
 
