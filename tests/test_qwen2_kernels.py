@@ -93,8 +93,11 @@ def _attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: li
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("splits", [1, 4])
-def test_split_attention_merges_to_softmax_attention(splits):
+# (1, 16): one split walks two 16-key tiles, the row's own newest key in the second (the first is read before
+# the kernel's PDL wait, without that key)
+@pytest.mark.parametrize("splits,keys", [(1, 32), (4, 32), (1, 16)])
+def test_split_attention_merges_to_softmax_attention(splits, keys, monkeypatch):
+    monkeypatch.setattr(proj_k, "TILES", proj_k.Tiles(attn_keys=keys))
     rows, max_len, kv_len = 3, 40, 32
     hq, hkv, d = CFG.num_attention_heads, CFG.num_key_value_heads, CFG.head_dim
     # row 0 early, row 1 mid-way, row 2 an idle row parked past kv_len (attends over the first kv_len keys)

@@ -7,7 +7,11 @@ has finished (programmatic dependent launch lets them launch early, but their fi
 so every link of the chain pays a full memory latency plus its own stream, and ``tl.dot`` pads the one row to
 16.  Weights never depend on the previous kernel, so here a program loads all of its weight columns (every K at
 once, ``(cols, next_pow2(K))`` with the tail masked) at launch, then waits (``gdc_wait``), and only then reads
-the activations it needs: the weight stream of kernel *n + 1* overlaps kernel *n*.  The row is multiplied by a
+the activations it needs: the weight stream of kernel *n + 1* overlaps kernel *n*.  The same holds for every other
+read that kernel *n* does not write: norm weights, the q/k/v bias, rotary frequencies and positions, and the
+residual the o-projection adds to (last written two kernels back; in a PDL chain a kernel's prologue runs only
+once the kernel before it has passed its own wait, so everything earlier has finished).  Each of those, read
+after the wait, was one more memory round trip on the step's critical path.  The row is multiplied by a
 broadcast-and-sum in fp32.  Each program holds its slice in registers, so slices are narrow (``Tiles.gemv_cols``
 columns; ``Tiles.gemv_small_cols`` for the ~2 MB q/k/v and o-projection matrices, which at 8 columns a program
 would leave SMs idle) and the down projection is split over K in ``Tiles.down_chunk`` pieces whose partial sums
@@ -228,7 +232,8 @@ def proj_residual(a: torch.Tensor, w: torch.Tensor, resid: torch.Tensor, parts: 
                   counters: torch.Tensor | None = None) -> None:
     """resid (B, N) fp32 += a (B, K) @ w (N, K)^T for up to ``Tiles.gemv_rows`` rows.  With ``parts`` (S, B, N)
     fp32 scratch and ``counters`` (>= column blocks) int32 zeros, K is split into S = ``split_count(K)`` pieces
-    of ``Tiles.down_chunk``; without, one piece of all of K."""
+    of ``Tiles.down_chunk``; without, one piece of all of K, and then ``resid`` is read before the PDL wait: the
+    kernel launched just before this one must not write it (in the decode step it is the attention or gate/up)."""
     rows, k_dim = a.shape
     block = _check_rows(rows)
     n = w.shape[0]
