@@ -264,6 +264,26 @@ def test_stage_ab_refuses_a_preset_without_the_stage_it_compares(tmp_path, monke
         one_stream.stage_ab(["--out", str(tmp_path), "--"], None, "benchmarks/vocoder_ab.py", "vocoder", "fused")
 
 
+def test_decode_tail_ab_takes_its_variants_through_stage_ab_and_refuses_unknown_ones(tmp_path, monkeypatch):
+    """``--variants`` is declared through ``stage_ab``'s ``add`` hook beside the A/B flags; a name that is not a
+    variant stops the script before any stage is built."""
+    from types import SimpleNamespace
+
+    from benchmarks import decode_tail_ab, one_stream
+
+    backend = SimpleNamespace(llm="fused")
+    monkeypatch.setattr(one_stream, "load", lambda argv, prog: one_stream.OneStream(None, None, backend, None))
+    argv = ["--out", str(tmp_path), "--variants", "floor", "--rounds", "2", "--"]
+    with pytest.raises(SystemExit):  # argparse: --variants is not an A/B flag of its own
+        one_stream.stage_ab(argv, None, "p", "llm", "fused")
+    with pytest.raises(AttributeError):  # past the flags: the stub service has no engine
+        one_stream.stage_ab(argv, None, "p", "llm", "fused", decode_tail_ab._add_variants)
+    monkeypatch.setattr(one_stream, "stage_ab", lambda *a: (SimpleNamespace(variants="before,nope"), tmp_path,
+                                                            None, None, None))
+    with pytest.raises(SystemExit, match=r"unknown variants \['nope'\]; choose from \['before', 'floor'\]"):
+        decode_tail_ab.main([])
+
+
 def test_sass_sizes_counts_every_kernel_of_a_decode_step_without_a_gpu(tmp_path):
     """The code-size tool records a full-size one-row decode step's launches under the interpreter without
     running them (the embedding gather, five kernels per layer, the head) and compiles each distinct one for

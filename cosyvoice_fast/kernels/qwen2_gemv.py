@@ -134,7 +134,7 @@ def _proj_gemv_kernel(a_ptr, w_ptr, r_ptr, part_ptr, cnt_ptr, B, K, N, SPLIT_K: 
     k0 = tl.program_id(2) * KP
     w = _w_slice(w_ptr, cols, cmask, k0, K, KP)
     rows = tl.arange(0, ROWS)
-    if SPLIT_K == 1:  # the o-projection: the residual was last written two kernels back, so load it now
+    if SPLIT_K == 1:  # one piece (the o-projection): the residual was last written two kernels back, so read now
         r_off = rows[:, None] * N + cols[None, :]
         r_mask = (rows < B)[:, None] & cmask[None, :]
         r_old = tl.load(r_ptr + r_off, mask=r_mask, other=0.0)
