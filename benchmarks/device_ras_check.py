@@ -17,8 +17,11 @@ kernels.philox`): are the recomputed variates ``exponential_``'s bits, and what 
    and the step-input merge/advance as torch ops instead of kernels (``ahead_torch_tail``), the default with
    the nucleus draw cut at its floor (``ahead_floor``: ``nucleus_topk.USE_FLOOR`` on), and the default with the
    step's embedding gather, final norm and speech head as torch ops (``before_session28``: ``Tiles.gemv_head``
-   off): wall ms per decode
-   round at each row count (150 forced tokens, sampling and the per-step sync included) and RAS fallbacks per
+   off), the default before session 31 (``before_session31``: a staging copy every step and the variates drawn
+   by two Philox launches; the walk's and the fallback draw's changes are in both;
+   ``floor_before_session31`` with the floor cut), and the default with the decoder's weights loaded under an
+   L2 policy (``evict_first``, ``evict_normal``: ``Tiles.weight_eviction``): wall ms per decode round at each
+   row count (150 forced tokens, sampling and the per-step sync included) and RAS fallbacks per
    token.  ``--ways`` picks some; ``--steps`` picks steps (``profile_torch_tail``: the profile of that way).
 
 Results: ``OUT/device_ras_check.json``.
@@ -89,13 +92,18 @@ def _switches(way: str) -> Iterator[None]:
     nucleus.USE_KERNEL = way != "ahead_sort"
     nucleus.USE_RULE_KERNELS = decode_feed.USE_KERNELS = way != "ahead_torch_tail"
     floor = nucleus_topk.USE_FLOOR
-    nucleus_topk.USE_FLOOR = way == "ahead_floor"
+    nucleus_topk.USE_FLOOR = way in ("ahead_floor", "floor_before_session31")
     if way == "before_session28":
         qwen2_proj.TILES = dataclasses.replace(tiles, gemv_head=False)
+    if way.startswith("evict_"):  # the default with the weights' L2 policy set: evict_first, evict_normal
+        qwen2_proj.TILES = dataclasses.replace(tiles, weight_eviction="" if way == "evict_normal" else way)
+    old31 = way in ("before_session31", "floor_before_session31")
+    decode_feed.SKIP_UNCHANGED = nucleus.RULE_VARIATES = not old31
     try:
         yield
     finally:
         nucleus.USE_KERNEL = nucleus.USE_RULE_KERNELS = decode_feed.USE_KERNELS = True
+        decode_feed.SKIP_UNCHANGED = nucleus.RULE_VARIATES = True
         qwen2_proj.TILES, nucleus_topk.USE_FLOOR = tiles, floor
 
 
@@ -108,7 +116,8 @@ def backend(rows_list: list[int], results: dict, save, only: list[str] | None) -
     ahead = {"device_ras": True, "decode_ahead": True}
     ways = {"ahead": ahead, "ahead_sort": ahead, "graph": {"device_ras": True, "decode_ahead": False},
             "host": {"device_ras": False}, "ahead_torch_tail": ahead, "ahead_floor": ahead,
-            "before_session28": ahead}
+            "before_session28": ahead, "before_session31": ahead, "floor_before_session31": ahead,
+            "evict_first": ahead, "evict_normal": ahead}
     for way in only or list(ways):  # in the order asked for (repeats allowed: alternate to see drift)
         kwargs = ways[way]
         t = time.perf_counter()
@@ -137,6 +146,52 @@ def backend(rows_list: list[int], results: dict, save, only: list[str] | None) -
         torch.cuda.empty_cache()
 
 
+def _union(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) intervals."""
+    total, end = 0.0, -float("inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def _timeline(events: list) -> dict:
+    """Rounds cut at each ``_read_kernel`` (a decode graph's first kernel): per round the period between two
+    rounds' starts, the GPU's busy time in it (union of kernel and copy intervals), the graph's span (read to
+    advance), the decoder's span (gather to head) and the tail after the head; medians in µs.  Tells whether a
+    round waits for the host (period > busy) and what the tail after the head costs."""
+    ev = sorted(((e.time_range.start, e.time_range.end, e.name) for e in events), key=lambda t: t[0])
+    starts = [i for i, e in enumerate(ev) if e[2] == "_read_kernel"]
+    rows: dict[str, list[float]] = {k: [] for k in ("period", "busy", "idle", "graph", "decoder", "tail",
+                                                    "between_graphs")}
+    sample: list = []
+    for a, b in zip(starts, starts[1:]):
+        rnd = ev[a:b]
+        t0, t1 = rnd[0][0], ev[b][0]
+        named = {n: (s, e) for s, e, n in rnd}
+        adv = named.get("_advance_kernel")
+        head = named.get("_head_gemv_kernel")
+        busy = _union([(s, min(e, t1)) for s, e, _ in rnd])
+        rows["period"].append(t1 - t0)
+        rows["busy"].append(busy)
+        rows["idle"].append(t1 - t0 - busy)
+        if adv:
+            rows["graph"].append(adv[1] - t0)
+            rows["between_graphs"].append(t1 - adv[1])
+        if head:
+            first = min(s for s, _, n in rnd if n not in ("_read_kernel",) and not n.startswith("Memcpy")
+                        and n != "_exponential_kernel")
+            rows["decoder"].append(head[1] - first)
+            if adv:
+                rows["tail"].append(adv[1] - head[1])
+        if not sample and head:
+            sample = [[n[:40], round(s - head[1], 2), round(e - s, 2)] for s, e, n in rnd if e >= head[1] - 20]
+            sample += [[ev[b][2][:40], round(ev[b][0] - head[1], 2), 0.0]]
+    med = {k: round(sorted(v)[len(v) // 2], 2) for k, v in rows.items() if v}
+    return {"rounds": len(starts) - 1, "median_us": med, "tail_of_one_round_us_from_head_end": sample}
+
+
 def profile(rows_list: list[int], way: str = "ahead") -> dict:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
@@ -160,9 +215,8 @@ def profile(rows_list: list[int], way: str = "ahead") -> dict:
                 stage.decode(states)
             torch.cuda.synchronize()
         by: dict[str, list] = {}
-        for e in prof.events():
-            if e.device_type != torch.autograd.DeviceType.CUDA:
-                continue
+        gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        for e in gpu:
             v = by.setdefault(e.name[:60], [0, 0.0])
             v[0] += 1
             v[1] += e.time_range.end - e.time_range.start
@@ -170,7 +224,8 @@ def profile(rows_list: list[int], way: str = "ahead") -> dict:
         out[f"rows{rows}"] = {
             "kernels_per_round": round(sum(v[0] for v in by.values()) / rounds, 1),
             "kernel_us_per_round": round(sum(v[1] for v in by.values()) / rounds, 1),
-            "by_name_per_round": [[k, round(v[0] / rounds, 2), round(v[1] / rounds, 2)] for k, v in top[:40]]}
+            "by_name_per_round": [[k, round(v[0] / rounds, 2), round(v[1] / rounds, 2)] for k, v in top[:40]],
+            "timeline": _timeline(gpu)}
         print(rows, out[f"rows{rows}"]["kernels_per_round"], out[f"rows{rows}"]["kernel_us_per_round"], flush=True)
         for st in states:
             stage.release(st)
@@ -183,7 +238,8 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=None, help="seconds for the whole script")
     ap.add_argument("--rows", default="1,16,64", help="row counts of the backend step (comma-separated)")
     ap.add_argument("--steps", default="bits,profile,backend",
-                    help="comma-separated: bits, profile, profile_torch_tail, profile_before, backend")
+                    help="comma-separated: bits, profile, profile_torch_tail, profile_before, "
+                    "profile_before31, profile_floor, profile_evict_first, profile_evict_normal, backend")
     ap.add_argument("--ways", default=None, help="comma-separated ways of the backend step (default: all)")
     a = ap.parse_args()
     require_cuda("device_ras_check.py")
@@ -199,6 +255,14 @@ def main() -> int:
         runner.run("profile_torch_tail", lambda: profile(rows, "ahead_torch_tail"))
     if "profile_before" in steps:
         runner.run("profile_before", lambda: profile(rows, "before_session28"))
+    if "profile_before31" in steps:
+        runner.run("profile_before31", lambda: profile(rows, "before_session31"))
+    if "profile_floor" in steps:
+        runner.run("profile_floor", lambda: profile(rows, "ahead_floor"))
+    if "profile_evict_first" in steps:
+        runner.run("profile_evict_first", lambda: profile(rows, "evict_first"))
+    if "profile_evict_normal" in steps:
+        runner.run("profile_evict_normal", lambda: profile(rows, "evict_normal"))
     if "backend" in steps:
         runner.run("backend", lambda: backend(rows, results, runner.save, ways), store=False)
     return 0

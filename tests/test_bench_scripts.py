@@ -299,3 +299,30 @@ def test_sass_sizes_counts_every_kernel_of_a_decode_step_without_a_gpu(tmp_path)
     assert set(sizes) == {"_embed_kernel", "_qkv_gemv_kernel", "_attn_split_kernel", "_proj_gemv_kernel",
                           "_gate_up_gemv_kernel", "_head_gemv_kernel"}
     assert all(n > 0 for n in sizes.values()) and min(sizes, key=sizes.get) == "_embed_kernel"
+
+
+def test_device_ras_timeline_cuts_rounds_at_the_read_kernel_and_measures_idle_and_tail():
+    """Two whole rounds (and the start of a third) of hand-made GPU events, µs: a round is read, exponentials,
+    gather, a layer, the head, a softmax, the advance, then a copy; the GPU idles 30 µs before the next read."""
+    from types import SimpleNamespace
+
+    from benchmarks.device_ras_check import _timeline
+
+    def ev(name: str, start: float, end: float) -> SimpleNamespace:
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end))
+
+    events = []
+    for t in (0.0, 200.0):
+        events += [ev("_read_kernel", t, t + 2), ev("_exponential_kernel", t + 3, t + 5),
+                   ev("_embed_kernel", t + 4, t + 6), ev("_proj_gemv_kernel", t + 5, t + 120),
+                   ev("_head_gemv_kernel", t + 100, t + 130), ev("softmax", t + 132, t + 140),
+                   ev("_advance_kernel", t + 150, t + 160), ev("Memcpy DtoH", t + 165, t + 170)]
+    events.append(ev("_read_kernel", 400.0, 402.0))
+    got = _timeline(list(reversed(events)))  # any order: it sorts by start
+    assert got["rounds"] == 2
+    med = got["median_us"]
+    # busy: read 2 + [3, 130] 127 + softmax 8 + advance 10 + copy 5 = 152 of the 200 between two reads
+    assert (med["period"], med["busy"], med["idle"]) == (200.0, 152.0, 48.0)
+    assert (med["graph"], med["between_graphs"], med["decoder"], med["tail"]) == (160.0, 40.0, 126.0, 30.0)
+    first = got["tail_of_one_round_us_from_head_end"]
+    assert first[0] == ["_proj_gemv_kernel", -125.0, 115.0] and first[-1] == ["_read_kernel", 70.0, 0.0]

@@ -79,6 +79,36 @@ def test_fused_tail_equals_the_torch_rule(vocab, k, w, repeats, floor, monkeypat
         assert 0 < int(fb.sum()) < 8, "the case must hold rows of both kinds"
 
 
+@pytest.mark.parametrize("vocab,k,w", [(37, 5, 4), (6564, 25, 10)])
+@pytest.mark.parametrize("rule_variates", [True, False])
+def test_variates_from_generator_states_equal_the_philox_draws(vocab, k, w, rule_variates, monkeypatch):
+    """Given each row's generator state instead of variates, the tail draws as it does with the variates the
+    Philox kernel computes from those states (the nucleus draw's, and the fallback's one draw later): the same
+    tokens, flags and masked log-probs, and ``q`` holds the nucleus variates.  With ``RULE_VARIATES`` off the
+    two Philox launches fill ``q`` and ``q_again`` first; on, the rule kernels compute them."""
+    from cosyvoice_fast.kernels.philox import DRAW_OFFSET, exponential_rows
+
+    monkeypatch.setattr(nucleus, "RULE_VARIATES", rule_variates)
+    rows = 8
+    logp, bias, _, _, window = _case(rows, vocab, k, w, seed=vocab + w)
+    g = torch.Generator().manual_seed(vocab)
+    gens = torch.stack([torch.randint(-2**62, 2**62, (rows + 2,), generator=g),
+                        torch.randint(0, 2**20, (rows + 2,), generator=g) * 4]).to(DEV)  # a wider graph buffer
+    q = exponential_rows(gens, torch.empty(rows, k, device=DEV))
+    q_again = exponential_rows(gens, torch.empty(rows, vocab, device=DEV), DRAW_OFFSET)
+    _, (logp_ref, tok_ref, fb_ref) = _both(logp.to(DEV), bias.to(DEV), q, q_again, window.to(DEV), 1)
+    assert 0 < int(fb_ref.sum()) < rows, "the case must hold rows of both kinds"
+    lim = torch.tensor(0.8, device=DEV)
+    q_buf = torch.full((rows, k), 9.0, device=DEV)
+    again_buf = torch.full((rows, vocab), 9.0, device=DEV)
+    logp_out = torch.full((rows, vocab), 7.0, device=DEV)
+    drawn = torch.full((2, rows), -5, dtype=torch.int64, device=DEV)
+    ras_pick_into(logp.to(DEV), bias.to(DEV), q_buf, again_buf, window.to(DEV), lim, 1, logp_out, drawn, gens=gens)
+    assert torch.equal(logp_out, logp_ref)
+    assert drawn[0].tolist() == tok_ref.tolist() and drawn[1].tolist() == fb_ref.tolist()
+    assert torch.equal(q_buf, q)
+
+
 def test_fallback_never_returns_the_banned_token_and_equal_scores_go_to_the_first_id():
     """A fallback row whose banned distribution is uniform with equal variates: every score ties, so the
     smallest id that is not banned wins (torch's first argmax); the banned id is never drawn."""
@@ -108,6 +138,13 @@ def test_kernels_refuse_what_they_cannot_take():
                                drawn)
     with pytest.raises(ValueError, match=r"q_again must be \(2, 37\) float32"):
         ras_rule.ras_redraw_rows(probs, torch.ones(2, 36, device=DEV), drawn)
+    with pytest.raises(ValueError, match=r"q_again must be \(2, 37\) float32"):
+        ras_rule.ras_redraw_rows(probs, None, drawn)  # no variates and no generator states to compute them
+    with pytest.raises(ValueError, match=r"gens must be \(2, >= 2\) int64"):
+        ras_rule.ras_rule_rows(probs, logp, q, lim, torch.zeros(2, 3, dtype=torch.int64, device=DEV), 1, drawn,
+                               gens=torch.zeros(2, 1, dtype=torch.int64, device=DEV))
+    with pytest.raises(ValueError, match=r"gens must be \(2, >= 2\) int64"):
+        ras_rule.ras_redraw_rows(probs, None, drawn, gens=torch.zeros(3, 2, dtype=torch.int64, device=DEV))
 
 
 def test_tail_without_the_kernels_writes_the_same(monkeypatch):
@@ -160,6 +197,32 @@ def test_step_feed_kernels_equal_the_torch_ops(window, monkeypatch):
     got = _feed_round(window, True, monkeypatch)
     for a, b in zip(ref, got):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_step_feed_stage_copies_only_what_the_device_buffer_does_not_hold(skip, monkeypatch):
+    """A steady batch (no fresh column, the same live rows as the last copy) copies nothing; a fresh column, a
+    row joining or leaving, or the switch off copies again.  After every call the graph side reads the live
+    rows and fresh columns the host staged."""
+    monkeypatch.setattr(decode_feed, "SKIP_UNCHANGED", skip)
+    feed = StepFeed(4, 50, 2, draw_offset=4, device=torch.device(DEV))
+    col = [7, 3, 11, 8, -1, 5]
+    calls = [({0: col, 1: col}, False), ({0: None, 1: None}, False), ({0: None, 1: None}, True),
+             ({0: None, 1: None}, True), ({0: None}, False), ({0: None}, True), ({0: None, 2: col}, False),
+             ({0: None, 2: None}, False), ({0: None, 2: None}, True)]
+    staged = feed.staged
+    for columns, skipped in calls:
+        s0 = feed.skipped
+        staged[:feed.rows] = -99  # column rows a copy would overwrite (the host's are never -99)
+        feed.stage(columns)
+        copied = bool((staged[:feed.rows] != -99).any())
+        assert copied != (skip and skipped) and feed.skipped - s0 == (skip and skipped)
+        assert staged[feed.rows + 1].tolist() == [int(i in columns) for i in range(4)]
+        assert staged[feed.rows].tolist() == [int(columns.get(i) is not None) for i in range(4)]
+        for i, c in columns.items():
+            if c is not None:
+                assert staged[:feed.rows, i].tolist() == c
+    assert feed.skipped == (4 if skip else 0)
 
 
 def test_step_feed_kernels_refuse_bad_buffers():

@@ -17,8 +17,8 @@ graph-side tensor math (:mod:`.nucleus`).  In batched decode steps with CUDA gen
 where Triton is) the whole RAS rule runs in the graph too: each row's exponential variates are recomputed from
 its generator's seed and offset (:mod:`..kernels.philox`), both the nucleus draw's and the fallback draw's, the
 repetition check reads the row's last history tokens, and the host only advances each generator by one draw
-(two after a fallback).  A step then costs one input copy, one replay and one read of the tokens, whatever the
-row count and however many rows fall back.  The graph also writes each row's next inputs back into its own
+(two after a fallback).  A step then costs one replay and one read of the tokens (and an input copy when rows
+join, leave or come from the host), whatever the row count and however many rows fall back.  The graph also writes each row's next inputs back into its own
 input columns (:mod:`.decode_feed`), so with ``decode_ahead`` (on with device RAS) each call launches the step
 after the one it returns before reading anything: the host's per-token work overlaps the GPU's next step.  A
 prefill does the same for each row's first decode step (its graph writes that step's inputs), so the GPU goes
@@ -245,10 +245,8 @@ class CudaGraphLLM:
             tok, pos = self._step_in[0, :n].view(-1, 1), self._step_in[1, :n].view(-1, 1)
         logp = self.llm.step_log_probs(tok, pos, self._cache.head(n), kv_len=bucket)
         if self._feed is not None:
-            self._philox.exponential_rows(gens, self._q[:n])
-            self._philox.exponential_rows(gens, self._q_again[:n], self._philox.DRAW_OFFSET)
             ras_pick_into(logp, self._bias[:n], self._q[:n], self._q_again[:n], window, self._limit, self._repeats,
-                          self._logp[:n], self._drawn[:, :n])
+                          self._logp[:n], self._drawn[:, :n], gens=gens)
             self._feed.advance(n, self._drawn[:, :n], live)
         else:
             logp, token = nucleus_pick_rows(logp, self._bias[:n], self._q[:n], self._limit)

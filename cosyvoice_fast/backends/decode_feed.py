@@ -9,7 +9,8 @@ runs while the GPU computes the next step instead of between two steps.
 
 Layout: ``step_in`` has one column per slot.  Its rows are the token to feed, the position to write it at, the
 generator's seed and offset, and the last W history tokens (oldest first, right-aligned, -1 where the history is
-shorter; the rule only counts them).  Before each replay the host copies in ``staged``.  That holds fresh columns
+shorter; the rule only counts them).  Before a replay the host copies in ``staged`` (unless the device holds
+its contents already).  That holds fresh columns
 for the rows whose inputs come from the host, a ``fresh`` flag, and a ``live`` flag for the rows this replay
 steps.  The graph merges the fresh columns, steps the live rows, and advances only those.  Rows that are not live
 compute at ``max_len - 1`` with their inputs kept; the LLM backend's docstring says why that is harmless.
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 #: rows of a ``step_in`` column before the history window
@@ -39,6 +41,9 @@ _STAGING = 3
 #: Merge and advance the step inputs with one launch each (:mod:`..kernels.step_feed`) where Triton runs the
 #: tensors; benchmarks set this False (before building a backend) to time the torch operations.
 USE_KERNELS = True
+#: Skip a staging copy that would write what the device buffer already holds (:meth:`StepFeed.stage`);
+#: benchmarks set this False (before building a backend) to time the copy every step.
+SKIP_UNCHANGED = True
 
 
 def _feed_kernels(device: torch.device) -> ModuleType | None:
@@ -108,6 +113,10 @@ class StepFeed:
         self._host_np = [h.numpy() for h in self._host]
         self._copied = [torch.cuda.Event() if self._cuda else None for _ in range(_STAGING)]
         self._turn = 0
+        self._sent: np.ndarray | None = None  # the fresh and live flags of the last copy, and its stream
+        self._sent_stream: Any = None
+        self.skip_unchanged = SKIP_UNCHANGED
+        self.skipped = 0  # stage calls that copied nothing (the device already held their flags)
         self._free: list[Launch] = []
         self._pending: dict[int, deque[tuple[Launch, Row]]] = {}
         self._last: Launch | None = None
@@ -171,20 +180,32 @@ class StepFeed:
 
     def stage(self, columns: dict[int, list[int] | None]) -> None:
         """Copy in the next replay's inputs: ``columns`` maps each live slot to its fresh column, or to None
-        when its inputs are on the device already (the previous step of the row advanced them)."""
+        when its inputs are on the device already (the previous step of the row advanced them).
+
+        A replay with no fresh column and the same live rows as the last copied one (every step of a steady
+        batch) copies nothing: the device buffer already holds those flags, and its column rows are read only
+        where a fresh flag is set.  That takes a host-to-device copy off the GPU's path between two steps."""
+        flags = np.zeros((2, self.staged.shape[1]), dtype=np.int64)
+        for slot, col in columns.items():
+            flags[1, slot] = 1
+            flags[0, slot] = col is not None
+        stream = torch.cuda.current_stream(self.device) if self._cuda else None
+        if (self.skip_unchanged and not flags[0].any() and self._sent is not None and stream == self._sent_stream
+                and np.array_equal(flags, self._sent)):
+            self.skipped += 1
+            return
         self._turn = i = (self._turn + 1) % _STAGING
         if self._copied[i] is not None:
             self._copied[i].synchronize()  # its last copy (two replays ago) must be done before it is rewritten
         host, r = self._host_np[i], self.rows
-        host[r:, :] = 0
+        host[r:, :] = flags
         for slot, col in columns.items():
-            host[r + 1, slot] = 1
             if col is not None:
                 host[:r, slot] = col
-                host[r, slot] = 1
         self.staged.copy_(self._host[i], non_blocking=True)
         if self._copied[i] is not None:
             self._copied[i].record()
+        self._sent, self._sent_stream = flags, stream
 
     def collect(self, drawn: torch.Tensor, rows: Sequence[Row]) -> Launch:
         """After a replay: copy its (2, S) tokens and fallback flags to the host and make each row pending on

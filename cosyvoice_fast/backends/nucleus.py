@@ -29,6 +29,9 @@ USE_KERNEL = True
 #: With it, run the RAS rule and fallback draw as kernels (:func:`ras_pick_into`); benchmarks set this False
 #: to time that tail's torch ops alone.
 USE_RULE_KERNELS = True
+#: With those kernels and generator states, let them compute their own variates (two launches fewer per step,
+#: and the fallback draw's only where a row falls back); benchmarks set this False to launch the Philox kernel.
+RULE_VARIATES = True
 
 
 def _draw_kernel(probs: torch.Tensor, k: int) -> ModuleType | None:
@@ -130,15 +133,27 @@ def ras_pick_rows(logp: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, q_aga
 
 def ras_pick_into(logp: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, q_again: torch.Tensor,
                   window: torch.Tensor, limit: torch.Tensor, repeats: int, logp_out: torch.Tensor,
-                  drawn: torch.Tensor) -> None:
+                  drawn: torch.Tensor, gens: torch.Tensor | None = None) -> None:
     """:func:`ras_pick_rows` written into a decode graph's buffers: the masked log-probs into ``logp_out``
     (B, V), the tokens into ``drawn[0]`` and the fallback flags (0/1) into ``drawn[1]`` ((2, B) int64).
 
+    ``gens`` ((2, >= B) int64: each row's CUDA generator seed and offset) says where the variates come from:
+    with it, ``q`` and ``q_again`` are those generators' next two ``exponential_`` draws (Philox recomputed on
+    the device, :mod:`..kernels.philox`), without it the caller has filled them.
+
     Where the kernels run (:func:`_draw_kernel`), five launches: the masked add, torch's softmax, the draw
     with the rule (:func:`..kernels.ras_rule.ras_rule_rows`), torch's softmax of the banned copy and the
-    fallback draw (:func:`..kernels.ras_rule.ras_redraw_rows`); the same values as the torch ops bit for
-    bit.  Elsewhere :func:`ras_pick_rows` and three copies."""
-    if not USE_RULE_KERNELS or _draw_kernel(logp, q.shape[-1]) is None:
+    fallback draw (:func:`..kernels.ras_rule.ras_redraw_rows`); with ``gens`` (and ``RULE_VARIATES``) the two
+    draw kernels compute their variates themselves, the fallback draw's only for the rows that fall back.
+    The same values as the torch ops bit for bit.  Elsewhere :func:`ras_pick_rows` and three copies."""
+    kernels = USE_RULE_KERNELS and _draw_kernel(logp, q.shape[-1]) is not None
+    if gens is not None and not (kernels and RULE_VARIATES):
+        from ..kernels.philox import DRAW_OFFSET, exponential_rows
+
+        exponential_rows(gens, q)
+        exponential_rows(gens, q_again, DRAW_OFFSET)
+        gens = None
+    if not kernels:
         masked, token, fallback = ras_pick_rows(logp, bias, q, q_again, window, limit, repeats)
         logp_out.copy_(masked)
         drawn[0].copy_(token)
@@ -147,5 +162,5 @@ def ras_pick_into(logp: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, q_aga
     from ..kernels.ras_rule import ras_redraw_rows, ras_rule_rows
 
     torch.add(logp, bias, out=logp_out)
-    banned = ras_rule_rows(logp_out.softmax(dim=-1), logp_out, q, limit, window, repeats, drawn)
-    ras_redraw_rows(banned.softmax(dim=-1), q_again, drawn)
+    banned = ras_rule_rows(logp_out.softmax(dim=-1), logp_out, q, limit, window, repeats, drawn, gens=gens)
+    ras_redraw_rows(banned.softmax(dim=-1), q_again, drawn, gens=gens)

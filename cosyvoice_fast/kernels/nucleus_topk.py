@@ -8,7 +8,8 @@ exactly like the stable descending sort (larger probability first, smaller id fi
 
 The head is taken one candidate at a time, each a max-reduction over the whole row; once the running sum
 reaches ``top_p`` every later candidate is cut, so the walk stops there.  That is ``top_k`` block-wide reductions
-in a row for a flat row.  ``USE_FLOOR`` cuts the row first instead: split into groups of consecutive ids, the
+in a row for a flat row; the variates are held in registers and the scores taken after the walk, so nothing in
+it waits on memory.  ``USE_FLOOR`` cuts the row first instead: split into groups of consecutive ids, the
 ``top_k`` largest group maxima are ``top_k`` distinct keys, so the ``top_k``-th largest of them is a floor no
 head key is below.  The keys at or above it (a few dozen on a speech-token row) are packed into the program's
 workspace, ranked against each other in one comparison, and the head is written back in order; a row the floor
@@ -72,30 +73,37 @@ def _key_id(key):
 
 
 @triton.jit
-def _walk_all(probs_ptr, q_ptr, limit, row, V, K, stride_p, stride_q, BLOCK_V: tl.constexpr):
+def _first_best(head, q, kept, kk):
+    """The token of the first ``argmax`` of ``p / q`` over the ``kept`` head keys (IEEE division)."""
+    score = tl.where(kept, tl.math.div_rn(_key_p(head), q), float("-inf"))
+    first = tl.argmax(score, axis=0, tie_break_left=True)  # the first of equal scores wins, like argmax
+    return tl.sum(tl.where(kk == first, _key_id(head), 0), axis=0)
+
+
+@triton.jit
+def _walk_all(probs_ptr, q, limit, row, V, K, stride_p, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
     """The head one candidate at a time, each a max-reduction over the whole row reloaded as one vector (any
-    row, but ``K`` block-wide reductions): the fallback when the floor leaves more than ``CANDIDATES`` keys."""
+    row, but ``K`` block-wide reductions in a row).  The loop only takes the candidates and their running sum;
+    the variates ``q`` (BLOCK_K,) are in registers and the scores are one vector step after it, so no
+    candidate waits on a memory round trip."""
     keys = _keys(probs_ptr, row, stride_p, tl.arange(0, BLOCK_V), V)
+    kk = tl.arange(0, BLOCK_K)
+    head = tl.full([BLOCK_K], -1, dtype=tl.int64)  # the candidates taken, in order
     run = tl.zeros([], dtype=tl.float32)  # fp32 sum of the candidates taken so far, added in order
-    best = tl.full([], float("-inf"), dtype=tl.float32)
-    token = tl.zeros([], dtype=tl.int64)
     j = tl.zeros([], dtype=tl.int32)
     go = j < K  # candidate 0 is always kept
     while go:
         top = tl.max(keys, axis=0)
         keys = tl.where(keys == top, -1, keys)
-        score = tl.math.div_rn(_key_p(top), tl.load(q_ptr + row * stride_q + j))
-        better = score > best  # strict: the first of equal scores wins, like argmax
-        token = tl.where(better, _key_id(top), token)
-        best = tl.where(better, score, best)
+        head = tl.where(kk == j, top, head)
         run = run + _key_p(top)
         j = j + 1
         go = (j < K) & (run < limit)  # candidate j is kept while the sum of those before it is < limit
-    return token
+    return _first_best(head, q, kk < j, kk)
 
 
 @triton.jit
-def _walk_head(head_ptr, q_ptr, limit, row, K, stride_q, BLOCK_K: tl.constexpr):
+def _walk_head(head_ptr, q, limit, K, BLOCK_K: tl.constexpr):
     """The head's first argmax of ``p / q`` over the kept candidates, from the sorted head keys at
     ``head_ptr`` (K of them): the running sums one scalar at a time, in order, the rest on vectors."""
     kk = tl.arange(0, BLOCK_K)
@@ -106,19 +114,22 @@ def _walk_head(head_ptr, q_ptr, limit, row, K, stride_q, BLOCK_K: tl.constexpr):
     for j in tl.static_range(BLOCK_K):
         before = tl.where(kk == j, run, before)
         run = run + _key_p(tl.load(head_ptr + j, mask=j < K, other=0, cache_modifier=".cg"))
-    keep = inside & ((kk == 0) | (before < limit))
-    q = tl.load(q_ptr + row * stride_q + kk, mask=inside, other=1.0)
-    score = tl.where(keep, tl.math.div_rn(_key_p(head), q), float("-inf"))
-    first = tl.argmax(score, axis=0, tie_break_left=True)  # the first of equal scores wins, like argmax
-    return tl.sum(tl.where(kk == first, _key_id(head), 0), axis=0)
+    return _first_best(head, q, inside & ((kk == 0) | (before < limit)), kk)
 
 
 @triton.jit
-def draw_row(probs_ptr, q_ptr, limit_ptr, scratch_ptr, row, V, K, stride_p, stride_q, G: tl.constexpr,
-             S: tl.constexpr, BLOCK_K: tl.constexpr, CUT: tl.constexpr):
-    """Row ``row``'s token: ``argmax_j keep[j] ? head_p[j] / q[row, j] : -inf`` over the stable top-K head
-    (shared by this module's kernel and the RAS kernels of :mod:`.ras_rule`).  ``scratch_ptr`` is the row's
-    ``SCRATCH`` int64 of workspace."""
+def row_variates(q_ptr, row, K, stride_q, BLOCK_K: tl.constexpr):
+    """Row ``row``'s ``K`` draw variates from a (B, K) buffer as (BLOCK_K,), 1.0 past K."""
+    kk = tl.arange(0, BLOCK_K)
+    return tl.load(q_ptr + row * stride_q + kk, mask=kk < K, other=1.0)
+
+
+@triton.jit
+def draw_row(probs_ptr, q, limit_ptr, scratch_ptr, row, V, K, stride_p, G: tl.constexpr, S: tl.constexpr,
+             BLOCK_K: tl.constexpr, CUT: tl.constexpr):
+    """Row ``row``'s token: ``argmax_j keep[j] ? head_p[j] / q[j] : -inf`` over the stable top-K head, ``q``
+    the row's variates as (BLOCK_K,) (shared by this module's kernel and the RAS kernels of :mod:`.ras_rule`).
+    ``scratch_ptr`` is the row's ``SCRATCH`` int64 of workspace."""
     limit = tl.load(limit_ptr)
     if CUT:
         keys = _row_keys(probs_ptr, row, V, stride_p, G, S)
@@ -140,11 +151,11 @@ def draw_row(probs_ptr, q_ptr, limit_ptr, scratch_ptr, row, V, K, stride_p, stri
             rank = tl.sum((cand[None, :] > cand[:, None]).to(tl.int32), axis=1)
             tl.store(scratch_ptr + CANDIDATES + rank, cand, mask=(c < count) & (rank < K))
             tl.debug_barrier()
-            token = _walk_head(scratch_ptr + CANDIDATES, q_ptr, limit, row, K, stride_q, BLOCK_K)
+            token = _walk_head(scratch_ptr + CANDIDATES, q, limit, K, BLOCK_K)
         else:
-            token = _walk_all(probs_ptr, q_ptr, limit, row, V, K, stride_p, stride_q, G * S)
+            token = _walk_all(probs_ptr, q, limit, row, V, K, stride_p, G * S, BLOCK_K)
     else:
-        token = _walk_all(probs_ptr, q_ptr, limit, row, V, K, stride_p, stride_q, G * S)
+        token = _walk_all(probs_ptr, q, limit, row, V, K, stride_p, G * S, BLOCK_K)
     return token
 
 
@@ -152,8 +163,9 @@ def draw_row(probs_ptr, q_ptr, limit_ptr, scratch_ptr, row, V, K, stride_p, stri
 def _nucleus_draw_kernel(probs_ptr, q_ptr, limit_ptr, scratch_ptr, out_ptr, V, K, stride_p, stride_q,
                          G: tl.constexpr, S: tl.constexpr, BLOCK_K: tl.constexpr, CUT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    token = draw_row(probs_ptr, q_ptr, limit_ptr, scratch_ptr + row * SCRATCH, row, V, K, stride_p, stride_q, G,
-                     S, BLOCK_K, CUT)
+    q = row_variates(q_ptr, row, K, stride_q, BLOCK_K)
+    token = draw_row(probs_ptr, q, limit_ptr, scratch_ptr + row * SCRATCH, row, V, K, stride_p, G, S, BLOCK_K,
+                     CUT)
     tl.store(out_ptr + row, token)
 
 

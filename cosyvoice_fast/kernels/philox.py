@@ -55,31 +55,44 @@ def _philox_x(c0, c1, c2, c3, k0, k1):
 
 
 @triton.jit
+def philox_words(seed, offset, cols):
+    """The Philox words of elements ``cols`` (int, any shape) of a draw at generator state ``(seed, offset)``
+    (int64 scalars: the seed's bits and the offset, the latter already moved past earlier draws)."""
+    quad = offset >> 2  # the counter advances once per 4 offsets
+    zero = tl.zeros(cols.shape, dtype=tl.uint32)
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32) + zero
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32) + zero
+    c0 = (quad & 0xFFFFFFFF).to(tl.uint32) + zero
+    c1 = ((quad >> 32) & 0xFFFFFFFF).to(tl.uint32) + zero
+    return _philox_x(c0, c1, cols.to(tl.uint32), zero, k0, k1)
+
+
+@triton.jit
+def exponential_at(seed, offset, cols, FAST_LOG: tl.constexpr):
+    """``exponential_``'s fp32 variates ``cols`` at generator state ``(seed, offset)`` (see
+    :func:`philox_words`): what the kernels that draw with them compute in place of reading a buffer."""
+    u = philox_words(seed, offset, cols).to(tl.float32) * 2.3283064365386963e-10 + 1.1641532182693481e-10
+    if FAST_LOG:  # x * 2**-32 + 2**-33 above; CUDA's __logf below
+        lg = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [u], dtype=tl.float32, is_pure=True,
+                                       pack=1)
+    else:
+        lg = tl.log2(u)
+    return -tl.where(u >= 0.99999994039535522, -5.9604644775390625e-08, lg * 0.693147182464599609375)
+
+
+@triton.jit
 def _exponential_kernel(state_ptr, out_ptr, n, stride_state, stride_out, delta, BLOCK: tl.constexpr,
                         FAST_LOG: tl.constexpr, RAW: tl.constexpr):
     """Row ``r``: seed ``state[0, r]``, offset ``state[1, r] + delta``; elements ``0 .. n-1`` of its draw."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     seed = tl.load(state_ptr + row)
-    quad = (tl.load(state_ptr + stride_state + row) + delta) >> 2  # the counter advances once per 4 offsets
-    zero = tl.zeros([BLOCK], dtype=tl.uint32)
-    k0 = (seed & 0xFFFFFFFF).to(tl.uint32) + zero
-    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32) + zero
-    c0 = (quad & 0xFFFFFFFF).to(tl.uint32) + zero
-    c1 = ((quad >> 32) & 0xFFFFFFFF).to(tl.uint32) + zero
-    x = _philox_x(c0, c1, cols.to(tl.uint32), zero, k0, k1)
+    offset = tl.load(state_ptr + stride_state + row) + delta
     ok = cols < n
     if RAW:
-        tl.store(out_ptr + row * stride_out + cols, x.to(tl.int64), mask=ok)
+        tl.store(out_ptr + row * stride_out + cols, philox_words(seed, offset, cols).to(tl.int64), mask=ok)
     else:
-        u = x.to(tl.float32) * 2.3283064365386963e-10 + 1.1641532182693481e-10  # x * 2**-32 + 2**-33
-        if FAST_LOG:
-            lg = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [u], dtype=tl.float32,
-                                           is_pure=True, pack=1)
-        else:
-            lg = tl.log2(u)
-        log = tl.where(u >= 0.99999994039535522, -5.9604644775390625e-08, lg * 0.693147182464599609375)
-        tl.store(out_ptr + row * stride_out + cols, -log, mask=ok)
+        tl.store(out_ptr + row * stride_out + cols, exponential_at(seed, offset, cols, FAST_LOG), mask=ok)
 
 
 def exponential_rows(state: torch.Tensor, out: torch.Tensor, delta: int = 0, *, raw: bool = False) -> torch.Tensor:
