@@ -20,8 +20,6 @@ kernels (weights loaded before the PDL wait, :mod:`cosyvoice_fast.kernels.qwen2_
    and the GEMV step's error at 4 and 16 rows.
 7. ``cublas_rows``: steps of 1..64 rows on the fused projections and on cuBLAS GEMMs with the Triton glue
    (``Tiles.cublas_rows``), two passes in turn.
-8. ``eviction``: steps of 1..16 rows with the weights loaded under the default L2 policy and under
-   ``evict_first`` (``Tiles.weight_eviction``), two passes in turn.
 
 ``--steps gemv,graph`` runs only the named steps (default: all).
 
@@ -126,7 +124,7 @@ def main() -> int:
     out = Path(a.out) / ("decode_step_check.json" if not a.graph_only else f"decode_step_graph_{a.label}.json")
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                      "context": CONTEXT, "bucket": BUCKET, "correctness": [], "graph": [], "variants": [],
-                     "backend": [], "gemv": [], "gemv_rows": [], "cublas_rows": [], "eviction": []}
+                     "backend": [], "gemv": [], "gemv_rows": [], "cublas_rows": []}
     runner = StepRunner(out, results, step_timeout=240, budget_s=a.budget)
     lm16 = _lm(torch.bfloat16)
     default = qwen2_proj.TILES
@@ -225,11 +223,6 @@ def main() -> int:
         finally:
             qwen2_proj.TILES = default
 
-    def run_eviction() -> None:
-        """The decoder step with its weights loaded under each L2 policy (``Tiles.weight_eviction``)."""
-        rows_ab("eviction", (1, 2, 4, 16), {"normal": {"weight_eviction": ""},
-                                            "evict_first": {"weight_eviction": "evict_first"}})
-
     def run_gemv_rows() -> None:
         """Steps of 1..16 rows on the looped kernels against the GEMV kernels (``Tiles.gemv_rows``), and the
         GEMV step's fp32 error against eager at 4 and 16 rows."""
@@ -251,7 +244,7 @@ def main() -> int:
 
     for name, fn in (("correctness", run_correctness), ("graph", run_graph), ("backend", run_backend),
                      ("variants", run_variants), ("gemv", run_gemv), ("gemv_rows", run_gemv_rows),
-                     ("cublas_rows", run_cublas_rows), ("eviction", run_eviction)):
+                     ("cublas_rows", run_cublas_rows)):
         if name in steps:
             # building the 16-slot stage (every bucket and row count captured) took more than 240 s in session 30
             runner.run(name, fn, store=False, timeout=540 if name == "backend" else None)

@@ -19,10 +19,10 @@ kernels.philox`): are the recomputed variates ``exponential_``'s bits, and what 
    step's embedding gather, final norm and speech head as torch ops (``before_session28``: ``Tiles.gemv_head``
    off), the default before session 31 (``before_session31``: a staging copy every step and the variates drawn
    by two Philox launches; the walk's and the fallback draw's changes are in both;
-   ``floor_before_session31`` with the floor cut), and the default with the decoder's weights loaded under an
-   L2 policy (``evict_first``, ``evict_normal``: ``Tiles.weight_eviction``): wall ms per decode round at each
-   row count (150 forced tokens, sampling and the per-step sync included) and RAS fallbacks per
-   token.  ``--ways`` picks some; ``--steps`` picks steps (``profile_torch_tail``: the profile of that way).
+   ``floor_before_session31`` with the floor cut): wall ms per decode round at each row count (150 forced
+   tokens, sampling and the per-step sync included) and RAS fallbacks per token.  ``--ways`` picks some;
+   ``--steps`` picks steps (``profile_torch_tail``, ``profile_before31``, ``profile_floor``: the profile of
+   that way).
 
 Results: ``OUT/device_ras_check.json``.
 """
@@ -95,8 +95,6 @@ def _switches(way: str) -> Iterator[None]:
     nucleus_topk.USE_FLOOR = way in ("ahead_floor", "floor_before_session31")
     if way == "before_session28":
         qwen2_proj.TILES = dataclasses.replace(tiles, gemv_head=False)
-    if way.startswith("evict_"):  # the default with the weights' L2 policy set: evict_first, evict_normal
-        qwen2_proj.TILES = dataclasses.replace(tiles, weight_eviction="" if way == "evict_normal" else way)
     old31 = way in ("before_session31", "floor_before_session31")
     decode_feed.SKIP_UNCHANGED = nucleus.RULE_VARIATES = not old31
     try:
@@ -116,8 +114,7 @@ def backend(rows_list: list[int], results: dict, save, only: list[str] | None) -
     ahead = {"device_ras": True, "decode_ahead": True}
     ways = {"ahead": ahead, "ahead_sort": ahead, "graph": {"device_ras": True, "decode_ahead": False},
             "host": {"device_ras": False}, "ahead_torch_tail": ahead, "ahead_floor": ahead,
-            "before_session28": ahead, "before_session31": ahead, "floor_before_session31": ahead,
-            "evict_first": ahead, "evict_normal": ahead}
+            "before_session28": ahead, "before_session31": ahead, "floor_before_session31": ahead}
     for way in only or list(ways):  # in the order asked for (repeats allowed: alternate to see drift)
         kwargs = ways[way]
         t = time.perf_counter()
@@ -239,7 +236,7 @@ def main() -> int:
     ap.add_argument("--rows", default="1,16,64", help="row counts of the backend step (comma-separated)")
     ap.add_argument("--steps", default="bits,profile,backend",
                     help="comma-separated: bits, profile, profile_torch_tail, profile_before, "
-                    "profile_before31, profile_floor, profile_evict_first, profile_evict_normal, backend")
+                    "profile_before31, profile_floor, backend")
     ap.add_argument("--ways", default=None, help="comma-separated ways of the backend step (default: all)")
     a = ap.parse_args()
     require_cuda("device_ras_check.py")
@@ -259,10 +256,6 @@ def main() -> int:
         runner.run("profile_before31", lambda: profile(rows, "before_session31"))
     if "profile_floor" in steps:
         runner.run("profile_floor", lambda: profile(rows, "ahead_floor"))
-    if "profile_evict_first" in steps:
-        runner.run("profile_evict_first", lambda: profile(rows, "evict_first"))
-    if "profile_evict_normal" in steps:
-        runner.run("profile_evict_normal", lambda: profile(rows, "evict_normal"))
     if "backend" in steps:
         runner.run("backend", lambda: backend(rows, results, runner.save, ways), store=False)
     return 0

@@ -39,12 +39,10 @@ from .qwen2_proj import launch_options, rope_inputs, rope_store, split_add
 
 
 @triton.jit
-def _w_slice(w_ptr, cols, cmask, k0, K, KP: tl.constexpr, WPOL: tl.constexpr):
-    """Weight rows ``cols`` of a (N, K) row-major matrix, elements ``k0 .. min(k0 + KP, K)``: (cols, KP), loaded
-    with the L2 eviction policy ``WPOL`` (``Tiles.weight_eviction``)."""
+def _w_slice(w_ptr, cols, cmask, k0, K, KP: tl.constexpr):
+    """Weight rows ``cols`` of a (N, K) row-major matrix, elements ``k0 .. min(k0 + KP, K)``: (cols, KP)."""
     k = k0 + tl.arange(0, KP)
-    return tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=cmask[:, None] & (k[None, :] < K), other=0.0,
-                   eviction_policy=WPOL)
+    return tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=cmask[:, None] & (k[None, :] < K), other=0.0)
 
 
 @triton.jit
@@ -83,8 +81,7 @@ def _times_wt(a, w):
 @triton.jit
 def _qkv_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, B, K, eps,
                      stride_cb, stride_ch, stride_cp, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                     BLOCK_N: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
-                     WPOL: tl.constexpr):
+                     BLOCK_N: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
     """Program: columns ``d`` and ``d + D/2`` of one q, k or v head, for each of the ``B`` rows in turn."""
     HALF: tl.constexpr = D // 2
     NB: tl.constexpr = (HALF + BLOCK_N - 1) // BLOCK_N
@@ -93,8 +90,8 @@ def _qkv_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_p
     d = (pid % NB) * BLOCK_N + tl.arange(0, BLOCK_N)
     dmask = d < HALF
     col1 = head * D + d
-    w1 = _w_slice(w_ptr, col1, dmask, 0, K, KP, WPOL)
-    w2 = _w_slice(w_ptr, col1 + HALF, dmask, 0, K, KP, WPOL)
+    w1 = _w_slice(w_ptr, col1, dmask, 0, K, KP)
+    w2 = _w_slice(w_ptr, col1 + HALF, dmask, 0, K, KP)
     nw = _norm_weight(nw_ptr, K, KP)
     rows = tl.arange(0, ROWS)
     b1, b2, freq, pos = rope_inputs(head, d, dmask, rows, rows < B, b_ptr, freq_ptr, pos_ptr, D)
@@ -111,12 +108,12 @@ def _qkv_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_p
 
 @triton.jit
 def _gate_up_gemv_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, B, K, N, eps, BLOCK_N: tl.constexpr, KP: tl.constexpr,
-                         ROWS: tl.constexpr, PDL: tl.constexpr, WPOL: tl.constexpr):
+                         ROWS: tl.constexpr, PDL: tl.constexpr):
     """``h = silu(gate(norm(x))) * up(norm(x))`` for columns ``n`` (gate rows n, up rows N + n) of each row."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
-    wg = _w_slice(w_ptr, cols, cmask, 0, K, KP, WPOL)
-    wu = _w_slice(w_ptr, cols + N, cmask, 0, K, KP, WPOL)
+    wg = _w_slice(w_ptr, cols, cmask, 0, K, KP)
+    wu = _w_slice(w_ptr, cols + N, cmask, 0, K, KP)
     nw = _norm_weight(nw_ptr, K, KP)
     pdl_start(PDL)
     for r in tl.static_range(ROWS):
@@ -129,14 +126,13 @@ def _gate_up_gemv_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, B, K, N, eps, BLOCK_N: tl.
 
 @triton.jit
 def _proj_gemv_kernel(a_ptr, w_ptr, r_ptr, part_ptr, cnt_ptr, B, K, N, SPLIT_K: tl.constexpr,
-                      BLOCK_N: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
-                      WPOL: tl.constexpr):
+                      BLOCK_N: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
     """``r[b, n] += a[b] @ W[n, :]^T`` for columns ``n`` of each row ``b``; program ``(i, 0, s)`` takes K
     elements ``s·KP .. (s+1)·KP`` (all of K when ``SPLIT_K`` is 1)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     k0 = tl.program_id(2) * KP
-    w = _w_slice(w_ptr, cols, cmask, k0, K, KP, WPOL)
+    w = _w_slice(w_ptr, cols, cmask, k0, K, KP)
     rows = tl.arange(0, ROWS)
     if SPLIT_K == 1:  # one piece (the o-projection): the residual was last written two kernels back, so read now
         r_off = rows[:, None] * N + cols[None, :]
@@ -156,12 +152,12 @@ def _proj_gemv_kernel(a_ptr, w_ptr, r_ptr, part_ptr, cnt_ptr, B, K, N, SPLIT_K: 
 
 @triton.jit
 def _head_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, B, K, N, eps, BLOCK_N: tl.constexpr,
-                      KP: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr, WPOL: tl.constexpr):
+                      KP: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
     """``out[b, n] = float(bf16(norm(x[b]) @ W[n, :]^T + bias[n]))``: the final RMSNorm and the LM head (the
     linear layer's output rounded to the weight dtype once, as a GEMM with a bias epilogue rounds it)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
-    w = _w_slice(w_ptr, cols, cmask, 0, K, KP, WPOL)
+    w = _w_slice(w_ptr, cols, cmask, 0, K, KP)
     bias = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     nw = _norm_weight(nw_ptr, K, KP)
     pdl_start(PDL)
@@ -199,11 +195,6 @@ def _check_rows(rows: int) -> int:
     return triton.next_power_of_2(rows)
 
 
-def _weight_options(t: torch.Tensor) -> dict:
-    """Launch keywords of the kernels that stream a weight: the shared ones plus its L2 eviction policy."""
-    return {**launch_options(t, 1), "WPOL": qwen2_proj.TILES.weight_eviction}
-
-
 def _cols(cols: int, small: bool = False) -> int:
     tiles = qwen2_proj.TILES
     return max(1, min(tiles.gemv_small_cols if small else tiles.gemv_cols, cols))
@@ -223,7 +214,7 @@ def qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, b: torch.Te
     _qkv_gemv_kernel[grid](x, norm_w, w, b, inv_freq, pos, q_out, k_cache, v_cache, rows, k_dim, eps,
                            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), HQ=n_heads, HKV=n_kv,
                            D=head_dim, BLOCK_N=bn, KP=triton.next_power_of_2(k_dim), ROWS=block,
-                           **_weight_options(x))
+                           **launch_options(x, 1))
 
 
 def gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, h_out: torch.Tensor, eps: float) -> None:
@@ -234,7 +225,7 @@ def gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, h_out: torch
     bn = _cols(n)
     _gate_up_gemv_kernel[(triton.cdiv(n, bn),)](x, norm_w, w, h_out, rows, k_dim, n, eps, BLOCK_N=bn,
                                                 KP=triton.next_power_of_2(k_dim), ROWS=block,
-                                                **_weight_options(x))
+                                                **launch_options(x, 1))
 
 
 def proj_residual(a: torch.Tensor, w: torch.Tensor, resid: torch.Tensor, parts: torch.Tensor | None = None,
@@ -258,7 +249,7 @@ def proj_residual(a: torch.Tensor, w: torch.Tensor, resid: torch.Tensor, parts: 
     grid = (triton.cdiv(n, bn), 1, split)
     _proj_gemv_kernel[grid](a, w, resid, resid if parts is None else parts,
                             resid if counters is None else counters, rows, k_dim, n, SPLIT_K=split, BLOCK_N=bn,
-                            KP=kp, ROWS=block, **_weight_options(a))
+                            KP=kp, ROWS=block, **launch_options(a, 1))
 
 
 def head(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
@@ -273,7 +264,7 @@ def head(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, b: torch.Tensor
                          f"{tuple(w.shape)}, {tuple(b.shape)}, {tuple(out.shape)} {out.dtype}")
     bn = _cols(n)
     _head_gemv_kernel[(triton.cdiv(n, bn),)](x, norm_w, w, b, out, rows, k_dim, n, eps, BLOCK_N=bn,
-                                             KP=triton.next_power_of_2(k_dim), ROWS=block, **_weight_options(x))
+                                             KP=triton.next_power_of_2(k_dim), ROWS=block, **launch_options(x, 1))
 
 
 def embed(tokens: torch.Tensor, table: torch.Tensor, x: torch.Tensor, counters: torch.Tensor) -> None:

@@ -63,9 +63,6 @@ class Tiles:
     gemv_small_cols: int = 4  # the same for q/k/v (per half-head) and the o-projection: ~2 MB matrices
     down_chunk: int = 512  # K elements per split of their down projection
     cublas_rows: int = 32  # steps of at least this many rows take cuBLAS GEMMs (.qwen2_hybrid); 0: never
-    # L2 policy of the streamed weight loads ("", "evict_first", "evict_last").  A step reads ~14x the L2 in
-    # weights, each byte once: "evict_first" lets them go before what is read again (K/V, activations, code)
-    weight_eviction: str = ""
 
     def __post_init__(self) -> None:
         for name in ("qkv", "oproj", "gate_up", "down", "attn_keys", "k_bytes", "down_chunk", "attn_programs"):
@@ -82,9 +79,6 @@ class Tiles:
             raise ValueError(f"Tiles.cublas_rows must be an int in 0..1024 (0: never), got {self.cublas_rows!r}")
         if not 1 <= self.down_split <= 16:
             raise ValueError(f"Tiles.down_split must be 1..16, got {self.down_split}")
-        if self.weight_eviction not in ("", "evict_first", "evict_last"):
-            raise ValueError(f"Tiles.weight_eviction must be '', 'evict_first' or 'evict_last', got "
-                             f"{self.weight_eviction!r}")
         for name in ("pdl", "early_tile", "gemv", "gemv_head"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Tiles.{name} must be True or False, got {getattr(self, name)!r}")
@@ -197,17 +191,16 @@ def split_add(acc, r_ptr, part_ptr, cnt_ptr, tile, rows, rmask, cols, cmask, B, 
 
 
 @triton.jit
-def _w_tile(w_ptr, cols, cmask, k, K, k_end, WPOL: tl.constexpr):
+def _w_tile(w_ptr, cols, cmask, k, K, k_end):
     """Weight rows ``cols`` of a (N, K) row-major matrix, K tile ``k`` (< ``k_end``), as a (BLOCK_K, BLOCK_N)
-    operand, loaded with the L2 eviction policy ``WPOL`` (``Tiles.weight_eviction``)."""
-    return tl.load(w_ptr + cols[None, :] * K + k[:, None], mask=cmask[None, :] & (k[:, None] < k_end), other=0.0,
-                   eviction_policy=WPOL)
+    operand."""
+    return tl.load(w_ptr + cols[None, :] * K + k[:, None], mask=cmask[None, :] & (k[:, None] < k_end), other=0.0)
 
 
 @triton.jit
 def _normed_pair_gemm(x_ptr, nw_ptr, w_ptr, cols_a, cols_b, cmask, B, K: tl.constexpr, eps,
                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
-                      EARLY: tl.constexpr, WPOL: tl.constexpr):
+                      EARLY: tl.constexpr):
     """``RMSNorm(x) @ W[cols_a]^T`` and ``@ W[cols_b]^T`` for this program's row block (``program_id(1)``):
     the q/k/v kernel's rotation pair and the gate/up kernel's two halves.  With ``EARLY`` the first K tile of
     both weights is loaded before the PDL wait (weights never depend on the previous kernel).  Returns
@@ -215,8 +208,8 @@ def _normed_pair_gemm(x_ptr, nw_ptr, w_ptr, cols_a, cols_b, cmask, B, K: tl.cons
     k = tl.arange(0, BLOCK_K)
     if not EARLY:
         pdl_start(PDL)
-    wa = _w_tile(w_ptr, cols_a, cmask, k, K, K, WPOL)
-    wb = _w_tile(w_ptr, cols_b, cmask, k, K, K, WPOL)
+    wa = _w_tile(w_ptr, cols_a, cmask, k, K, K)
+    wb = _w_tile(w_ptr, cols_b, cmask, k, K, K)
     if EARLY:
         pdl_start(PDL)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -228,8 +221,8 @@ def _normed_pair_gemm(x_ptr, nw_ptr, w_ptr, cols_a, cols_b, cmask, B, K: tl.cons
     for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         xn = _normed_tile(x_ptr, rows, rmask, k, K, rstd, nw_ptr)
-        acc_a = tl.dot(xn, _w_tile(w_ptr, cols_a, cmask, k, K, K, WPOL), acc_a, input_precision=PREC)
-        acc_b = tl.dot(xn, _w_tile(w_ptr, cols_b, cmask, k, K, K, WPOL), acc_b, input_precision=PREC)
+        acc_a = tl.dot(xn, _w_tile(w_ptr, cols_a, cmask, k, K, K), acc_a, input_precision=PREC)
+        acc_b = tl.dot(xn, _w_tile(w_ptr, cols_b, cmask, k, K, K), acc_b, input_precision=PREC)
     return rows, rmask, acc_a, acc_b
 
 
@@ -241,7 +234,7 @@ def _qkv_rope_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_p
                      B, K: tl.constexpr, eps, stride_cb, stride_ch, stride_cp,
                      HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-                     PDL: tl.constexpr, EARLY: tl.constexpr, WPOL: tl.constexpr):
+                     PDL: tl.constexpr, EARLY: tl.constexpr):
     """Program (column block, row block): columns ``d`` and ``d + D/2`` of one q, k or v head."""
     HALF: tl.constexpr = D // 2
     NB: tl.constexpr = (HALF + BLOCK_N - 1) // BLOCK_N
@@ -252,7 +245,7 @@ def _qkv_rope_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_p
     col1 = head * D + d
     col2 = col1 + HALF
     rows, rmask, acc1, acc2 = _normed_pair_gemm(x_ptr, nw_ptr, w_ptr, col1, col2, dmask, B, K, eps, BLOCK_M,
-                                                BLOCK_K, PREC, PDL, EARLY, WPOL)
+                                                BLOCK_K, PREC, PDL, EARLY)
     b1, b2, freq, pos = rope_inputs(head, d, dmask, rows, rmask, b_ptr, freq_ptr, pos_ptr, D)
     rope_store(acc1, acc2, head, d, dmask, rows, rmask, b1, b2, freq, pos, q_ptr, kc_ptr, vc_ptr,
                stride_cb, stride_ch, stride_cp, HQ, HKV, D)
@@ -261,12 +254,12 @@ def _qkv_rope_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_p
 @triton.jit
 def _gate_up_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, B, K: tl.constexpr, N, eps,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-                    PDL: tl.constexpr, EARLY: tl.constexpr, WPOL: tl.constexpr):
+                    PDL: tl.constexpr, EARLY: tl.constexpr):
     """``h = silu(gate(norm(x))) * up(norm(x))`` for columns ``n`` (gate rows n, up rows N + n of the fused weight)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     rows, rmask, acc_g, acc_u = _normed_pair_gemm(x_ptr, nw_ptr, w_ptr, cols, cols + N, cmask, B, K, eps, BLOCK_M,
-                                                  BLOCK_K, PREC, PDL, EARLY, WPOL)
+                                                  BLOCK_K, PREC, PDL, EARLY)
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     tl.store(h_ptr + rows[:, None] * N + cols[None, :], h.to(h_ptr.dtype.element_ty),
              mask=rmask[:, None] & cmask[None, :])
@@ -275,7 +268,7 @@ def _gate_up_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, B, K: tl.constexpr, N, eps,
 @triton.jit
 def _proj_residual_kernel(a_ptr, w_ptr, r_ptr, part_ptr, cnt_ptr, B, K, N, SPLIT_K: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-                          PDL: tl.constexpr, EARLY: tl.constexpr, WPOL: tl.constexpr):
+                          PDL: tl.constexpr, EARLY: tl.constexpr):
     """``r[:, n] += a @ W[n, :]^T`` for columns ``n``, over K split ``program_id(2)`` (see :func:`split_add`)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -285,7 +278,7 @@ def _proj_residual_kernel(a_ptr, w_ptr, r_ptr, part_ptr, cnt_ptr, B, K, N, SPLIT
     k = sid * chunk + tl.arange(0, BLOCK_K)
     if not EARLY:
         pdl_start(PDL)
-    w = _w_tile(w_ptr, cols, cmask, k, K, k_end, WPOL)
+    w = _w_tile(w_ptr, cols, cmask, k, K, k_end)
     if EARLY:
         pdl_start(PDL)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -295,7 +288,7 @@ def _proj_residual_kernel(a_ptr, w_ptr, r_ptr, part_ptr, cnt_ptr, B, K, N, SPLIT
     for k0 in range(sid * chunk + BLOCK_K, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_ptr + rows[:, None] * K + k[None, :], mask=rmask[:, None] & (k[None, :] < k_end), other=0.0)
-        acc = tl.dot(a, _w_tile(w_ptr, cols, cmask, k, K, k_end, WPOL), acc, input_precision=PREC)
+        acc = tl.dot(a, _w_tile(w_ptr, cols, cmask, k, K, k_end), acc, input_precision=PREC)
     tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
     split_add(acc, r_ptr, part_ptr, cnt_ptr, tile, rows, rmask, cols, cmask, B, N, SPLIT_K)
 
@@ -330,7 +323,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 def looped_options(t: torch.Tensor) -> dict:
     """:func:`launch_options` of the looped projections, plus whether their first weight tile loads before the
     PDL wait (``Tiles.early_tile``)."""
-    return {**launch_options(t, 3), "EARLY": TILES.early_tile, "WPOL": TILES.weight_eviction}
+    return {**launch_options(t, 3), "EARLY": TILES.early_tile}
 
 
 def launch_options(t: torch.Tensor, stages: int) -> dict:
