@@ -17,12 +17,14 @@ kernels.philox`): are the recomputed variates ``exponential_``'s bits, and what 
    and the step-input merge/advance as torch ops instead of kernels (``ahead_torch_tail``), the default with
    the nucleus draw cut at its floor (``ahead_floor``: ``nucleus_topk.USE_FLOOR`` on), and the default with the
    step's embedding gather, final norm and speech head as torch ops (``before_session28``: ``Tiles.gemv_head``
-   off), the default before session 31 (``before_session31``: a staging copy every step and the variates drawn
-   by two Philox launches; the walk's and the fallback draw's changes are in both;
-   ``floor_before_session31`` with the floor cut): wall ms per decode round at each row count (150 forced
-   tokens, sampling and the per-step sync included) and RAS fallbacks per token.  ``--ways`` picks some;
-   ``--steps`` picks steps (``profile_torch_tail``, ``profile_before31``, ``profile_floor``: the profile of
-   that way).
+   off), the default before session 31 (``before_session31``: a staging copy every step, the variates drawn
+   by two Philox launches, the tokens copied to the host after each replay; the walk's and the fallback draw's
+   changes are in both; ``floor_before_session31``: the same with the floor cut), the tokens copied instead of
+   written into the host ring (``token_copy``), the rule kernels at 4 or 16 warps (``rule_warps4``,
+   ``rule_warps16``) and, for measurement only, no copy of the tokens at all (``no_token_copy``: the host reads
+   stale tokens): wall ms per decode round at each row count (150 forced tokens, sampling and the per-step sync
+   included) and RAS fallbacks per token.  ``--ways`` picks some; ``--steps`` picks steps
+   (``profile_torch_tail``, ``profile_before31``, ``profile_floor``: the profile of that way).
 
 Results: ``OUT/device_ras_check.json``.
 """
@@ -86,7 +88,7 @@ def _lm_and_request() -> tuple:
 def _switches(way: str) -> Iterator[None]:
     """The module switches a way builds under (read while the graphs are captured)."""
     from cosyvoice_fast.backends import decode_feed, nucleus
-    from cosyvoice_fast.kernels import nucleus_topk, qwen2_proj
+    from cosyvoice_fast.kernels import nucleus_topk, qwen2_proj, ras_rule
 
     tiles = qwen2_proj.TILES
     nucleus.USE_KERNEL = way != "ahead_sort"
@@ -95,14 +97,43 @@ def _switches(way: str) -> Iterator[None]:
     nucleus_topk.USE_FLOOR = way in ("ahead_floor", "floor_before_session31")
     if way == "before_session28":
         qwen2_proj.TILES = dataclasses.replace(tiles, gemv_head=False)
+    warps = ras_rule.row_warps
+    if way.startswith("rule_warps"):  # the rule and fallback-draw kernels at another warp count
+        ras_rule.row_warps = lambda block, n=int(way[len("rule_warps"):]): n
     old31 = way in ("before_session31", "floor_before_session31")
     decode_feed.SKIP_UNCHANGED = nucleus.RULE_VARIATES = not old31
+    decode_feed.USE_RING = not (old31 or way == "token_copy")
     try:
         yield
     finally:
         nucleus.USE_KERNEL = nucleus.USE_RULE_KERNELS = decode_feed.USE_KERNELS = True
-        decode_feed.SKIP_UNCHANGED = nucleus.RULE_VARIATES = True
-        qwen2_proj.TILES, nucleus_topk.USE_FLOOR = tiles, floor
+        decode_feed.SKIP_UNCHANGED = nucleus.RULE_VARIATES = decode_feed.USE_RING = True
+        qwen2_proj.TILES, nucleus_topk.USE_FLOOR, ras_rule.row_warps = tiles, floor, warps
+
+
+def _drop_token_copy(stage) -> None:  # noqa: ANN001
+    """Measurement only (``no_token_copy``): the decode calls leave out the copy of each replay's tokens to the
+    host, so the host reads stale tokens (the device feeds itself the right ones).  What a round costs without
+    that copy between two replays: the ceiling of moving it off the stream."""
+    from collections import deque
+
+    from cosyvoice_fast.backends.decode_feed import Launch
+
+    feed = stage._feed
+
+    def no_copy(drawn, rows):  # noqa: ANN001, ANN202 - StepFeed.collect without its copy
+        launch = feed._free.pop() if feed._free else Launch(
+            torch.zeros(drawn.shape, dtype=torch.long, pin_memory=True), torch.cuda.Event())
+        launch.event.record()
+        feed._stream = torch.cuda.current_stream(feed.device)
+        launch.waited = False
+        for row in rows:
+            feed._pending.setdefault(row.slot, deque()).append((launch, row))
+            launch.refs += 1
+        feed._last = launch
+        return launch
+
+    feed.collect = no_copy
 
 
 def backend(rows_list: list[int], results: dict, save, only: list[str] | None) -> None:  # noqa: ANN001
@@ -114,12 +145,15 @@ def backend(rows_list: list[int], results: dict, save, only: list[str] | None) -
     ahead = {"device_ras": True, "decode_ahead": True}
     ways = {"ahead": ahead, "ahead_sort": ahead, "graph": {"device_ras": True, "decode_ahead": False},
             "host": {"device_ras": False}, "ahead_torch_tail": ahead, "ahead_floor": ahead,
-            "before_session28": ahead, "before_session31": ahead, "floor_before_session31": ahead}
+            "before_session28": ahead, "before_session31": ahead, "floor_before_session31": ahead,
+            "rule_warps4": ahead, "rule_warps16": ahead, "no_token_copy": ahead, "token_copy": ahead}
     for way in only or list(ways):  # in the order asked for (repeats allowed: alternate to see drift)
         kwargs = ways[way]
         t = time.perf_counter()
         with _switches(way):
             stage = FusedLLM(lm, full_config(), slots=max(rows_list), max_len=MAX_LEN, progress=False, **kwargs)
+        if way == "no_token_copy":
+            _drop_token_copy(stage)
         row: dict = {"way": way, "device_ras": stage.device_ras, "decode_ahead": stage.decode_ahead,
                      "build_s": round(time.perf_counter() - t, 1)}
         for rows in rows_list:

@@ -225,6 +225,28 @@ def test_step_feed_stage_copies_only_what_the_device_buffer_does_not_hold(skip, 
     assert feed.skipped == (4 if skip else 0)
 
 
+def test_advance_writes_each_live_rows_result_into_the_ring_at_its_position():
+    """The graph's last kernel puts each live row's token, fallback flag and position at entry ``pos % RING`` of
+    its slot in the host ring (what :meth:`StepFeed.take` reads); idle rows and other entries stay as they
+    were, and a second step of a row lands in the next entry."""
+    feed = StepFeed(4, 50, 2, draw_offset=4, device=torch.device(DEV))
+    assert feed._ring is not None and feed._ring.shape == (decode_feed.RING, 3, 5)
+    col = {0: [7, 9, 11, 8, -1, 5], 2: [3, 13, 11, 8, -1, 5], 3: [4, 6, 11, 8, -1, 5]}
+    feed.stage({0: col[0], 2: col[2]})  # row 3 has a column but is not live this step
+    _, _, _, _, live = feed.read(4)
+    feed.advance(4, torch.tensor([[21, 22, 23, 24], [0, 0, 1, 0]], device=DEV), live)
+    ring = feed._ring.clone()
+    assert ring[9 % 4, :, 0].tolist() == [21, 0, 9] and ring[13 % 4, :, 2].tolist() == [23, 1, 13]
+    untouched = torch.ones_like(ring, dtype=torch.bool)
+    untouched[9 % 4, :, 0] = untouched[13 % 4, :, 2] = False
+    assert bool((ring[untouched] == -1).all())
+    feed.stage({0: None, 2: None})
+    _, _, _, _, live = feed.read(4)
+    feed.advance(4, torch.tensor([[31, 32, 33, 34], [0, 0, 0, 0]], device=DEV), live)
+    assert feed._ring[10 % 4, :, 0].tolist() == [31, 0, 10] and feed._ring[14 % 4, :, 2].tolist() == [33, 0, 14]
+    assert feed._ring[9 % 4, :, 0].tolist() == [21, 0, 9]  # the step before is still there to be read
+
+
 def test_step_feed_kernels_refuse_bad_buffers():
     inp = torch.zeros(6, 3, dtype=torch.int64, device=DEV)
     with pytest.raises(ValueError, match=r"staged must be \(8, 3\) torch.int64"):
@@ -232,6 +254,9 @@ def test_step_feed_kernels_refuse_bad_buffers():
     with pytest.raises(ValueError, match=r"live must be \(3,\) torch.bool"):
         step_feed.advance_columns(inp, torch.zeros(2, 3, dtype=torch.int64, device=DEV),
                                   torch.ones(3, dtype=torch.int64, device=DEV), 10, 4)
+    with pytest.raises(ValueError, match=r"ring must be \(D, 3, >= 3\) int64"):
+        step_feed.advance_columns(inp, torch.zeros(2, 3, dtype=torch.int64, device=DEV),
+                                  torch.ones(3, dtype=torch.bool, device=DEV), 10, 4, torch.zeros(4, 2, 3).long())
 
 
 # ------------------------------------------------------------------------------------------------ GPU

@@ -17,9 +17,10 @@ graph-side tensor math (:mod:`.nucleus`).  In batched decode steps with CUDA gen
 where Triton is) the whole RAS rule runs in the graph too: each row's exponential variates are recomputed from
 its generator's seed and offset (:mod:`..kernels.philox`), both the nucleus draw's and the fallback draw's, the
 repetition check reads the row's last history tokens, and the host only advances each generator by one draw
-(two after a fallback).  A step then costs one replay and one read of the tokens (and an input copy when rows
-join, leave or come from the host), whatever the row count and however many rows fall back.  The graph also writes each row's next inputs back into its own
-input columns (:mod:`.decode_feed`), so with ``decode_ahead`` (on with device RAS) each call launches the step
+(two after a fallback).  A step then costs one replay and one read of the tokens, which the graph writes into
+pinned host memory itself (plus an input copy when rows join, leave or come from the host), whatever the row
+count and however many rows fall back.  The graph also writes each row's next inputs back into its own input
+columns (:mod:`.decode_feed`), so with ``decode_ahead`` (on with device RAS) each call launches the step
 after the one it returns before reading anything: the host's per-token work overlaps the GPU's next step.  A
 prefill does the same for each row's first decode step (its graph writes that step's inputs), so the GPU goes
 from a new request's prefill straight into its first step while the host reads the prefill's tokens.
@@ -357,7 +358,7 @@ class CudaGraphLLM:
             self._set_mask(s, step, st.min_len, st.ignore_eos)
             fresh = not (ahead or prefilled)
             columns[s.index] = self._feed.column(st.history[-1], pos, st.generator, st.history) if fresh else None
-            launched.append(Row(s.index, st, step))
+            launched.append(Row(s.index, st, step, pos))
             top = max(top, pos)
         self._feed.stage(columns)
         self._replay(top, max(columns))

@@ -41,6 +41,12 @@ _STAGING = 3
 #: Merge and advance the step inputs with one launch each (:mod:`..kernels.step_feed`) where Triton runs the
 #: tensors; benchmarks set this False (before building a backend) to time the torch operations.
 USE_KERNELS = True
+#: With the kernels, the graph writes each row's token, fallback flag and position into a ring in pinned host
+#: memory (entry ``pos % RING`` of the row's slot) instead of the host copying the tokens after each replay;
+#: benchmarks set this False (before building a backend) to time the copy.  A slot has at most two steps
+#: pending (the one asked for and the one ahead), so four entries are never overwritten before they are read.
+USE_RING = True
+RING = 4
 #: Skip a staging copy that would write what the device buffer already holds (:meth:`StepFeed.stage`);
 #: benchmarks set this False (before building a backend) to time the copy every step.
 SKIP_UNCHANGED = True
@@ -65,22 +71,22 @@ def int64(seed: int) -> int:
 
 @dataclass(eq=False)
 class Launch:
-    """One replay's tokens and fallback flags, copied to host memory; readable once the copy's event fired."""
+    """One replay's tokens and fallback flags in host memory (its own copy, or the feed's ring), readable once
+    the replay's event fired."""
 
-    out: torch.Tensor  # (2, S) int64, pinned on a GPU
+    out: torch.Tensor | None  # (2, S) int64, pinned on a GPU; None where the graph writes the ring
     event: Any  # torch.cuda.Event, or None on CPU (the replay ran synchronously)
     refs: int = 0  # pending rows that will read it
     waited: bool = False
 
     def __post_init__(self) -> None:
-        self.view = self.out.numpy()
+        self.view = self.out.numpy() if self.out is not None else None
 
-    def result(self, index: int) -> tuple[int, int]:
+    def wait(self) -> None:
         if not self.waited:
             if self.event is not None:
                 self.event.synchronize()
             self.waited = True
-        return int(self.view[0, index]), int(self.view[1, index])
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +96,7 @@ class Row:
     slot: int
     state: Any
     step: int
+    pos: int  # the position the step writes (where its result sits in the feed's ring)
 
 
 class StepFeed:
@@ -123,6 +130,12 @@ class StepFeed:
         self._stream: Any = None
         self.dropped = 0  # pending results thrown away (their row ended or was released first)
         self._kernels = _feed_kernels(device)
+        # with the kernels the graph writes each row's result into host memory itself (the advance kernel, the
+        # step's last): no copy between two replays.  Pinned memory is mapped into the GPU's address space
+        self._ring = self._ring_np = None
+        if self._kernels is not None and USE_RING:
+            self._ring = torch.full((RING, 3, slots + 1), -1, dtype=torch.long, pin_memory=self._cuda)
+            self._ring_np = self._ring.numpy()
 
     # ---------------------------------------------------------------------------------------- graph side
 
@@ -144,7 +157,7 @@ class StepFeed:
         shifted by the token."""
         inp = self.step_in[:, :n]
         if self._kernels is not None:
-            self._kernels.advance_columns(inp, drawn, live, self.max_len, self.draw_offset)
+            self._kernels.advance_columns(inp, drawn, live, self.max_len, self.draw_offset, self._ring)
             return
         token, fallback = drawn[0], drawn[1]
         parts = [token[None], (inp[POS] + 1).clamp(max=self.max_len - 1)[None], inp[SEED:SEED + 1],
@@ -208,12 +221,13 @@ class StepFeed:
         self._sent, self._sent_stream = flags, stream
 
     def collect(self, drawn: torch.Tensor, rows: Sequence[Row]) -> Launch:
-        """After a replay: copy its (2, S) tokens and fallback flags to the host and make each row pending on
-        it."""
+        """After a replay: make each row pending on it, and copy its (2, S) tokens and fallback flags to the
+        host unless the graph writes them into the ring itself."""
         launch = self._free.pop() if self._free else Launch(
-            torch.zeros(drawn.shape, dtype=torch.long, pin_memory=self._cuda),
+            None if self._ring is not None else torch.zeros(drawn.shape, dtype=torch.long, pin_memory=self._cuda),
             torch.cuda.Event() if self._cuda else None)
-        launch.out.copy_(drawn, non_blocking=True)
+        if launch.out is not None:
+            launch.out.copy_(drawn, non_blocking=True)
         if launch.event is not None:
             launch.event.record()
             self._stream = torch.cuda.current_stream(self.device)
@@ -233,8 +247,16 @@ class StepFeed:
         """The (token, fallback) of ``state``'s pending step ``step``, waiting for it if needed."""
         if not self.pending(slot, state, step):
             raise RuntimeError(f"slot {slot} has no launched step {step} for this state (internal error)")
-        launch, _ = self._pending[slot].popleft()
-        out = launch.result(slot)
+        launch, row = self._pending[slot].popleft()
+        launch.wait()
+        if launch.view is not None:
+            out = int(launch.view[0, slot]), int(launch.view[1, slot])
+        else:
+            token, fallback, pos = (int(v) for v in self._ring_np[row.pos % RING, :, slot])
+            if pos != row.pos:
+                raise RuntimeError(f"slot {slot}: the token ring holds the step at position {pos}, not the one at "
+                                   f"{row.pos} (internal error)")
+            out = token, fallback
         self._unref(launch)
         return out
 

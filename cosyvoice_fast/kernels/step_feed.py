@@ -39,8 +39,8 @@ def _read_kernel(staged_ptr, inp_ptr, pos_ptr, live_ptr, R, stride_s, stride_i, 
 
 
 @triton.jit
-def _advance_kernel(inp_ptr, drawn_ptr, live_ptr, R, stride_i, stride_d, max_len, draw_offset,
-                    BLOCK_R: tl.constexpr):
+def _advance_kernel(inp_ptr, drawn_ptr, live_ptr, ring_ptr, R, stride_i, stride_d, stride_rd, stride_rf, depth,
+                    max_len, draw_offset, BLOCK_R: tl.constexpr, RING: tl.constexpr):
     col = tl.program_id(0).to(tl.int64)
     r = tl.arange(0, BLOCK_R)
     token = tl.load(drawn_ptr + col)
@@ -56,6 +56,12 @@ def _advance_kernel(inp_ptr, drawn_ptr, live_ptr, R, stride_i, stride_d, max_len
     new = tl.where(r == _OFFSET, offset + draw_offset * (1 + fallback), new)
     tl.debug_barrier()  # the column is read whole before it is rewritten in place
     tl.store(inp_ptr + r * stride_i + col, new, mask=ok)
+    if RING:  # the step's result where the host reads it: entry pos % depth of the column's ring
+        live = (tl.load(live_ptr + col) != 0) & (pos >= 0)  # (a step's position never is negative)
+        entry = ring_ptr + (pos % depth) * stride_rd + col
+        tl.store(entry, token, mask=live)
+        tl.store(entry + stride_rf, fallback, mask=live)
+        tl.store(entry + 2 * stride_rf, pos, mask=live)
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -80,17 +86,24 @@ def read_columns(staged: torch.Tensor, inp: torch.Tensor, max_len: int) -> tuple
 
 
 def advance_columns(inp: torch.Tensor, drawn: torch.Tensor, live: torch.Tensor, max_len: int,
-                    draw_offset: int) -> None:
+                    draw_offset: int, ring: torch.Tensor | None = None) -> None:
     """Advance each live column of ``inp`` (R, n) past its step: the drawn token (``drawn[0]``), the next
     position (kept below ``max_len``), the offset past the step's one draw or two (``drawn[1]`` = 1), the
-    window shifted by the token."""
+    window shifted by the token.  With ``ring`` ((D, 3, >= n) int64, on the host where the GPU can write it:
+    pinned), also write each live column's token, fallback flag and position at ``ring[pos % D, :, col]``."""
     rows, n = inp.shape
     _check("drawn", drawn, (2, n), torch.int64)
     _check("live", live, (n,), torch.bool)
+    if ring is not None and (ring.dim() != 3 or ring.shape[1] != 3 or ring.shape[2] < n or ring.dtype != torch.int64
+                             or ring.stride(2) != 1):
+        raise ValueError(f"ring must be (D, 3, >= {n}) int64 with unit stride along slots, got "
+                         f"{tuple(ring.shape)} {ring.dtype} strides {ring.stride()}")
     if inp.dtype != torch.int64 or inp.stride(1) != 1 or drawn.stride(1) != 1:
         raise ValueError("step_in and drawn must be int64 with unit stride along slots")
     if rows < WINDOW:
         raise ValueError(f"step_in must have at least {WINDOW} rows (token, position, seed, offset), got {rows}")
     if n:
-        _advance_kernel[(n,)](inp, drawn, live.view(torch.uint8), rows, inp.stride(0), drawn.stride(0), max_len,
-                              draw_offset, BLOCK_R=triton.next_power_of_2(rows), num_warps=1)
+        args = (ring, ring.stride(0), ring.stride(1), ring.shape[0]) if ring is not None else (inp, 0, 0, 1)
+        _advance_kernel[(n,)](inp, drawn, live.view(torch.uint8), args[0], rows, inp.stride(0), drawn.stride(0),
+                              *args[1:], max_len, draw_offset, BLOCK_R=triton.next_power_of_2(rows),
+                              RING=ring is not None, num_warps=1)
