@@ -20,9 +20,8 @@ kernels.philox`): are the recomputed variates ``exponential_``'s bits, and what 
    off), the default before session 31 (``before_session31``: a staging copy every step, the variates drawn
    by two Philox launches, the tokens copied to the host after each replay; the walk's and the fallback draw's
    changes are in both; ``floor_before_session31``: the same with the floor cut), the tokens copied instead of
-   written into the host ring (``token_copy``), the rule kernels at 4 or 16 warps (``rule_warps4``,
-   ``rule_warps16``) and, for measurement only, no copy of the tokens at all (``no_token_copy``: the host reads
-   stale tokens): wall ms per decode round at each row count (150 forced tokens, sampling and the per-step sync
+   written into the host ring (``token_copy``) and the rule kernels at 4 or 16 warps (``rule_warps4``,
+   ``rule_warps16``): wall ms per decode round at each row count (150 forced tokens, sampling and the per-step sync
    included) and RAS fallbacks per token.  ``--ways`` picks some; ``--steps`` picks steps
    (``profile_torch_tail``, ``profile_before31``, ``profile_floor``: the profile of that way).
 
@@ -111,31 +110,6 @@ def _switches(way: str) -> Iterator[None]:
         qwen2_proj.TILES, nucleus_topk.USE_FLOOR, ras_rule.row_warps = tiles, floor, warps
 
 
-def _drop_token_copy(stage) -> None:  # noqa: ANN001
-    """Measurement only (``no_token_copy``): the decode calls leave out the copy of each replay's tokens to the
-    host, so the host reads stale tokens (the device feeds itself the right ones).  What a round costs without
-    that copy between two replays: the ceiling of moving it off the stream."""
-    from collections import deque
-
-    from cosyvoice_fast.backends.decode_feed import Launch
-
-    feed = stage._feed
-
-    def no_copy(drawn, rows):  # noqa: ANN001, ANN202 - StepFeed.collect without its copy
-        launch = feed._free.pop() if feed._free else Launch(
-            torch.zeros(drawn.shape, dtype=torch.long, pin_memory=True), torch.cuda.Event())
-        launch.event.record()
-        feed._stream = torch.cuda.current_stream(feed.device)
-        launch.waited = False
-        for row in rows:
-            feed._pending.setdefault(row.slot, deque()).append((launch, row))
-            launch.refs += 1
-        feed._last = launch
-        return launch
-
-    feed.collect = no_copy
-
-
 def backend(rows_list: list[int], results: dict, save, only: list[str] | None) -> None:  # noqa: ANN001
     from cosyvoice_fast.backends.fused_llm import FusedLLM
     from cosyvoice_fast.config import full_config
@@ -146,14 +120,12 @@ def backend(rows_list: list[int], results: dict, save, only: list[str] | None) -
     ways = {"ahead": ahead, "ahead_sort": ahead, "graph": {"device_ras": True, "decode_ahead": False},
             "host": {"device_ras": False}, "ahead_torch_tail": ahead, "ahead_floor": ahead,
             "before_session28": ahead, "before_session31": ahead, "floor_before_session31": ahead,
-            "rule_warps4": ahead, "rule_warps16": ahead, "no_token_copy": ahead, "token_copy": ahead}
+            "rule_warps4": ahead, "rule_warps16": ahead, "token_copy": ahead}
     for way in only or list(ways):  # in the order asked for (repeats allowed: alternate to see drift)
         kwargs = ways[way]
         t = time.perf_counter()
         with _switches(way):
             stage = FusedLLM(lm, full_config(), slots=max(rows_list), max_len=MAX_LEN, progress=False, **kwargs)
-        if way == "no_token_copy":
-            _drop_token_copy(stage)
         row: dict = {"way": way, "device_ras": stage.device_ras, "decode_ahead": stage.decode_ahead,
                      "build_s": round(time.perf_counter() - t, 1)}
         for rows in rows_list:
