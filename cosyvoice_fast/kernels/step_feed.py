@@ -40,7 +40,7 @@ def _read_kernel(staged_ptr, inp_ptr, pos_ptr, live_ptr, R, stride_s, stride_i, 
 
 @triton.jit
 def _advance_kernel(inp_ptr, drawn_ptr, live_ptr, ring_ptr, R, stride_i, stride_d, stride_rd, stride_rf, depth,
-                    max_len, draw_offset, BLOCK_R: tl.constexpr, RING: tl.constexpr):
+                    max_len, draw_offset, BLOCK_R: tl.constexpr, HAS_RING: tl.constexpr):
     col = tl.program_id(0).to(tl.int64)
     r = tl.arange(0, BLOCK_R)
     token = tl.load(drawn_ptr + col)
@@ -56,7 +56,7 @@ def _advance_kernel(inp_ptr, drawn_ptr, live_ptr, ring_ptr, R, stride_i, stride_
     new = tl.where(r == _OFFSET, offset + draw_offset * (1 + fallback), new)
     tl.debug_barrier()  # the column is read whole before it is rewritten in place
     tl.store(inp_ptr + r * stride_i + col, new, mask=ok)
-    if RING:  # the step's result where the host reads it: entry pos % depth of the column's ring
+    if HAS_RING:  # the step's result where the host reads it: entry pos % depth of the column's ring
         live = (tl.load(live_ptr + col) != 0) & (pos >= 0)  # (a step's position never is negative)
         entry = ring_ptr + (pos % depth) * stride_rd + col
         tl.store(entry, token, mask=live)
@@ -106,4 +106,4 @@ def advance_columns(inp: torch.Tensor, drawn: torch.Tensor, live: torch.Tensor, 
         args = (ring, ring.stride(0), ring.stride(1), ring.shape[0]) if ring is not None else (inp, 0, 0, 1)
         _advance_kernel[(n,)](inp, drawn, live.view(torch.uint8), args[0], rows, inp.stride(0), drawn.stride(0),
                               *args[1:], max_len, draw_offset, BLOCK_R=triton.next_power_of_2(rows),
-                              RING=ring is not None, num_warps=1)
+                              HAS_RING=ring is not None, num_warps=1)
