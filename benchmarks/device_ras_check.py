@@ -20,10 +20,14 @@ kernels.philox`): are the recomputed variates ``exponential_``'s bits, and what 
    off), the default before session 31 (``before_session31``: a staging copy every step, the variates drawn
    by two Philox launches, the tokens copied to the host after each replay; the walk's and the fallback draw's
    changes are in both; ``floor_before_session31``: the same with the floor cut), the tokens copied instead of
-   written into the host ring (``token_copy``) and the rule kernels at 4 or 16 warps (``rule_warps4``,
-   ``rule_warps16``): wall ms per decode round at each row count (150 forced tokens, sampling and the per-step sync
-   included) and RAS fallbacks per token.  ``--ways`` picks some; ``--steps`` picks steps
-   (``profile_torch_tail``, ``profile_before31``, ``profile_floor``: the profile of that way).
+   written into the host ring (``token_copy``), the rule kernels at 4 or 16 warps (``rule_warps4``,
+   ``rule_warps16``), the default before session 32 (``before_session32``: steps of 3+ rows gather, norm and
+   apply the head as torch ops, ``Tiles.looped_head`` off) and the looped head at 16 or 64 columns a program
+   (``head16``, ``head64``; 32 by default) or only one of the two fused ends at 3+ rows (``embed_only``,
+   ``head_only``: the other end as the torch ops): wall ms per decode round at each row count (150 forced tokens,
+   sampling and the per-step sync included) and RAS fallbacks per token.  ``--ways`` picks some; ``--steps`` picks steps
+   (``profile_torch_tail``, ``profile_before31``, ``profile_before32``, ``profile_floor``: the profile of that
+   way).
 
 Results: ``OUT/device_ras_check.json``.
 """
@@ -83,19 +87,44 @@ def _lm_and_request() -> tuple:
     return random_full_size_lm(torch.bfloat16), text, inputs
 
 
+def _torch_embed(tokens: torch.Tensor, table: torch.Tensor, x: torch.Tensor, counters: torch.Tensor) -> None:
+    """``qwen2_gemv.embed`` as the torch ops it replaced (gather, cast, memset): way ``head_only``."""
+    x.copy_(table[tokens])
+    counters.zero_()
+
+
+def _torch_head(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                eps: float) -> None:
+    """``qwen2_head.head`` as the final norm kernel, then cuBLAS and a cast: way ``embed_only``."""
+    from cosyvoice_fast.kernels import qwen2_head
+
+    hidden = torch.empty(x.shape, dtype=w.dtype, device=x.device)
+    qwen2_head.rmsnorm(x, norm_w, hidden, eps)
+    out.copy_(torch.nn.functional.linear(hidden, w, b))
+
+
 @contextmanager
 def _switches(way: str) -> Iterator[None]:
     """The module switches a way builds under (read while the graphs are captured)."""
     from cosyvoice_fast.backends import decode_feed, nucleus
-    from cosyvoice_fast.kernels import nucleus_topk, qwen2_proj, ras_rule
+    from cosyvoice_fast.kernels import nucleus_topk, qwen2_gemv, qwen2_head, qwen2_proj, ras_rule
 
     tiles = qwen2_proj.TILES
+    ends = qwen2_gemv.embed, qwen2_head.head
+    if way == "head_only":  # a looped step's fused head with the torch gather (the GEMV steps' too: rows > 2 here)
+        qwen2_gemv.embed = _torch_embed
+    if way == "embed_only":
+        qwen2_head.head = _torch_head
     nucleus.USE_KERNEL = way != "ahead_sort"
     nucleus.USE_RULE_KERNELS = decode_feed.USE_KERNELS = way != "ahead_torch_tail"
     floor = nucleus_topk.USE_FLOOR
     nucleus_topk.USE_FLOOR = way in ("ahead_floor", "floor_before_session31")
     if way == "before_session28":
-        qwen2_proj.TILES = dataclasses.replace(tiles, gemv_head=False)
+        qwen2_proj.TILES = dataclasses.replace(tiles, gemv_head=False, looped_head=False)
+    if way == "before_session32":
+        qwen2_proj.TILES = dataclasses.replace(tiles, looped_head=False)
+    if way in ("head16", "head64"):
+        qwen2_proj.TILES = dataclasses.replace(tiles, head=int(way[4:]))
     warps = ras_rule.row_warps
     if way.startswith("rule_warps"):  # the rule and fallback-draw kernels at another warp count
         ras_rule.row_warps = lambda block, n=int(way[len("rule_warps"):]): n
@@ -108,6 +137,7 @@ def _switches(way: str) -> Iterator[None]:
         nucleus.USE_KERNEL = nucleus.USE_RULE_KERNELS = decode_feed.USE_KERNELS = True
         decode_feed.SKIP_UNCHANGED = nucleus.RULE_VARIATES = decode_feed.USE_RING = True
         qwen2_proj.TILES, nucleus_topk.USE_FLOOR, ras_rule.row_warps = tiles, floor, warps
+        qwen2_gemv.embed, qwen2_head.head = ends
 
 
 def backend(rows_list: list[int], results: dict, save, only: list[str] | None) -> None:  # noqa: ANN001
@@ -120,7 +150,8 @@ def backend(rows_list: list[int], results: dict, save, only: list[str] | None) -
     ways = {"ahead": ahead, "ahead_sort": ahead, "graph": {"device_ras": True, "decode_ahead": False},
             "host": {"device_ras": False}, "ahead_torch_tail": ahead, "ahead_floor": ahead,
             "before_session28": ahead, "before_session31": ahead, "floor_before_session31": ahead,
-            "rule_warps4": ahead, "rule_warps16": ahead, "token_copy": ahead}
+            "rule_warps4": ahead, "rule_warps16": ahead, "token_copy": ahead, "before_session32": ahead,
+            "head16": ahead, "head64": ahead, "embed_only": ahead, "head_only": ahead}
     for way in only or list(ways):  # in the order asked for (repeats allowed: alternate to see drift)
         kwargs = ways[way]
         t = time.perf_counter()
@@ -162,8 +193,8 @@ def _union(spans: list[tuple[float, float]]) -> float:
 def _timeline(events: list) -> dict:
     """Rounds cut at each ``_read_kernel`` (a decode graph's first kernel): per round the period between two
     rounds' starts, the GPU's busy time in it (union of kernel and copy intervals), the graph's span (read to
-    advance), the decoder's span (gather to head) and the tail after the head; medians in µs.  Tells whether a
-    round waits for the host (period > busy) and what the tail after the head costs."""
+    advance), the decoder's span (gather to the head, fused or cuBLAS) and the tail after the head; medians in
+    µs.  Tells whether a round waits for the host (period > busy) and what the tail after the head costs."""
     ev = sorted(((e.time_range.start, e.time_range.end, e.name) for e in events), key=lambda t: t[0])
     starts = [i for i, e in enumerate(ev) if e[2] == "_read_kernel"]
     rows: dict[str, list[float]] = {k: [] for k in ("period", "busy", "idle", "graph", "decoder", "tail",
@@ -174,7 +205,8 @@ def _timeline(events: list) -> dict:
         t0, t1 = rnd[0][0], ev[b][0]
         named = {n: (s, e) for s, e, n in rnd}
         adv = named.get("_advance_kernel")
-        head = named.get("_head_gemv_kernel")
+        head = next((named[n] for n in named if n in ("_head_gemv_kernel", "_head_kernel") or "gemm" in n.lower()
+                     or "cutlass" in n), None)  # the fused heads, or cuBLAS's GEMM after the final norm
         busy = _union([(s, min(e, t1)) for s, e, _ in rnd])
         rows["period"].append(t1 - t0)
         rows["busy"].append(busy)
@@ -242,7 +274,7 @@ def main() -> int:
     ap.add_argument("--rows", default="1,16,64", help="row counts of the backend step (comma-separated)")
     ap.add_argument("--steps", default="bits,profile,backend",
                     help="comma-separated: bits, profile, profile_torch_tail, profile_before, "
-                    "profile_before31, profile_floor, backend")
+                    "profile_before31, profile_before32, profile_floor, backend")
     ap.add_argument("--ways", default=None, help="comma-separated ways of the backend step (default: all)")
     a = ap.parse_args()
     require_cuda("device_ras_check.py")
@@ -260,6 +292,8 @@ def main() -> int:
         runner.run("profile_before", lambda: profile(rows, "before_session28"))
     if "profile_before31" in steps:
         runner.run("profile_before31", lambda: profile(rows, "before_session31"))
+    if "profile_before32" in steps:
+        runner.run("profile_before32", lambda: profile(rows, "before_session32"))
     if "profile_floor" in steps:
         runner.run("profile_floor", lambda: profile(rows, "ahead_floor"))
     if "backend" in steps:

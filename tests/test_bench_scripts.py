@@ -301,9 +301,11 @@ def test_sass_sizes_counts_every_kernel_of_a_decode_step_without_a_gpu(tmp_path)
     assert all(n > 0 for n in sizes.values()) and min(sizes, key=sizes.get) == "_embed_kernel"
 
 
-def test_device_ras_timeline_cuts_rounds_at_the_read_kernel_and_measures_idle_and_tail():
+@pytest.mark.parametrize("head", ["_head_gemv_kernel", "_head_kernel", "void cutlass::Kernel2<cutlass_80_wmma_te"])
+def test_device_ras_timeline_cuts_rounds_at_the_read_kernel_and_measures_idle_and_tail(head):
     """Two whole rounds (and the start of a third) of hand-made GPU events, µs: a round is read, exponentials,
-    gather, a layer, the head, a softmax, the advance, then a copy; the GPU idles 30 µs before the next read."""
+    gather, a layer, the head (either fused one, or cuBLAS's), a softmax, the advance, then a copy; the GPU
+    idles 30 µs before the next read."""
     from types import SimpleNamespace
 
     from benchmarks.device_ras_check import _timeline
@@ -315,7 +317,7 @@ def test_device_ras_timeline_cuts_rounds_at_the_read_kernel_and_measures_idle_an
     for t in (0.0, 200.0):
         events += [ev("_read_kernel", t, t + 2), ev("_exponential_kernel", t + 3, t + 5),
                    ev("_embed_kernel", t + 4, t + 6), ev("_proj_gemv_kernel", t + 5, t + 120),
-                   ev("_head_gemv_kernel", t + 100, t + 130), ev("softmax", t + 132, t + 140),
+                   ev(head, t + 100, t + 130), ev("softmax", t + 132, t + 140),
                    ev("_advance_kernel", t + 150, t + 160), ev("Memcpy DtoH", t + 165, t + 170)]
     events.append(ev("_read_kernel", 400.0, 402.0))
     got = _timeline(list(reversed(events)))  # any order: it sorts by start

@@ -22,6 +22,7 @@ pytest.importorskip("triton")
 from cosyvoice_fast.config import QwenConfig  # noqa: E402
 from cosyvoice_fast.kernels import qwen2_attention as attn_k  # noqa: E402
 from cosyvoice_fast.kernels import qwen2_gemv as gemv_k  # noqa: E402
+from cosyvoice_fast.kernels import qwen2_head as head_k  # noqa: E402
 from cosyvoice_fast.kernels import qwen2_proj as proj_k  # noqa: E402
 from cosyvoice_fast.kernels.qwen2_decode import FusedDecoder, decode_step, kernels_per_step, step_logits  # noqa: E402
 from cosyvoice_fast.models.qwen2 import KVCache, Qwen2Decoder  # noqa: E402
@@ -187,7 +188,7 @@ def test_final_rmsnorm_matches_the_module():
     dec = _decoder(3)
     x = torch.randn(5, CFG.hidden_size, device=DEV) * 3
     out = _nan(5, CFG.hidden_size)
-    proj_k.rmsnorm(x, dec.norm.weight, out, dec.norm.eps)
+    head_k.rmsnorm(x, dec.norm.weight, out, dec.norm.eps)
     assert _err(out, dec.norm(x)) <= TOL
 
 
@@ -223,13 +224,13 @@ def test_decode_steps_equal_the_decoder_per_row_and_shared_positions(gemv, early
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 3])
 def test_step_logits_equal_embedding_step_and_head(rows, monkeypatch):
-    """A GEMV step from token ids to logits (one gather-and-zero kernel, the layers, one norm-and-head kernel)
-    equals the embedding, the decoder and the head as modules, in fp32; K/V land in the cache; the counters the
-    gather zeroes were dirty.  Steps the GEMV kernels do not take (three rows, or ``gemv_head`` off) return
-    None."""
-    monkeypatch.setattr(proj_k, "TILES", proj_k.Tiles(down_chunk=64))
+    """A step from token ids to logits (one gather-and-zero kernel, the layers, one norm-and-head kernel: the
+    GEMV head for 1-2 rows, the looped one for 3) equals the embedding, the decoder and the head as modules, in
+    fp32; K/V land in the cache; the counters the gather zeroes were dirty.  Steps whose switch is off, cuBLAS
+    steps and heads without a bias return None."""
+    monkeypatch.setattr(proj_k, "TILES", proj_k.Tiles(down_chunk=64, head=16))  # 29 logits: a partial column block
     dec = _decoder(5)
     torch.manual_seed(6)
     table = torch.randn(37, CFG.hidden_size, device=DEV)
@@ -238,17 +239,38 @@ def test_step_logits_equal_embedding_step_and_head(rows, monkeypatch):
     caches = [KVCache.for_config(CFG, max_len, rows, device=DEV) for _ in range(2)]
     for ref_t, fused_t in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
         fused_t.copy_(ref_t.normal_())
-    tokens = torch.tensor([[36], [4]], device=DEV)[:rows]
-    pos = torch.tensor([[5], [9]], device=DEV)[:rows]
+    tokens = torch.tensor([[36], [4], [17]], device=DEV)[:rows]
+    pos = torch.tensor([[5], [9], [2]], device=DEV)[:rows]
     want = head(dec(table[tokens[:, 0]][:, None], pos, caches[0], kv_len=12)[:, -1])
     got = step_logits(dec, table, head, tokens, pos, caches[1], kv_len=12, splits=2)
     assert got.dtype == torch.float32 and got.shape == (rows, 29) and _err(got, want) <= 1e-4
     for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
         assert _err(a, b) <= 1e-5
-    three = KVCache.for_config(CFG, max_len, 3, device=DEV)
-    assert step_logits(dec, table, head, torch.zeros(3, 1, dtype=torch.long, device=DEV), pos[:1], three) is None
-    monkeypatch.setattr(proj_k, "TILES", proj_k.Tiles(gemv_head=False))
-    assert step_logits(dec, table, head, tokens, pos, caches[1]) is None
+    off = "gemv_head" if rows <= 2 else "looped_head"
+    for tiles in (proj_k.Tiles(**{off: False}), proj_k.Tiles(cublas_rows=rows)):
+        monkeypatch.setattr(proj_k, "TILES", tiles)
+        assert step_logits(dec, table, head, tokens, pos, caches[1]) is None
+    monkeypatch.setattr(proj_k, "TILES", proj_k.Tiles())
+    assert step_logits(dec, table, torch.nn.Linear(CFG.hidden_size, 29, bias=False).to(DEV), tokens, pos,
+                       caches[1]) is None
+
+
+@torch.inference_mode()
+def test_looped_head_equals_the_gemv_head_over_row_blocks(monkeypatch):
+    """The looped steps' head over 70 rows (two 64-row blocks, the second mostly padding) gives the GEMV head's
+    values row by row, in fp32: the same norm, bias and rounding, only the summation order differs."""
+    monkeypatch.setattr(proj_k, "TILES", proj_k.Tiles(head=16))
+    dec = _decoder(9)
+    torch.manual_seed(10)
+    x = torch.randn(70, CFG.hidden_size, device=DEV) * 2
+    lin = torch.nn.Linear(CFG.hidden_size, 21).to(DEV)
+    got, want = _nan(70, 21), _nan(70, 21)
+    head_k.head(x, dec.norm.weight, lin.weight, lin.bias, got, dec.norm.eps)
+    for r in range(0, 70, 2):
+        gemv_k.head(x[r:r + 2], dec.norm.weight, lin.weight, lin.bias, want[r:r + 2], dec.norm.eps)
+    assert _err(got, want) <= TOL and _err(got, lin(dec.norm(x))) <= TOL
+    with pytest.raises(ValueError, match=r"head: weight \(21, 64\), bias \(21,\) and a \(70, 21\) float32"):
+        head_k.head(x, dec.norm.weight, lin.weight, lin.bias, got.double(), dec.norm.eps)
 
 
 @torch.inference_mode()
@@ -266,23 +288,25 @@ def test_embed_gathers_fp32_rows_and_zeroes_every_counter():
 
 @_gpu
 @torch.inference_mode()
-def test_gpu_head_rounds_once_to_the_weight_dtype():
-    """In bf16 (the interpreter cannot do bf16 arithmetic, so on CUDA) the head's logits are the final norm
-    kernel's output through the linear layer, bias added before the one rounding, as fp32: within one bf16
-    step of cuBLAS's accumulation order."""
+@pytest.mark.parametrize("rows", [2, 16])
+def test_gpu_head_rounds_once_to_the_weight_dtype(rows):
+    """In bf16 (the interpreter cannot do bf16 arithmetic, so on CUDA) the head's logits (GEMV for 2 rows,
+    looped for 16) are the final norm kernel's output through the linear layer, bias added before the one
+    rounding, as fp32: within one bf16 step of cuBLAS's accumulation order."""
     torch.manual_seed(7)
     dec = _decoder(8).to(torch.bfloat16)
-    x = torch.randn(2, CFG.hidden_size, device=DEV) * 2
+    x = torch.randn(rows, CFG.hidden_size, device=DEV) * 2
     lin = torch.nn.Linear(CFG.hidden_size, 6564).to(DEV).to(torch.bfloat16)
-    out = _nan(2, 6564)
-    gemv_k.head(x, dec.norm.weight, lin.weight, lin.bias, out, dec.norm.eps)
-    hidden = torch.empty(2, CFG.hidden_size, dtype=torch.bfloat16, device=DEV)
-    proj_k.rmsnorm(x, dec.norm.weight, hidden, dec.norm.eps)  # the step's final norm before, then the module
+    out = _nan(rows, 6564)
+    kernels = gemv_k if rows <= proj_k.TILES.gemv_rows else head_k
+    kernels.head(x, dec.norm.weight, lin.weight, lin.bias, out, dec.norm.eps)
+    hidden = torch.empty(rows, CFG.hidden_size, dtype=torch.bfloat16, device=DEV)
+    head_k.rmsnorm(x, dec.norm.weight, hidden, dec.norm.eps)  # the step's final norm before, then the module
     want = lin(hidden).float()
     assert torch.equal(out, out.to(torch.bfloat16).float())  # values of the weight dtype
     assert ((out - want).abs() <= torch.maximum(out.abs(), want.abs()) * 2 ** -7 + 1e-6).all()  # one rounding flip
-    with pytest.raises(ValueError, match=r"head: weight \(6564, 64\), bias \(6564,\) and a \(2, 6564\) float32"):
-        gemv_k.head(x, dec.norm.weight, lin.weight, lin.bias, out.double(), dec.norm.eps)
+    with pytest.raises(ValueError, match=rf"head: weight \(6564, 64\), bias \(6564,\) and a \({rows}, 6564\) float32"):
+        kernels.head(x, dec.norm.weight, lin.weight, lin.bias, out.double(), dec.norm.eps)
 
 
 def test_tiles_are_validated_by_field():
@@ -300,6 +324,10 @@ def test_tiles_are_validated_by_field():
         proj_k.Tiles(gemv=1)
     with pytest.raises(ValueError, match="Tiles.gemv_head must be True or False, got 0"):
         proj_k.Tiles(gemv_head=0)
+    with pytest.raises(ValueError, match="Tiles.looped_head must be True or False, got None"):
+        proj_k.Tiles(looped_head=None)
+    with pytest.raises(ValueError, match="Tiles.head must be a power of two >= 16, got 24"):
+        proj_k.Tiles(head=24)
     with pytest.raises(ValueError, match="Tiles.down_chunk must be a power of two >= 16, got 100"):
         proj_k.Tiles(down_chunk=100)
     with pytest.raises(ValueError, match=r"Tiles.cublas_rows must be an int in 0..1024 \(0: never\), got -1"):

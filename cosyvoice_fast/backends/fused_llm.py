@@ -42,7 +42,7 @@ class _FusedView:
 
     def step_log_probs(self, tokens: torch.Tensor, pos: torch.Tensor, cache: Any,
                        kv_len: int | None = None) -> torch.Tensor:
-        """The model's decode step on the fused decoder; a step of one or two rows runs from the embedding
+        """The model's decode step on the fused decoder; a step below cuBLAS rows runs from the embedding
         gather to the speech head's logits as one kernel chain (:func:`~..kernels.qwen2_decode.step_logits`)."""
         llm, decoder = self.__dict__["_llm"], self.__dict__["decoder"]
         logits = decoder.step_logits(llm.speech_embedding.weight, llm.llm_decoder, tokens, pos, cache, kv_len)

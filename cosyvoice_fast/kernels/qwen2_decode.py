@@ -8,8 +8,9 @@ Per layer: (1) RMSNorm + q/k/v + bias + RoPE + KV-cache write, (2) decode attent
 split merge in the same kernel, (3) o-projection + residual, (4) RMSNorm + gate/up + SiLU*mul, (5) the
 down projection split over K, whose last split adds the partial sums to the residual.  Per step: the copy of
 the input embeddings into the fp32 residual stream, the zeroing of the merge counters, and the final RMSNorm.
-:func:`step_logits` (steps of one or two rows) gathers the embeddings and zeroes the counters in one kernel and
-ends with the final norm and the speech head in another, so the whole step to its logits is one chain.
+:func:`step_logits` (every step below ``Tiles.cublas_rows``) gathers the embeddings and zeroes the counters in one
+kernel and ends with the final norm and the speech head in another (:mod:`.qwen2_head`), so the whole step to its
+logits is one chain.
 Steps of one or two rows (``Tiles.gemv_rows``) take the projections of :mod:`.qwen2_gemv` (weights loaded
 before each kernel waits for the previous one, no tensor cores; ``Tiles.gemv``), larger steps the looped ones
 of :mod:`.qwen2_proj`.
@@ -35,6 +36,7 @@ import triton
 from ..models.qwen2 import KVCache, Qwen2Decoder
 from . import qwen2_attention as attn_k
 from . import qwen2_gemv as gemv_k
+from . import qwen2_head as head_k
 from . import qwen2_proj as proj_k
 from .estimator_common import can_run_on
 from .qwen2_hybrid import decode_rows, prefill_rows
@@ -77,27 +79,28 @@ def decode_step(decoder: Qwen2Decoder, inputs_embeds: torch.Tensor, pos: torch.T
     resid.copy_(inputs_embeds.reshape(rows, hidden))
     step.layers(resid, counters)
     out = torch.empty(rows, hidden, dtype=inputs_embeds.dtype, device=inputs_embeds.device)
-    proj_k.rmsnorm(resid, decoder.norm.weight, out, decoder.norm.eps)
+    head_k.rmsnorm(resid, decoder.norm.weight, out, decoder.norm.eps)
     return out.view(rows, 1, hidden)
 
 
 def step_logits(decoder: Qwen2Decoder, table: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor,
                 pos: torch.Tensor, cache: KVCache, kv_len: int | None = None, splits: int | None = None
                 ) -> torch.Tensor | None:
-    """``head(decoder(table[tokens], pos, cache, kv_len))`` as fp32 (B, V) logits for a GEMV step (one or two
-    rows, ``Tiles.gemv_head``), or None where the step is not one: then embed, step and head apart.
+    """``head(decoder(table[tokens], pos, cache, kv_len))`` as fp32 (B, V) logits for a step of the GEMV kernels
+    (``Tiles.gemv_head``) or the looped ones (``Tiles.looped_head``), or None where the step is neither (a
+    head without a bias, or cuBLAS rows): then embed, step and head apart.
 
     Here the step starts with one kernel that gathers each row's embedding into the fp32 residual stream and
     zeroes the counters, and ends with one that applies the final norm and the head (with its bias), so both
     ends of the step sit in the programmatic-dependent-launch chain: five launches fewer per step (gather,
-    cast, memset, norm, the bias-and-cast around a cuBLAS GEMV).  ``tokens``: (B, 1) or (B,) int64 ids."""
+    cast, memset, norm, the bias-and-cast around a cuBLAS GEMM).  ``tokens``: (B, 1) or (B,) int64 ids."""
     rows = tokens.numel()
     tiles = proj_k.TILES
-    if not (tiles.gemv and tiles.gemv_head and rows <= tiles.gemv_rows) or head.bias is None:
+    if head.bias is None or not (tiles.gemv_head or tiles.looped_head):
         return None
     hidden = table.shape[1]
     step = _Step(decoder, table, rows, pos, cache, kv_len, splits)
-    if step.hybrid:
+    if step.hybrid or not (tiles.gemv_head if step.gemv else tiles.looped_head):
         return None
     dev = table.device
     counters = torch.empty(step.counter_count, dtype=torch.int32, device=dev)
@@ -105,7 +108,8 @@ def step_logits(decoder: Qwen2Decoder, table: torch.Tensor, head: torch.nn.Linea
     gemv_k.embed(tokens.reshape(rows), table, resid, counters)
     step.layers(resid, counters)
     logits = torch.empty(rows, head.weight.shape[0], dtype=torch.float32, device=dev)
-    gemv_k.head(resid, decoder.norm.weight, _contig(head.weight), head.bias, logits, decoder.norm.eps)
+    (gemv_k if step.gemv else head_k).head(resid, decoder.norm.weight, _contig(head.weight), head.bias, logits,
+                                            decoder.norm.eps)
     return logits
 
 
@@ -208,7 +212,7 @@ class FusedDecoder:
 
     def step_logits(self, table: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor, pos: torch.Tensor,
                     cache: KVCache, kv_len: int | None = None) -> torch.Tensor | None:
-        """:func:`step_logits` on the wrapped decoder (None where the step is not a GEMV one)."""
+        """:func:`step_logits` on the wrapped decoder (None where the step does not end in the fused head)."""
         return step_logits(self.decoder, table, head, tokens, pos, cache, kv_len, self.splits)
 
     def prefill_rows(self, inputs_embeds: torch.Tensor, slots: torch.Tensor, last: torch.Tensor,

@@ -35,6 +35,7 @@ import triton.language as tl
 
 from . import qwen2_proj
 from .pdl import pdl_start
+from .qwen2_head import check_head
 from .qwen2_proj import launch_options, rope_inputs, rope_store, split_add
 
 
@@ -256,12 +257,8 @@ def head(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, b: torch.Tensor
          eps: float) -> None:
     """out (B, N) fp32 <- the speech head over the final norm: ``linear(rmsnorm(x), w, b)`` in the weight dtype,
     as fp32, for up to ``Tiles.gemv_rows`` rows of the fp32 residual ``x`` (B, K)."""
-    rows, k_dim = x.shape
+    rows, k_dim, n = check_head(x, w, b, out)
     block = _check_rows(rows)
-    n = w.shape[0]
-    if w.shape != (n, k_dim) or b.shape != (n,) or out.shape != (rows, n) or out.dtype != torch.float32:
-        raise ValueError(f"head: weight ({n}, {k_dim}), bias ({n},) and a ({rows}, {n}) float32 output expected, got "
-                         f"{tuple(w.shape)}, {tuple(b.shape)}, {tuple(out.shape)} {out.dtype}")
     bn = _cols(n)
     _head_gemv_kernel[(triton.cdiv(n, bn),)](x, norm_w, w, b, out, rows, k_dim, n, eps, BLOCK_N=bn,
                                              KP=triton.next_power_of_2(k_dim), ROWS=block, **launch_options(x, 1))

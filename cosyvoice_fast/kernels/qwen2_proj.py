@@ -1,5 +1,5 @@
 """Weight-streaming projections of a Qwen2 decode step: q/k/v (+ RMSNorm, RoPE, KV write), gate/up (+ RMSNorm,
-SiLU*mul), o and down (+ residual), and the final RMSNorm.
+SiLU*mul), o and down (+ residual).  The step's end (final RMSNorm, speech head) is :mod:`.qwen2_head`.
 
 Why these shapes: at decode a row is one token, so every projection reads its whole weight once per step and
 does ~1 FLOP per weight byte: the kernels are weight-bandwidth kernels.  Each program owns a slice of output
@@ -59,13 +59,16 @@ class Tiles:
     gemv: bool = True  # steps of up to gemv_rows rows take the weight-prefetch GEMV kernels of .qwen2_gemv
     gemv_rows: int = 2  # the most rows a GEMV step takes (each program multiplies its weights by each row in turn)
     gemv_head: bool = True  # a GEMV step gathers its embeddings and applies norm + speech head in its own kernels
+    looped_head: bool = True  # so does a step of the looped kernels (.qwen2_head; not the cuBLAS steps)
+    head: int = 32  # output columns per program of the looped steps' speech head
     gemv_cols: int = 8  # output columns per program of those kernels (gate/up, down)
     gemv_small_cols: int = 4  # the same for q/k/v (per half-head) and the o-projection: ~2 MB matrices
     down_chunk: int = 512  # K elements per split of their down projection
     cublas_rows: int = 32  # steps of at least this many rows take cuBLAS GEMMs (.qwen2_hybrid); 0: never
 
     def __post_init__(self) -> None:
-        for name in ("qkv", "oproj", "gate_up", "down", "attn_keys", "k_bytes", "down_chunk", "attn_programs"):
+        for name in ("qkv", "oproj", "gate_up", "down", "head", "attn_keys", "k_bytes", "down_chunk",
+                     "attn_programs"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"Tiles.{name} must be a power of two >= 16, got {v}")
@@ -79,7 +82,7 @@ class Tiles:
             raise ValueError(f"Tiles.cublas_rows must be an int in 0..1024 (0: never), got {self.cublas_rows!r}")
         if not 1 <= self.down_split <= 16:
             raise ValueError(f"Tiles.down_split must be 1..16, got {self.down_split}")
-        for name in ("pdl", "early_tile", "gemv", "gemv_head"):
+        for name in ("pdl", "early_tile", "gemv", "gemv_head", "looped_head"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Tiles.{name} must be True or False, got {getattr(self, name)!r}")
 
@@ -198,18 +201,20 @@ def _w_tile(w_ptr, cols, cmask, k, K, k_end):
 
 
 @triton.jit
-def _normed_pair_gemm(x_ptr, nw_ptr, w_ptr, cols_a, cols_b, cmask, B, K: tl.constexpr, eps,
-                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
-                      EARLY: tl.constexpr):
+def normed_gemm(x_ptr, nw_ptr, w_ptr, cols_a, cols_b, cmask, B, K: tl.constexpr, eps,
+                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
+                EARLY: tl.constexpr, PAIR: tl.constexpr = True):
     """``RMSNorm(x) @ W[cols_a]^T`` and ``@ W[cols_b]^T`` for this program's row block (``program_id(1)``):
-    the q/k/v kernel's rotation pair and the gate/up kernel's two halves.  With ``EARLY`` the first K tile of
-    both weights is loaded before the PDL wait (weights never depend on the previous kernel).  Returns
-    ``(rows, row mask, acc_a, acc_b)`` with fp32 accumulators."""
+    the q/k/v kernel's rotation pair and the gate/up kernel's two halves (without ``PAIR`` only ``cols_a``: the
+    speech head, :mod:`.qwen2_head`).  With ``EARLY`` the first K tile of the weights is loaded before the PDL
+    wait (weights never depend on the previous kernel).  Returns ``(rows, row mask, acc_a, acc_b)`` with fp32
+    accumulators (``acc_b`` is meaningless without ``PAIR``)."""
     k = tl.arange(0, BLOCK_K)
     if not EARLY:
         pdl_start(PDL)
     wa = _w_tile(w_ptr, cols_a, cmask, k, K, K)
-    wb = _w_tile(w_ptr, cols_b, cmask, k, K, K)
+    if PAIR:
+        wb = _w_tile(w_ptr, cols_b, cmask, k, K, K)
     if EARLY:
         pdl_start(PDL)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -217,12 +222,15 @@ def _normed_pair_gemm(x_ptr, nw_ptr, w_ptr, cols_a, cols_b, cmask, B, K: tl.cons
     rstd = _row_rstd(x_ptr, rows, rmask, K, eps, BLOCK_M, BLOCK_K)
     xn = _normed_tile(x_ptr, rows, rmask, k, K, rstd, nw_ptr)
     acc_a = tl.dot(xn, wa, input_precision=PREC)
-    acc_b = tl.dot(xn, wb, input_precision=PREC)
+    acc_b = acc_a
+    if PAIR:
+        acc_b = tl.dot(xn, wb, input_precision=PREC)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         xn = _normed_tile(x_ptr, rows, rmask, k, K, rstd, nw_ptr)
         acc_a = tl.dot(xn, _w_tile(w_ptr, cols_a, cmask, k, K, K), acc_a, input_precision=PREC)
-        acc_b = tl.dot(xn, _w_tile(w_ptr, cols_b, cmask, k, K, K), acc_b, input_precision=PREC)
+        if PAIR:
+            acc_b = tl.dot(xn, _w_tile(w_ptr, cols_b, cmask, k, K, K), acc_b, input_precision=PREC)
     return rows, rmask, acc_a, acc_b
 
 
@@ -244,8 +252,8 @@ def _qkv_rope_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_p
     dmask = d < HALF  # all true unless head_dim / 2 < 16 (test-sized models): tl.dot needs 16 columns
     col1 = head * D + d
     col2 = col1 + HALF
-    rows, rmask, acc1, acc2 = _normed_pair_gemm(x_ptr, nw_ptr, w_ptr, col1, col2, dmask, B, K, eps, BLOCK_M,
-                                                BLOCK_K, PREC, PDL, EARLY)
+    rows, rmask, acc1, acc2 = normed_gemm(x_ptr, nw_ptr, w_ptr, col1, col2, dmask, B, K, eps, BLOCK_M,
+                                          BLOCK_K, PREC, PDL, EARLY)
     b1, b2, freq, pos = rope_inputs(head, d, dmask, rows, rmask, b_ptr, freq_ptr, pos_ptr, D)
     rope_store(acc1, acc2, head, d, dmask, rows, rmask, b1, b2, freq, pos, q_ptr, kc_ptr, vc_ptr,
                stride_cb, stride_ch, stride_cp, HQ, HKV, D)
@@ -258,8 +266,8 @@ def _gate_up_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, B, K: tl.constexpr, N, eps,
     """``h = silu(gate(norm(x))) * up(norm(x))`` for columns ``n`` (gate rows n, up rows N + n of the fused weight)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
-    rows, rmask, acc_g, acc_u = _normed_pair_gemm(x_ptr, nw_ptr, w_ptr, cols, cols + N, cmask, B, K, eps, BLOCK_M,
-                                                  BLOCK_K, PREC, PDL, EARLY)
+    rows, rmask, acc_g, acc_u = normed_gemm(x_ptr, nw_ptr, w_ptr, cols, cols + N, cmask, B, K, eps, BLOCK_M,
+                                            BLOCK_K, PREC, PDL, EARLY)
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     tl.store(h_ptr + rows[:, None] * N + cols[None, :], h.to(h_ptr.dtype.element_ty),
              mask=rmask[:, None] & cmask[None, :])
@@ -293,20 +301,6 @@ def _proj_residual_kernel(a_ptr, w_ptr, r_ptr, part_ptr, cnt_ptr, B, K, N, SPLIT
     split_add(acc, r_ptr, part_ptr, cnt_ptr, tile, rows, rmask, cols, cmask, B, N, SPLIT_K)
 
 
-@triton.jit
-def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, N, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """One row per program: ``w * (x * rsqrt(mean(x^2) + eps))`` rounded to ``out``'s dtype (x: the fp32
-    residual)."""
-    pdl_start(PDL)
-    row = tl.program_id(0)
-    k = tl.arange(0, BLOCK)
-    kmask = k < N
-    x = tl.load(x_ptr + row * N + k, mask=kmask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
-    w = tl.load(w_ptr + k, mask=kmask, other=0.0)
-    tl.store(out_ptr + row * N + k, ((x * rstd).to(w.dtype) * w).to(out_ptr.dtype.element_ty), mask=kmask)
-
-
 # ------------------------------------------------------------------------------------------ launchers
 
 
@@ -331,7 +325,7 @@ def launch_options(t: torch.Tensor, stages: int) -> dict:
     return {**pdl_options(TILES.pdl, t), "num_warps": 4, "num_stages": stages}
 
 
-def _k_block(k: int, dtype: torch.dtype, block_m: int = 16) -> int:
+def k_block(k: int, dtype: torch.dtype, block_m: int = 16) -> int:
     """K elements per tile: ``TILES.k_bytes`` of a weight row, halved for 64-row blocks, whose fp32 residual
     tiles (in the norm-statistics pass and the GEMM, each pipelined over 3 stages) would otherwise need more
     than the H100's 227 KB of shared memory per program (352 KB measured for the q/k/v kernel)."""
@@ -356,7 +350,7 @@ def qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, b: torch.Te
     _qkv_rope_kernel[grid](x, norm_w, w, b, inv_freq, pos, q_out, k_cache, v_cache, rows, k_dim, eps,
                            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                            HQ=n_heads, HKV=n_kv, D=head_dim, BLOCK_N=block_n, BLOCK_M=bm,
-                           BLOCK_K=_k_block(k_dim, w.dtype, bm), PREC=dot_precision(w.dtype), **looped_options(x))
+                           BLOCK_K=k_block(k_dim, w.dtype, bm), PREC=dot_precision(w.dtype), **looped_options(x))
 
 
 def gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, h_out: torch.Tensor, eps: float) -> None:
@@ -366,7 +360,7 @@ def gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, h_out: torch
     bm, bn = row_block(rows), TILES.gate_up
     grid = (triton.cdiv(n, bn), triton.cdiv(rows, bm))
     _gate_up_kernel[grid](x, norm_w, w, h_out, rows, k_dim, n, eps, BLOCK_M=bm, BLOCK_N=bn,
-                          BLOCK_K=_k_block(k_dim, w.dtype, bm), PREC=dot_precision(w.dtype), **looped_options(x))
+                          BLOCK_K=k_block(k_dim, w.dtype, bm), PREC=dot_precision(w.dtype), **looped_options(x))
 
 
 def proj_residual(a: torch.Tensor, w: torch.Tensor, resid: torch.Tensor, parts: torch.Tensor | None = None,
@@ -384,11 +378,5 @@ def proj_residual(a: torch.Tensor, w: torch.Tensor, resid: torch.Tensor, parts: 
     grid = (triton.cdiv(n, block_n), triton.cdiv(rows, bm), split)
     _proj_residual_kernel[grid](a, w, resid, resid if parts is None else parts,
                                 resid if counters is None else counters, rows, k_dim, n, SPLIT_K=split,
-                                BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=_k_block(k_dim, w.dtype, bm),
+                                BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=k_block(k_dim, w.dtype, bm),
                                 PREC=dot_precision(w.dtype), **looped_options(a))
-
-
-def rmsnorm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, eps: float) -> None:
-    """out (B, N) <- RMSNorm(x) with weight ``w``; ``x`` the fp32 residual."""
-    rows, n = x.shape
-    _rmsnorm_kernel[(rows,)](x, w, out, n, eps, BLOCK=triton.next_power_of_2(n), **launch_options(x, 1))
