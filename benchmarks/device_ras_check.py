@@ -21,10 +21,9 @@ kernels.philox`): are the recomputed variates ``exponential_``'s bits, and what 
    by two Philox launches, the tokens copied to the host after each replay; the walk's and the fallback draw's
    changes are in both; ``floor_before_session31``: the same with the floor cut), the tokens copied instead of
    written into the host ring (``token_copy``), the rule kernels at 4 or 16 warps (``rule_warps4``,
-   ``rule_warps16``), the default before session 32 (``before_session32``: steps of 3+ rows gather, norm and
-   apply the head as torch ops, ``Tiles.looped_head`` off) and the looped head at 16 or 64 columns a program
-   (``head16``, ``head64``; 32 by default) or only one of the two fused ends at 3+ rows (``embed_only``,
-   ``head_only``: the other end as the torch ops): wall ms per decode round at each row count (150 forced tokens,
+   ``rule_warps16``), the default before session 32 (``before_session32``: steps of 3+ rows apply the final norm
+   and the head as torch ops, ``Tiles.looped_head`` off) and the looped head at 16 or 64 columns a program
+   (``head16``, ``head64``; 32 by default): wall ms per decode round at each row count (150 forced tokens,
    sampling and the per-step sync included) and RAS fallbacks per token.  ``--ways`` picks some; ``--steps`` picks steps
    (``profile_torch_tail``, ``profile_before31``, ``profile_before32``, ``profile_floor``: the profile of that
    way).
@@ -87,34 +86,13 @@ def _lm_and_request() -> tuple:
     return random_full_size_lm(torch.bfloat16), text, inputs
 
 
-def _torch_embed(tokens: torch.Tensor, table: torch.Tensor, x: torch.Tensor, counters: torch.Tensor) -> None:
-    """``qwen2_gemv.embed`` as the torch ops it replaced (gather, cast, memset): way ``head_only``."""
-    x.copy_(table[tokens])
-    counters.zero_()
-
-
-def _torch_head(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
-                eps: float) -> None:
-    """``qwen2_head.head`` as the final norm kernel, then cuBLAS and a cast: way ``embed_only``."""
-    from cosyvoice_fast.kernels import qwen2_head
-
-    hidden = torch.empty(x.shape, dtype=w.dtype, device=x.device)
-    qwen2_head.rmsnorm(x, norm_w, hidden, eps)
-    out.copy_(torch.nn.functional.linear(hidden, w, b))
-
-
 @contextmanager
 def _switches(way: str) -> Iterator[None]:
     """The module switches a way builds under (read while the graphs are captured)."""
     from cosyvoice_fast.backends import decode_feed, nucleus
-    from cosyvoice_fast.kernels import nucleus_topk, qwen2_gemv, qwen2_head, qwen2_proj, ras_rule
+    from cosyvoice_fast.kernels import nucleus_topk, qwen2_proj, ras_rule
 
     tiles = qwen2_proj.TILES
-    ends = qwen2_gemv.embed, qwen2_head.head
-    if way == "head_only":  # a looped step's fused head with the torch gather (the GEMV steps' too: rows > 2 here)
-        qwen2_gemv.embed = _torch_embed
-    if way == "embed_only":
-        qwen2_head.head = _torch_head
     nucleus.USE_KERNEL = way != "ahead_sort"
     nucleus.USE_RULE_KERNELS = decode_feed.USE_KERNELS = way != "ahead_torch_tail"
     floor = nucleus_topk.USE_FLOOR
@@ -137,7 +115,6 @@ def _switches(way: str) -> Iterator[None]:
         nucleus.USE_KERNEL = nucleus.USE_RULE_KERNELS = decode_feed.USE_KERNELS = True
         decode_feed.SKIP_UNCHANGED = nucleus.RULE_VARIATES = decode_feed.USE_RING = True
         qwen2_proj.TILES, nucleus_topk.USE_FLOOR, ras_rule.row_warps = tiles, floor, warps
-        qwen2_gemv.embed, qwen2_head.head = ends
 
 
 def backend(rows_list: list[int], results: dict, save, only: list[str] | None) -> None:  # noqa: ANN001
@@ -151,7 +128,7 @@ def backend(rows_list: list[int], results: dict, save, only: list[str] | None) -
             "host": {"device_ras": False}, "ahead_torch_tail": ahead, "ahead_floor": ahead,
             "before_session28": ahead, "before_session31": ahead, "floor_before_session31": ahead,
             "rule_warps4": ahead, "rule_warps16": ahead, "token_copy": ahead, "before_session32": ahead,
-            "head16": ahead, "head64": ahead, "embed_only": ahead, "head_only": ahead}
+            "head16": ahead, "head64": ahead}
     for way in only or list(ways):  # in the order asked for (repeats allowed: alternate to see drift)
         kwargs = ways[way]
         t = time.perf_counter()

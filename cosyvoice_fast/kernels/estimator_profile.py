@@ -2,8 +2,9 @@
 
 Used by ``benchmarks/fused_flow_check.py``; :func:`estimator_profile` gives ``profile_stages`` one line per
 (backend, shape) with kernels, GPU ms and the achieved TFLOP/s against the H100's dense bf16 peak.  Counts
-come from ``torch.profiler`` over one forward launched normally (the same kernels a CUDA graph of it replays); memcpy/memset activity is
-not a kernel and is left out.  Times are CUDA-event medians of graph replays, the way the flow backends run.
+come from ``torch.profiler`` over one forward launched normally (the same kernels a CUDA graph of it replays);
+memcpy/memset activity is not a kernel and is left out.  Times are CUDA-event medians of graph replays, the way
+the flow backends run.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ Per layer: (1) RMSNorm + q/k/v + bias + RoPE + KV-cache write, (2) decode attent
 split merge in the same kernel, (3) o-projection + residual, (4) RMSNorm + gate/up + SiLU*mul, (5) the
 down projection split over K, whose last split adds the partial sums to the residual.  Per step: the copy of
 the input embeddings into the fp32 residual stream, the zeroing of the merge counters, and the final RMSNorm.
-:func:`step_logits` (every step below ``Tiles.cublas_rows``) gathers the embeddings and zeroes the counters in one
-kernel and ends with the final norm and the speech head in another (:mod:`.qwen2_head`), so the whole step to its
-logits is one chain.
+:func:`step_logits` (every step below ``Tiles.cublas_rows``) ends with the final norm and the speech head in one
+kernel (:mod:`.qwen2_head`); a GEMV step also gathers the embeddings and zeroes the counters in one, so the whole
+step to its logits is one chain.
 Steps of one or two rows (``Tiles.gemv_rows``) take the projections of :mod:`.qwen2_gemv` (weights loaded
 before each kernel waits for the previous one, no tensor cores; ``Tiles.gemv``), larger steps the looped ones
 of :mod:`.qwen2_proj`.
@@ -90,10 +90,12 @@ def step_logits(decoder: Qwen2Decoder, table: torch.Tensor, head: torch.nn.Linea
     (``Tiles.gemv_head``) or the looped ones (``Tiles.looped_head``), or None where the step is neither (a
     head without a bias, or cuBLAS rows): then embed, step and head apart.
 
-    Here the step starts with one kernel that gathers each row's embedding into the fp32 residual stream and
-    zeroes the counters, and ends with one that applies the final norm and the head (with its bias), so both
-    ends of the step sit in the programmatic-dependent-launch chain: five launches fewer per step (gather,
-    cast, memset, norm, the bias-and-cast around a cuBLAS GEMM).  ``tokens``: (B, 1) or (B,) int64 ids."""
+    The step ends with one kernel that applies the final norm and the head (with its bias) inside the
+    programmatic-dependent-launch chain: two launches fewer than the norm, cuBLAS's GEMM and a cast.  A GEMV step
+    also starts with one kernel that gathers each row's embedding into the fp32 residual stream and zeroes the
+    counters (three launches fewer: gather, cast, memset).  A looped step keeps those torch ops: ahead of the
+    looped projections the gather kernel measured slower on an H100 (BENCHMARKS.md, round 2 session 32).
+    ``tokens``: (B, 1) or (B,) int64 ids."""
     rows = tokens.numel()
     tiles = proj_k.TILES
     if head.bias is None or not (tiles.gemv_head or tiles.looped_head):
@@ -105,7 +107,11 @@ def step_logits(decoder: Qwen2Decoder, table: torch.Tensor, head: torch.nn.Linea
     dev = table.device
     counters = torch.empty(step.counter_count, dtype=torch.int32, device=dev)
     resid = torch.empty(rows, hidden, dtype=torch.float32, device=dev)
-    gemv_k.embed(tokens.reshape(rows), table, resid, counters)
+    if step.gemv:
+        gemv_k.embed(tokens.reshape(rows), table, resid, counters)
+    else:
+        resid.copy_(table[tokens.reshape(rows)])
+        counters.zero_()
     step.layers(resid, counters)
     logits = torch.empty(rows, head.weight.shape[0], dtype=torch.float32, device=dev)
     (gemv_k if step.gemv else head_k).head(resid, decoder.norm.weight, _contig(head.weight), head.bias, logits,

@@ -7,8 +7,8 @@ one kernel in the chain: each program owns ``Tiles.head`` output columns and the
 normalises each K tile of the fp32 residual as it loads it (:func:`~.qwen2_proj.normed_gemm`, the q/k/v and
 gate/up kernels' prologue) and adds the bias before the one rounding to the weight dtype.  Its logits are those
 of the GEMV head (:func:`~.qwen2_gemv.head`), which ends one- and two-row steps: a step's tokens do not depend on
-how many rows share it beyond fp32 summation order.  The gather at the step's start is
-:func:`~.qwen2_gemv.embed`, which takes any row count.
+how many rows share it beyond fp32 summation order.  (The step's start stays torch's gather, cast and memset:
+the gather kernel of GEMV steps, :func:`~.qwen2_gemv.embed`, measured slower ahead of the looped projections.)
 
 :func:`rmsnorm` is the final norm alone, for callers that want the hidden state rather than logits.
 """
