@@ -23,10 +23,12 @@ kernels.philox`): are the recomputed variates ``exponential_``'s bits, and what 
    written into the host ring (``token_copy``), the rule kernels at 4 or 16 warps (``rule_warps4``,
    ``rule_warps16``), the default before session 32 (``before_session32``: steps of 3+ rows apply the final norm
    and the head as torch ops, ``Tiles.looped_head`` off) and the looped head at 16 or 64 columns a program
-   (``head16``, ``head64``; 32 by default): wall ms per decode round at each row count (150 forced tokens,
-   sampling and the per-step sync included) and RAS fallbacks per token.  ``--ways`` picks some; ``--steps`` picks steps
-   (``profile_torch_tail``, ``profile_before31``, ``profile_before32``, ``profile_floor``: the profile of that
-   way).
+   (``head16``, ``head64``; 32 by default), and a step's start as torch's gather, cast and memset for every
+   step (``torch_gather``) or as the gather kernel without programmatic dependent launch for GEMV steps
+   (``gather_no_pdl``) or every step (``all_gather_no_pdl``): wall ms per decode round at each row count (150
+   forced tokens, sampling and the per-step sync included) and RAS fallbacks per token.  ``--ways`` picks
+   some; ``--steps`` picks steps (``profile_torch_tail``, ``profile_before31``, ``profile_before32``,
+   ``profile_floor``: the profile of that way).
 
 Results: ``OUT/device_ras_check.json``.
 """
@@ -86,13 +88,37 @@ def _lm_and_request() -> tuple:
     return random_full_size_lm(torch.bfloat16), text, inputs
 
 
+def _gather_way(way: str):  # noqa: ANN202
+    """``qwen2_decode._gather`` for the ways that change a step's start: the torch ops for every step
+    (``torch_gather``), or the gather kernel without programmatic dependent launch for GEMV steps
+    (``gather_no_pdl``) or for every step (``all_gather_no_pdl``)."""
+    import triton
+
+    from cosyvoice_fast.kernels import qwen2_gemv
+
+    def gather(gemv: bool, tokens: torch.Tensor, table: torch.Tensor, resid: torch.Tensor,
+               counters: torch.Tensor) -> None:
+        if way == "torch_gather" or (way == "gather_no_pdl" and not gemv):
+            resid.copy_(table[tokens])
+            counters.zero_()
+            return
+        k, c = resid.shape[1], counters.numel()
+        qwen2_gemv._embed_kernel[(tokens.numel(),)](tokens, table, resid, counters, k, c,
+                                                    KP=triton.next_power_of_2(k), CP=triton.next_power_of_2(c),
+                                                    PDL=False, num_warps=4, num_stages=1)
+    return gather
+
+
 @contextmanager
 def _switches(way: str) -> Iterator[None]:
     """The module switches a way builds under (read while the graphs are captured)."""
     from cosyvoice_fast.backends import decode_feed, nucleus
-    from cosyvoice_fast.kernels import nucleus_topk, qwen2_proj, ras_rule
+    from cosyvoice_fast.kernels import nucleus_topk, qwen2_decode, qwen2_proj, ras_rule
 
     tiles = qwen2_proj.TILES
+    gather = qwen2_decode._gather
+    if way in ("torch_gather", "gather_no_pdl", "all_gather_no_pdl"):
+        qwen2_decode._gather = _gather_way(way)
     nucleus.USE_KERNEL = way != "ahead_sort"
     nucleus.USE_RULE_KERNELS = decode_feed.USE_KERNELS = way != "ahead_torch_tail"
     floor = nucleus_topk.USE_FLOOR
@@ -115,6 +141,7 @@ def _switches(way: str) -> Iterator[None]:
         nucleus.USE_KERNEL = nucleus.USE_RULE_KERNELS = decode_feed.USE_KERNELS = True
         decode_feed.SKIP_UNCHANGED = nucleus.RULE_VARIATES = decode_feed.USE_RING = True
         qwen2_proj.TILES, nucleus_topk.USE_FLOOR, ras_rule.row_warps = tiles, floor, warps
+        qwen2_decode._gather = gather
 
 
 def backend(rows_list: list[int], results: dict, save, only: list[str] | None) -> None:  # noqa: ANN001
@@ -128,7 +155,8 @@ def backend(rows_list: list[int], results: dict, save, only: list[str] | None) -
             "host": {"device_ras": False}, "ahead_torch_tail": ahead, "ahead_floor": ahead,
             "before_session28": ahead, "before_session31": ahead, "floor_before_session31": ahead,
             "rule_warps4": ahead, "rule_warps16": ahead, "token_copy": ahead, "before_session32": ahead,
-            "head16": ahead, "head64": ahead}
+            "head16": ahead, "head64": ahead, "torch_gather": ahead, "gather_no_pdl": ahead,
+            "all_gather_no_pdl": ahead}
     for way in only or list(ways):  # in the order asked for (repeats allowed: alternate to see drift)
         kwargs = ways[way]
         t = time.perf_counter()

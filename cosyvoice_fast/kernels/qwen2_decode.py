@@ -107,16 +107,23 @@ def step_logits(decoder: Qwen2Decoder, table: torch.Tensor, head: torch.nn.Linea
     dev = table.device
     counters = torch.empty(step.counter_count, dtype=torch.int32, device=dev)
     resid = torch.empty(rows, hidden, dtype=torch.float32, device=dev)
-    if step.gemv:
-        gemv_k.embed(tokens.reshape(rows), table, resid, counters)
-    else:
-        resid.copy_(table[tokens.reshape(rows)])
-        counters.zero_()
+    _gather(step.gemv, tokens.reshape(rows), table, resid, counters)
     step.layers(resid, counters)
     logits = torch.empty(rows, head.weight.shape[0], dtype=torch.float32, device=dev)
     (gemv_k if step.gemv else head_k).head(resid, decoder.norm.weight, _contig(head.weight), head.bias, logits,
                                             decoder.norm.eps)
     return logits
+
+
+def _gather(gemv: bool, tokens: torch.Tensor, table: torch.Tensor, resid: torch.Tensor,
+            counters: torch.Tensor) -> None:
+    """A step's start: ``resid`` (B, H) fp32 <- ``table[tokens]``, ``counters`` <- 0; one kernel for a GEMV
+    step, torch's gather, cast and memset for a looped one (see :func:`step_logits`)."""
+    if gemv:
+        gemv_k.embed(tokens, table, resid, counters)
+    else:
+        resid.copy_(table[tokens])
+        counters.zero_()
 
 
 class _Step:
