@@ -40,7 +40,7 @@ GROUPS = 128
 #: int64 workspace per row: the packed candidates, then the ordered head
 SCRATCH = tl.constexpr(CANDIDATES.value + MAX_TOP_K)
 #: cut rows at the floor before ranking (read at launch).  Off by default: faster than the walk on its own, but
-#: no faster inside a decode step (BENCHMARKS.md, session 28, has the measurements and what is not known)
+#: slower inside a decode step's rule kernel (BENCHMARKS.md, sessions 28 and 32, has the measurements)
 USE_FLOOR = False
 
 
