@@ -226,10 +226,10 @@ def test_decode_steps_equal_the_decoder_per_row_and_shared_positions(gemv, early
 @torch.inference_mode()
 @pytest.mark.parametrize("rows", [1, 2, 3])
 def test_step_logits_equal_embedding_step_and_head(rows, monkeypatch):
-    """A step from token ids to logits (one gather-and-zero kernel, the layers, one norm-and-head kernel: the
-    GEMV head for 1-2 rows, the looped one for 3) equals the embedding, the decoder and the head as modules, in
-    fp32; K/V land in the cache; the counters the gather zeroes were dirty.  Steps whose switch is off, cuBLAS
-    steps and heads without a bias return None."""
+    """A step from token ids to logits (the gather: one kernel for 1-2 rows, torch ops for 3; the layers; one
+    norm-and-head kernel: the GEMV head for 1-2 rows, the looped one for 3) equals the embedding, the decoder
+    and the head as modules, in fp32; K/V land in the cache.  Steps whose switch is off, cuBLAS steps and heads
+    without a bias return None."""
     monkeypatch.setattr(proj_k, "TILES", proj_k.Tiles(down_chunk=64, head=16))  # 29 logits: a partial column block
     dec = _decoder(5)
     torch.manual_seed(6)

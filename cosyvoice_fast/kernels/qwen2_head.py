@@ -1,9 +1,10 @@
-"""The end of a looped decode step (3 to ``Tiles.cublas_rows - 1`` rows): the final RMSNorm and the speech head.
+"""The end of a looped decode step (more rows than a GEMV step, fewer than ``Tiles.cublas_rows``): the final
+RMSNorm and the speech head.
 
 Why a kernel of its own: steps of the looped projections (:mod:`.qwen2_proj`) used to end with the final norm
 as one kernel, then the head as a cuBLAS GEMM, its bias and a cast to fp32 as torch ops: three launches outside
-the programmatic-dependent-launch chain, ~25 µs at 16 rows on an H100 for ~12 MB of weights.  :func:`head` is
-one kernel in the chain: each program owns ``Tiles.head`` output columns and the step's whole row block,
+the programmatic-dependent-launch chain, ~25 µs under CUPTI at 16 rows on an H100 for ~12 MB of weights.
+:func:`head` is one kernel in the chain: each program owns ``Tiles.head`` output columns and the step's whole row block,
 normalises each K tile of the fp32 residual as it loads it (:func:`~.qwen2_proj.normed_gemm`, the q/k/v and
 gate/up kernels' prologue) and adds the bias before the one rounding to the weight dtype.  Its logits are those
 of the GEMV head (:func:`~.qwen2_gemv.head`), which ends one- and two-row steps: a step's tokens do not depend on
@@ -55,7 +56,8 @@ def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, N, eps, BLOCK: tl.constexpr, PDL: tl.
 def head(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
          eps: float) -> None:
     """out (B, N) fp32 <- ``linear(rmsnorm(x), w, b)`` rounded to the weight dtype, for any number of rows of
-    the fp32 residual ``x`` (B, K): the same values as :func:`~.qwen2_gemv.head` (which takes 1..``gemv_rows``)."""
+    the fp32 residual ``x`` (B, K): the values of :func:`~.qwen2_gemv.head` (which takes 1..``gemv_rows``) up to
+    fp32 summation order."""
     rows, k_dim, n = check_head(x, w, b, out)
     bm, bn = row_block(rows), qwen2_proj.TILES.head
     grid = (triton.cdiv(n, bn), triton.cdiv(rows, bm))

@@ -59,7 +59,7 @@ class Tiles:
     gemv: bool = True  # steps of up to gemv_rows rows take the weight-prefetch GEMV kernels of .qwen2_gemv
     gemv_rows: int = 2  # the most rows a GEMV step takes (each program multiplies its weights by each row in turn)
     gemv_head: bool = True  # a GEMV step gathers its embeddings and applies norm + speech head in its own kernels
-    looped_head: bool = True  # so does a step of the looped kernels (.qwen2_head; not the cuBLAS steps)
+    looped_head: bool = True  # a looped step ends in one norm + speech head kernel (.qwen2_head; not cuBLAS steps)
     head: int = 32  # output columns per program of the looped steps' speech head
     gemv_cols: int = 8  # output columns per program of those kernels (gate/up, down)
     gemv_small_cols: int = 4  # the same for q/k/v (per half-head) and the o-projection: ~2 MB matrices
