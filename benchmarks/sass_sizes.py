@@ -1,24 +1,27 @@
 """No GPU needed: the machine-code size of every Triton kernel a fused forward launches, compiled for an H100.
 
-    python benchmarks/sass_sizes.py --out sass.json [--what estimator,decode] [--frames 200] [--rows 2]
+    python benchmarks/sass_sizes.py --out sass.json [--what estimator,decode,decode16] [--frames 200] [--rows 2]
 
 Why: the nucleus draw, one program that runs each instruction once, took ~2 µs per 1000 SASS instructions
 (BENCHMARKS.md, session 28), so code size is one thing to know about a kernel.  This tool shows how large the
-kernels of a forward are, without a GPU.  It runs the forward at full CosyVoice2-0.5B size (seeded random weights, bf16) on CPU under Triton's
-interpreter with every launch *recorded and skipped* (so no kernel runs and the outputs are meaningless), the
-kernels choosing their tiles as on a GPU (:func:`gpu_choices`; host code that asks ``x.is_cuda`` still sees a
-CPU tensor, and programmatic dependent launch is turned on at compile time as the GPU launches have it).  Then
-it compiles each distinct launch (kernel, argument types, constexprs, warps, stages) for sm_90 with the Triton
-installed here and counts the SASS instructions with Triton's bundled ``cuobjdump``.  (The recording runs in a
-child process: under the interpreter the kernels are not compilable objects.)
+kernels of a forward are, without a GPU.  It runs the forward at full CosyVoice2-0.5B size (seeded random weights,
+bf16) on CPU under Triton's interpreter with every launch *recorded and skipped* (so no kernel runs and the
+outputs are meaningless), the kernels choosing their tiles as on a GPU (:func:`gpu_choices`; host code that asks
+``x.is_cuda`` still sees a CPU tensor, and programmatic dependent launch is turned on at compile time as the GPU
+launches have it).  Then it compiles each distinct launch (kernel, argument types, constexprs, warps, stages) for
+sm_90 with the Triton installed here and counts the SASS instructions with Triton's bundled ``cuobjdump``, which
+also gives each kernel's registers per thread, spill stack and shared memory (a kernel that spills shows a
+non-zero stack).  (The recording runs in a child process: under the interpreter the kernels are not compilable
+objects.)
 
 - ``estimator``: one fused estimator forward (:class:`~cosyvoice_fast.kernels.estimator_fused.FusedEstimator`)
   of ``--rows`` rows x ``--frames`` frames, streaming (a first chunk's CFG pair by default);
-- ``decode``: one fused decode step of one row through :func:`~cosyvoice_fast.kernels.qwen2_decode.step_logits`.
+- ``decode``: one fused decode step of one row through :func:`~cosyvoice_fast.kernels.qwen2_decode.step_logits`;
+- ``decode16``: the same for 16 rows (the looped projections and the looped head).
 
 The Triton here may differ from the GPU machine's (the code it emits differs a little between versions); the
 sizes are for comparing kernels with each other.  Results: per kernel launches per forward, SASS instructions,
-and instructions times launches; JSON to ``--out``.
+instructions times launches, registers, stack and shared bytes; JSON to ``--out``.
 """
 
 from __future__ import annotations
@@ -100,8 +103,10 @@ def _restore(value: Any) -> Any:
     return tl.dtype(value["tl_dtype"]) if isinstance(value, dict) and "tl_dtype" in value else value
 
 
-def sass_count(module: str, name: str, sig: dict[str, str], const: dict[str, Any], options: dict[str, Any]) -> int:
-    """SASS instructions of kernel ``module.name`` compiled for sm_90 with this signature and these constexprs."""
+def compiled_size(module: str, name: str, sig: dict[str, str], const: dict[str, Any],
+                  options: dict[str, Any]) -> dict[str, int]:
+    """Kernel ``module.name`` compiled for sm_90 with this signature and these constexprs: its SASS instructions,
+    registers per thread, stack (spill) bytes per thread and static shared bytes."""
     import importlib
 
     import triton
@@ -119,9 +124,13 @@ def sass_count(module: str, name: str, sig: dict[str, str], const: dict[str, Any
     cubin.write_bytes(kernel.asm["cubin"])
     try:
         out = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+        use = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
+                             check=True).stdout
     finally:
         cubin.unlink(missing_ok=True)
-    return len(re.findall(r"/\*[0-9a-f]{4,}\*/", out))
+    found = {k.lower(): int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED):(\d+)", use)}
+    return {"sass": len(re.findall(r"/\*[0-9a-f]{4,}\*/", out)), "registers": found.get("reg", -1),
+            "stack": found.get("stack", -1), "shared": found.get("shared", -1)}
 
 
 def estimator_launches(rows: int, frames: int) -> None:
@@ -137,15 +146,15 @@ def estimator_launches(rows: int, frames: int) -> None:
         FusedEstimator(est)(*args, True)
 
 
-def decode_launches() -> None:
+def decode_launches(rows: int = 1) -> None:
     from cosyvoice_fast.kernels.qwen2_decode import step_logits
     from cosyvoice_fast.synthetic import random_full_size_lm
 
     lm = random_full_size_lm(torch.bfloat16, device="cpu")
-    cache = lm.new_cache(512)
+    cache = lm.new_cache(512, batch=rows)
     with torch.inference_mode():
-        step_logits(lm.decoder, lm.speech_embedding.weight, lm.llm_decoder, torch.tensor([[7]]),
-                    torch.tensor([300]), cache, kv_len=512)
+        step_logits(lm.decoder, lm.speech_embedding.weight, lm.llm_decoder, torch.arange(7, 7 + rows)[:, None],
+                    torch.arange(300, 300 + rows)[:, None], cache, kv_len=512)
 
 
 def gpu_choices() -> None:
@@ -167,7 +176,8 @@ def record(what: str, rows: int, frames: int, out: Path) -> None:
     """In this process (under the interpreter): run ``what``'s forward with launches recorded, write them."""
     gpu_choices()
     launches = record_launches()
-    {"estimator": lambda: estimator_launches(rows, frames), "decode": decode_launches}[what]()
+    {"estimator": lambda: estimator_launches(rows, frames), "decode": decode_launches,
+     "decode16": lambda: decode_launches(16)}[what]()
     recorded = []
     for fn, named, options in launches:
         sig, const = _signature(fn, named)
@@ -201,15 +211,16 @@ def main() -> int:
         table = []
         for key, n in count.items():
             r = json.loads(key)
-            size = sass_count(r["module"], r["name"], r["sig"], r["const"], r["options"])
-            table.append({"kernel": r["name"], "launches": n, "sass": size, "sass_x_launches": size * n,
+            size = compiled_size(r["module"], r["name"], r["sig"], r["const"], r["options"])
+            table.append({"kernel": r["name"], "launches": n, **size, "sass_x_launches": size["sass"] * n,
                           "options": r["options"], "constexprs": r["const"]})
         table.sort(key=lambda r: -r["sass_x_launches"])
         results[what] = {"launches": len(launches), "variants": len(table),
                          "sass_x_launches": sum(r["sass_x_launches"] for r in table), "kernels": table}
         print(f"{what}: {len(launches)} launches of {len(table)} compiled variants")
         for r in table:
-            print(f"  {r['kernel']:<28} x{r['launches']:<3} {r['sass']:>6} SASS  {r['options']}")
+            print(f"  {r['kernel']:<28} x{r['launches']:<3} {r['sass']:>6} SASS {r['registers']:>4} reg "
+                  f"{r['stack']:>5} stack  {r['options']}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(results, indent=1, default=str))
     return 0

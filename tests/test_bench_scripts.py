@@ -299,6 +299,23 @@ def test_sass_sizes_counts_every_kernel_of_a_decode_step_without_a_gpu(tmp_path)
     assert set(sizes) == {"_embed_kernel", "_qkv_gemv_kernel", "_attn_split_kernel", "_proj_gemv_kernel",
                           "_gate_up_gemv_kernel", "_head_gemv_kernel"}
     assert all(n > 0 for n in sizes.values()) and min(sizes, key=sizes.get) == "_embed_kernel"
+    assert all(1 <= r["registers"] <= 255 and r["stack"] >= 0 and r["shared"] >= 0 for r in decode["kernels"])
+
+
+def test_sass_sizes_covers_a_looped_sixteen_row_step(tmp_path):
+    """``--what decode16``: a 16-row step launches the looped projections (q/k/v, attention, o and down, gate/up
+    per layer) and the looped head, its gather being torch ops; each compiled variant reports its registers and
+    spill stack."""
+    pytest.importorskip("triton")
+    out = tmp_path / "sass.json"
+    run = subprocess.run([sys.executable, "benchmarks/sass_sizes.py", "--out", str(out), "--what", "decode16"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    step = json.loads(out.read_text())["decode16"]
+    assert step["launches"] == 5 * 24 + 1
+    assert {r["kernel"] for r in step["kernels"]} == {"_qkv_rope_kernel", "_attn_split_kernel",
+                                                      "_proj_residual_kernel", "_gate_up_kernel", "_head_kernel"}
+    assert all(1 <= r["registers"] <= 255 and r["stack"] >= 0 for r in step["kernels"])
 
 
 @pytest.mark.parametrize("head", ["_head_gemv_kernel", "_head_kernel", "void cutlass::Kernel2<cutlass_80_wmma_te"])
