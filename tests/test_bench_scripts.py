@@ -284,16 +284,21 @@ def test_decode_tail_ab_takes_its_variants_through_stage_ab_and_refuses_unknown_
         decode_tail_ab.main([])
 
 
+def _sass_sizes(tmp_path: Path, what: str) -> dict:
+    """``benchmarks/sass_sizes.py --what WHAT``'s result for WHAT (needs Triton, not a GPU)."""
+    pytest.importorskip("triton")
+    out = tmp_path / "sass.json"
+    run = subprocess.run([sys.executable, "benchmarks/sass_sizes.py", "--out", str(out), "--what", what],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(out.read_text())[what]
+
+
 def test_sass_sizes_counts_every_kernel_of_a_decode_step_without_a_gpu(tmp_path):
     """The code-size tool records a full-size one-row decode step's launches under the interpreter without
     running them (the embedding gather, five kernels per layer, the head) and compiles each distinct one for
     sm_90 with the Triton installed here."""
-    pytest.importorskip("triton")
-    out = tmp_path / "sass.json"
-    run = subprocess.run([sys.executable, "benchmarks/sass_sizes.py", "--out", str(out), "--what", "decode"],
-                         cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    decode = json.loads(out.read_text())["decode"]
+    decode = _sass_sizes(tmp_path, "decode")
     assert decode["launches"] == 5 * 24 + 2 and decode["variants"] == 7
     sizes = {r["kernel"]: r["sass"] for r in decode["kernels"]}
     assert set(sizes) == {"_embed_kernel", "_qkv_gemv_kernel", "_attn_split_kernel", "_proj_gemv_kernel",
@@ -306,12 +311,7 @@ def test_sass_sizes_covers_a_looped_sixteen_row_step(tmp_path):
     """``--what decode16``: a 16-row step launches the looped projections (q/k/v, attention, o and down, gate/up
     per layer) and the looped head, its gather being torch ops; each compiled variant reports its registers and
     spill stack."""
-    pytest.importorskip("triton")
-    out = tmp_path / "sass.json"
-    run = subprocess.run([sys.executable, "benchmarks/sass_sizes.py", "--out", str(out), "--what", "decode16"],
-                         cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    step = json.loads(out.read_text())["decode16"]
+    step = _sass_sizes(tmp_path, "decode16")
     assert step["launches"] == 5 * 24 + 1
     assert {r["kernel"] for r in step["kernels"]} == {"_qkv_rope_kernel", "_attn_split_kernel",
                                                       "_proj_residual_kernel", "_gate_up_kernel", "_head_kernel"}
