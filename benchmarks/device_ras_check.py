@@ -210,8 +210,9 @@ def _timeline(events: list) -> dict:
         t0, t1 = rnd[0][0], ev[b][0]
         named = {n: (s, e) for s, e, n in rnd}
         adv = named.get("_advance_kernel")
-        head = next((named[n] for n in named if n in ("_head_gemv_kernel", "_head_kernel") or "gemm" in n.lower()
-                     or "cutlass" in n), None)  # the fused heads, or cuBLAS's GEMM after the final norm
+        heads = [(s, e) for s, e, n in rnd if n in ("_head_gemv_kernel", "_head_kernel") or "gemm" in n.lower()
+                 or "cutlass" in n]  # the fused heads, or cuBLAS's GEMMs: the head is the round's last of them
+        head = max(heads, key=lambda se: se[1]) if heads else None
         busy = _union([(s, min(e, t1)) for s, e, _ in rnd])
         rows["period"].append(t1 - t0)
         rows["busy"].append(busy)

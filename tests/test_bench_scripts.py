@@ -345,3 +345,25 @@ def test_device_ras_timeline_cuts_rounds_at_the_read_kernel_and_measures_idle_an
     assert (med["graph"], med["between_graphs"], med["decoder"], med["tail"]) == (160.0, 40.0, 126.0, 30.0)
     first = got["tail_of_one_round_us_from_head_end"]
     assert first[0] == ["_proj_gemv_kernel", -125.0, 115.0] and first[-1] == ["_read_kernel", 70.0, 0.0]
+
+
+def test_device_ras_timeline_takes_the_last_cublas_gemm_of_a_round_as_the_head():
+    """A cuBLAS step (32+ rows) runs GEMMs of other shapes (other kernel names) in every layer as well: the
+    decoder ends at the round's last GEMM, not at the first name that looks like one."""
+    from types import SimpleNamespace
+
+    from benchmarks.device_ras_check import _timeline
+
+    def ev(name: str, start: float, end: float) -> SimpleNamespace:
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end))
+
+    gemm, layer_gemm = "void cutlass::Kernel2<cutlass_80_wmma_te", "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n"
+    events = []
+    for t in (0.0, 300.0):
+        events += [ev("_read_kernel", t, t + 2), ev("index_select", t + 3, t + 5), ev(layer_gemm, t + 10, t + 40),
+                   ev("_attn_split_kernel", t + 41, t + 60), ev(layer_gemm, t + 61, t + 200),
+                   ev(gemm, t + 210, t + 230),
+                   ev("_advance_kernel", t + 250, t + 260)]
+    events.append(ev("_read_kernel", 600.0, 602.0))
+    med = _timeline(events)["median_us"]
+    assert (med["decoder"], med["tail"]) == (227.0, 30.0)
