@@ -25,10 +25,16 @@ kernels.philox`): are the recomputed variates ``exponential_``'s bits, and what 
    and the head as torch ops, ``Tiles.looped_head`` off) and the looped head at 16 or 64 columns a program
    (``head16``, ``head64``; 32 by default), and a step's start as torch's gather, cast and memset for every
    step (``torch_gather``) or as the gather kernel without programmatic dependent launch for GEMV steps
-   (``gather_no_pdl``) or every step (``all_gather_no_pdl``): wall ms per decode round at each row count (150
-   forced tokens, sampling and the per-step sync included) and RAS fallbacks per token.  ``--ways`` picks
-   some; ``--steps`` picks steps (``profile_torch_tail``, ``profile_before31``, ``profile_before32``,
-   ``profile_floor``: the profile of that way).
+   (``gather_no_pdl``) or every step (``all_gather_no_pdl``), and the looped kernels with the norm prologue at
+   8 warps (``norm_warps8``), with their norm pass rolled (``rolled_norm``, ``rolled_norm_warps8``), gate/up at 16
+   columns a program (``gate_up16``), at the defaults (``norm_default``), or without programmatic dependent
+   launch (``no_pdl``: the profile's kernel times without the early launches' waits), or with the looped q/k/v
+   or gate/up projection split N ways over K (``qkv_splitN``, ``gate_up_splitN``); these ways combine with
+   ``+`` (``qkv_split4+no_pdl``): wall ms per decode round at each row
+   count (150 forced tokens, sampling and the per-step sync included), RAS fallbacks per token, and the
+   registers and spills of the norm-prologue kernels each way compiled anew.  ``--ways`` picks some;
+   ``--steps`` picks steps (``profile_torch_tail``, ``profile_before31``, ``profile_before32``,
+   ``profile_floor``, ``profile=WAY`` for any way: the profile of that way).
 
 Results: ``OUT/device_ras_check.json``.
 """
@@ -109,6 +115,40 @@ def _gather_way(way: str):  # noqa: ANN202
     return gather
 
 
+_TILE_WAYS = {"norm_warps8": {"norm_warps": 8}, "rolled_norm": {"rolled_norm": True},
+              "rolled_norm_warps8": {"rolled_norm": True, "norm_warps": 8}, "gate_up16": {"gate_up": 16},
+              "norm_default": {"norm_warps": 4, "rolled_norm": False}, "no_pdl": {"pdl": False}}
+
+
+def _tile_way(way: str) -> dict | None:
+    """The ``Tiles`` fields of a way made of ``_TILE_WAYS`` joined by ``+`` (``norm_warps8+no_pdl``), else None."""
+    fields: dict = {}
+    for part in way.split("+"):
+        name, _, n = part.rpartition("_split")
+        if name in ("qkv", "gate_up") and n.isdigit():  # qkv_split4, gate_up_split2: K splits
+            fields[f"{name}_split"] = int(n)
+        elif part in _TILE_WAYS:
+            fields.update(_TILE_WAYS[part])
+        else:
+            return None
+    return fields
+
+
+def _normed_kernels() -> dict:
+    """Compiled variants so far of the looped kernels with the norm prologue, by kernel name and cache key:
+    warps, registers per thread and spilled registers (Triton's ``n_regs``/``n_spills``, set at first launch)."""
+    from cosyvoice_fast.kernels import qwen2_head, qwen2_proj
+
+    out: dict = {}
+    for fn in (qwen2_proj._qkv_rope_kernel, qwen2_proj._gate_up_kernel, qwen2_head._head_kernel):
+        for caches in getattr(fn, "device_caches", {}).values():
+            for key, k in caches[0].items():
+                out[f"{fn.__name__} {key}"] = {"kernel": fn.__name__, "num_warps": k.metadata.num_warps,
+                                               "registers": getattr(k, "n_regs", None),
+                                               "spills": getattr(k, "n_spills", None)}
+    return out
+
+
 @contextmanager
 def _switches(way: str) -> Iterator[None]:
     """The module switches a way builds under (read while the graphs are captured)."""
@@ -129,6 +169,8 @@ def _switches(way: str) -> Iterator[None]:
         qwen2_proj.TILES = dataclasses.replace(tiles, looped_head=False)
     if way in ("head16", "head64"):
         qwen2_proj.TILES = dataclasses.replace(tiles, head=int(way[4:]))
+    if _tile_way(way) is not None:
+        qwen2_proj.TILES = dataclasses.replace(tiles, **_tile_way(way))
     warps = ras_rule.row_warps
     if way.startswith("rule_warps"):  # the rule and fallback-draw kernels at another warp count
         ras_rule.row_warps = lambda block, n=int(way[len("rule_warps"):]): n
@@ -158,8 +200,9 @@ def backend(rows_list: list[int], results: dict, save, only: list[str] | None) -
             "head16": ahead, "head64": ahead, "torch_gather": ahead, "gather_no_pdl": ahead,
             "all_gather_no_pdl": ahead}
     for way in only or list(ways):  # in the order asked for (repeats allowed: alternate to see drift)
-        kwargs = ways[way]
+        kwargs = ahead if _tile_way(way) is not None else ways[way]
         t = time.perf_counter()
+        compiled = set(_normed_kernels())
         with _switches(way):
             stage = FusedLLM(lm, full_config(), slots=max(rows_list), max_len=MAX_LEN, progress=False, **kwargs)
         row: dict = {"way": way, "device_ras": stage.device_ras, "decode_ahead": stage.decode_ahead,
@@ -179,6 +222,7 @@ def backend(rows_list: list[int], results: dict, save, only: list[str] | None) -
             row[f"rows{rows}"] = {"ms_per_round": round(wall, 4), "steps": steps,
                                   "fallbacks_per_token": round((stage.fallback_draws - fb0) / (rows * steps), 3)}
             print(way, rows, row[f"rows{rows}"], flush=True)
+        row["new_normed_kernels"] = [v for k, v in _normed_kernels().items() if k not in compiled]
         results["backend"].append(row)
         save()
         del stage
@@ -280,7 +324,7 @@ def main() -> int:
     ap.add_argument("--rows", default="1,16,64", help="row counts of the backend step (comma-separated)")
     ap.add_argument("--steps", default="bits,profile,backend",
                     help="comma-separated: bits, profile, profile_torch_tail, profile_before, "
-                    "profile_before31, profile_before32, profile_floor, backend")
+                    "profile_before31, profile_before32, profile_floor, profile=WAY (any way), backend")
     ap.add_argument("--ways", default=None, help="comma-separated ways of the backend step (default: all)")
     a = ap.parse_args()
     require_cuda("device_ras_check.py")
@@ -302,6 +346,9 @@ def main() -> int:
         runner.run("profile_before32", lambda: profile(rows, "before_session32"))
     if "profile_floor" in steps:
         runner.run("profile_floor", lambda: profile(rows, "ahead_floor"))
+    for step in steps:
+        if step.startswith("profile="):  # the profile of any way
+            runner.run(f"profile_{step[8:]}", lambda way=step[8:]: profile(rows, way))
     if "backend" in steps:
         runner.run("backend", lambda: backend(rows, results, runner.save, ways), store=False)
     return 0

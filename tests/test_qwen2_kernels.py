@@ -178,6 +178,46 @@ def test_gemv_projections_equal_the_math_with_and_without_k_pieces(rows, monkeyp
 
 
 @torch.inference_mode()
+# 64 fp32 columns of K in 16-column tiles: 2 splits of 32, or 3 of which the last is empty (it adds zeros);
+# 3 rows, or 67 (two row blocks, so the split counters are per column block and row block)
+@pytest.mark.parametrize("split,rows,rolled", [(2, 3, False), (3, 3, True), (2, proj_k.MAX_ROW_BLOCK + 3, False)])
+def test_looped_qkv_and_gate_up_split_over_k_equal_the_math(split, rows, rolled, monkeypatch):
+    monkeypatch.setattr(proj_k, "TILES", proj_k.Tiles(k_bytes=64, rolled_norm=rolled))
+    dec = _decoder(8).fuse_projections()
+    layer, max_len = dec.layers[1], 80
+    a = layer.self_attn
+    x = torch.randn(rows, CFG.hidden_size, device=DEV)
+    pos = torch.arange(rows, device=DEV)
+    cache = KVCache.for_config(CFG, max_len, rows, device=DEV)
+    q = _nan(rows, CFG.num_attention_heads, CFG.head_dim)
+    n_qkv = a.qkv_weight.shape[0]
+    tiles = proj_k.qkv_tiles(rows, a.n_heads, a.n_kv, a.head_dim)
+    counters = torch.zeros(tiles, dtype=torch.int32, device=DEV)
+    proj_k.qkv_rope(x, layer.input_layernorm.weight, a.qkv_weight, a.qkv_bias, dec.rotary.inv_freq, pos, q,
+                    cache.k[1], cache.v[1], layer.input_layernorm.eps, a.n_heads, a.n_kv, a.head_dim,
+                    _nan(split, rows, n_qkv), counters)
+    cos, sin = dec.rotary.rows(pos[:, None], x.dtype)
+    q_ref, k_ref, v_ref = a._qkv(layer.input_layernorm(x[:, None]), cos, sin)
+    assert _err(q, q_ref[:, :, 0]) <= TOL
+    assert _err(cache.k[1][torch.arange(rows), :, pos], k_ref[:, :, 0]) <= TOL
+    assert _err(cache.v[1][torch.arange(rows), :, pos], v_ref[:, :, 0]) <= TOL
+    assert counters.eq(0).all()  # put back for the next layer
+    n = CFG.intermediate_size
+    counters = torch.zeros(proj_k.gate_up_tiles(rows, n), dtype=torch.int32, device=DEV)
+    h = _nan(rows, n)
+    proj_k.gate_up(x, layer.post_attention_layernorm.weight, layer.mlp.gate_up_weight, h,
+                   layer.post_attention_layernorm.eps, _nan(split, rows, 2 * n), counters)
+    xn = layer.post_attention_layernorm(x)
+    assert _err(h, F.silu(layer.mlp.gate_proj(xn)) * layer.mlp.up_proj(xn)) <= TOL
+    assert counters.eq(0).all()
+    with pytest.raises(ValueError, match=rf"gate_up: a {split}-way K split needs float32 parts \({split}, {rows}, "
+                                         rf"{2 * n}\) and {counters.numel()} counters, got \({split}, {rows}, {n}\) "
+                                         rf"torch.float32 and 1"):
+        proj_k.gate_up(x, layer.post_attention_layernorm.weight, layer.mlp.gate_up_weight, h,
+                       layer.post_attention_layernorm.eps, _nan(split, rows, n), counters[:1])
+
+
+@torch.inference_mode()
 def test_gate_up_silu_and_projection_over_more_than_one_row_block():
     dec = _decoder(2).fuse_projections()
     _mlp_through(proj_k, dec.layers[1], proj_k.MAX_ROW_BLOCK + 3)  # two row blocks: the second mostly masked
@@ -196,13 +236,16 @@ def test_final_rmsnorm_matches_the_module():
 # steps looped, or GEMV for one row (the 3-row step looped) or for all three rows (a 4-row block with one
 # padding row); the GEMV q/k/v and o-projection with one column per program too
 # ... or all three rows on cuBLAS GEMMs with the Triton glue (cublas_rows=2, .qwen2_hybrid.decode_rows)
-@pytest.mark.parametrize("gemv,early,small,gemv_rows,cublas_rows", [(False, False, 4, 1, 0), (True, True, 4, 1, 0),
-                                                                     (True, True, 1, 4, 0), (True, True, 4, 1, 2)])
+# ... or looped with q/k/v and gate/up split over K (their counters after the down projection's) and the
+# norm pass rolled
+@pytest.mark.parametrize("gemv,early,small,gemv_rows,cublas_rows,extra", [
+    (False, False, 4, 1, 0, {}), (True, True, 4, 1, 0, {}), (True, True, 1, 4, 0, {}), (True, True, 4, 1, 2, {}),
+    (False, True, 4, 1, 0, {"qkv_split": 2, "gate_up_split": 3, "rolled_norm": True, "k_bytes": 64})])
 def test_decode_steps_equal_the_decoder_per_row_and_shared_positions(gemv, early, small, gemv_rows, cublas_rows,
-                                                                     monkeypatch):
+                                                                     extra, monkeypatch):
     monkeypatch.setattr(proj_k, "TILES", proj_k.Tiles(gemv=gemv, early_tile=early, down_split=2, down_chunk=64,
                                                       gemv_small_cols=small, gemv_rows=gemv_rows,
-                                                      cublas_rows=cublas_rows))
+                                                      cublas_rows=cublas_rows, **extra))
     dec = _decoder(4)
     rows, max_len = 3, 24
     caches = [KVCache.for_config(CFG, max_len, rows, device=DEV) for _ in range(2)]
@@ -314,6 +357,14 @@ def test_tiles_are_validated_by_field():
         proj_k.Tiles(down=8)
     with pytest.raises(ValueError, match="Tiles.down_split must be 1..16, got 0"):
         proj_k.Tiles(down_split=0)
+    with pytest.raises(ValueError, match="Tiles.qkv_split must be 1..16, got 17"):
+        proj_k.Tiles(qkv_split=17)
+    with pytest.raises(ValueError, match="Tiles.gate_up_split must be 1..16, got 0"):
+        proj_k.Tiles(gate_up_split=0)
+    with pytest.raises(ValueError, match="Tiles.norm_warps must be 2, 4, 8 or 16, got 6"):
+        proj_k.Tiles(norm_warps=6)
+    with pytest.raises(ValueError, match="Tiles.rolled_norm must be True or False, got 'yes'"):
+        proj_k.Tiles(rolled_norm="yes")
     with pytest.raises(ValueError, match="Tiles.gemv_cols must be a power of two in 1..64, got 12"):
         proj_k.Tiles(gemv_cols=12)
     with pytest.raises(ValueError, match="Tiles.gemv_small_cols must be a power of two in 1..64, got 0"):

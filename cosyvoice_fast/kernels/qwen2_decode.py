@@ -150,19 +150,28 @@ class _Step:
         self.hybrid = 0 < proj_k.TILES.cublas_rows <= rows
         self.gemv = rows <= proj_k.TILES.gemv_rows and proj_k.TILES.gemv
         hidden = cfg.hidden_size
+        self.qkv_split = self.gate_up_split = 1
+        self.qkv_counters = self.gate_up_counters = 0
         if self.gemv:  # weights loaded before each kernel's wait (.qwen2_gemv); the down projection in K pieces
             self.split = gemv_k.split_count(cfg.intermediate_size)
             down_tiles = hidden  # counters: at most one per output column
         else:
-            self.split = proj_k.TILES.down_split
-            down_tiles = triton.cdiv(hidden, proj_k.TILES.down) * triton.cdiv(rows, proj_k.row_block(rows))
+            tiles = proj_k.TILES
+            self.split, self.qkv_split, self.gate_up_split = tiles.down_split, tiles.qkv_split, tiles.gate_up_split
+            down_tiles = triton.cdiv(hidden, tiles.down) * triton.cdiv(rows, proj_k.row_block(rows))
+            if self.qkv_split > 1:
+                self.qkv_counters = proj_k.qkv_tiles(rows, cfg.num_attention_heads, n_kv, cfg.head_dim)
+            if self.gate_up_split > 1:
+                self.gate_up_counters = proj_k.gate_up_tiles(rows, cfg.intermediate_size)
         self.attn_counters = rows * n_kv
-        self.counter_count = self.attn_counters + down_tiles
+        self.down_counters = down_tiles
+        self.counter_count = self.attn_counters + down_tiles + self.qkv_counters + self.gate_up_counters
 
     def layers(self, resid: torch.Tensor, counters: torch.Tensor) -> None:
         """Every layer over the fp32 residual ``resid`` (B, H), in place.  ``counters`` holds the attention's
-        merge counters, then the down projection's split counters, all zero; each kernel puts its counters back
-        to zero, so every layer (and the next replay) finds them so."""
+        merge counters, then the down projection's split counters, then those of the q/k/v and gate/up
+        projections where they are split, all zero; each kernel puts its counters back to zero, so every layer
+        (and the next replay) finds them so."""
         decoder, rows, dtype = self.decoder, self.rows, self.dtype
         cfg, dev = decoder.cfg, resid.device
         n_heads, n_kv, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -173,16 +182,25 @@ class _Step:
         m_part = torch.empty(rows, n_heads, self.splits, dtype=torch.float32, device=dev)
         l_part = torch.empty(rows, n_heads, self.splits, dtype=torch.float32, device=dev)
         h = torch.empty(rows, cfg.intermediate_size, dtype=dtype, device=dev)
-        attn_counters = counters[:self.attn_counters].view(rows, n_kv)
-        down_counters = counters[self.attn_counters:]
+        attn_counters, down_counters, qkv_counters, gate_up_counters = counters.split(
+            [self.attn_counters, self.down_counters, self.qkv_counters, self.gate_up_counters])
+        attn_counters = attn_counters.view(rows, n_kv)
         parts = torch.empty(self.split, rows, hidden, dtype=torch.float32, device=dev) if self.split > 1 else None
+        n_qkv = (n_heads + 2 * n_kv) * head_dim
+        qkv_split = {} if self.qkv_split == 1 else {
+            "parts": torch.empty(self.qkv_split, rows, n_qkv, dtype=torch.float32, device=dev),
+            "counters": qkv_counters}
+        gate_up_split = {} if self.gate_up_split == 1 else {
+            "parts": torch.empty(self.gate_up_split, rows, 2 * cfg.intermediate_size, dtype=torch.float32,
+                                 device=dev), "counters": gate_up_counters}
         proj = gemv_k if self.gemv else proj_k
         inv_freq = decoder.rotary.inv_freq
         for i, layer in enumerate(decoder.layers):
             a, mlp = layer.self_attn, layer.mlp
             kc, vc = self.cache.k[i], self.cache.v[i]
             proj.qkv_rope(resid, layer.input_layernorm.weight, _contig(a.qkv_weight), _contig(a.qkv_bias),
-                          inv_freq, self.positions, q, kc, vc, layer.input_layernorm.eps, n_heads, n_kv, head_dim)
+                          inv_freq, self.positions, q, kc, vc, layer.input_layernorm.eps, n_heads, n_kv, head_dim,
+                          **qkv_split)
             attn_k.decode_attention(q, kc, vc, self.positions, self.kv_len, attn, o_part, m_part, l_part,
                                     attn_counters)
             o_in, wo = attn.view(rows, n_heads * head_dim), _contig(a.o_proj.weight)
@@ -194,7 +212,7 @@ class _Step:
                 gemv_k.proj_residual(h, _contig(mlp.down_proj.weight), resid, parts, down_counters)
             else:
                 proj_k.proj_residual(o_in, wo, resid, block_n=proj_k.TILES.oproj)
-                proj_k.gate_up(*gate_in)
+                proj_k.gate_up(*gate_in, **gate_up_split)
                 proj_k.proj_residual(h, _contig(mlp.down_proj.weight), resid, parts, down_counters,
                                      block_n=proj_k.TILES.down)
 

@@ -22,19 +22,19 @@ import triton.language as tl
 
 from . import qwen2_proj
 from .pdl import pdl_start
-from .qwen2_proj import dot_precision, k_block, launch_options, looped_options, normed_gemm, row_block
+from .qwen2_proj import dot_precision, k_block, launch_options, normed_gemm, normed_options, row_block
 
 
 @triton.jit
 def _head_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, B, K: tl.constexpr, N, eps, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
-                 EARLY: tl.constexpr):
+                 EARLY: tl.constexpr, ROLLED: tl.constexpr):
     """Program (column block, row block): ``out[b, n] = float(round(norm(x[b]) @ W[n, :]^T + bias[n]))``."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     bias = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)  # a weight: read before the wait
     rows, rmask, acc, _ = normed_gemm(x_ptr, nw_ptr, w_ptr, cols, cols, cmask, B, K, eps, BLOCK_M, BLOCK_K, PREC,
-                                      PDL, EARLY, PAIR=False)
+                                      PDL, EARLY, PAIR=False, ROLLED=ROLLED)
     y = (acc + bias[None, :]).to(w_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], y, mask=rmask[:, None] & cmask[None, :])
 
@@ -62,7 +62,7 @@ def head(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, b: torch.Tensor
     bm, bn = row_block(rows), qwen2_proj.TILES.head
     grid = (triton.cdiv(n, bn), triton.cdiv(rows, bm))
     _head_kernel[grid](x, norm_w, w, b, out, rows, k_dim, n, eps, BLOCK_M=bm, BLOCK_N=bn,
-                       BLOCK_K=k_block(k_dim, w.dtype, bm), PREC=dot_precision(w.dtype), **looped_options(x))
+                       BLOCK_K=k_block(k_dim, w.dtype, bm), PREC=dot_precision(w.dtype), **normed_options(x))
 
 
 def check_head(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> tuple[int, int, int]:
