@@ -29,7 +29,8 @@ kernels.philox`): are the recomputed variates ``exponential_``'s bits, and what 
    8 warps (``norm_warps8``), with their norm pass rolled (``rolled_norm``, ``rolled_norm_warps8``), gate/up at 16
    columns a program (``gate_up16``), at the defaults (``norm_default``), or without programmatic dependent
    launch (``no_pdl``: the profile's kernel times without the early launches' waits), or with the looped q/k/v
-   or gate/up projection split N ways over K (``qkv_splitN``, ``gate_up_splitN``); these ways combine with
+   or gate/up projection split N ways over K (``qkv_splitN``, ``gate_up_splitN``), or with every norm taking a
+   pass over its rows instead of the per-tile sums of squares (``norm_sums_off``); these ways combine with
    ``+`` (``qkv_split4+no_pdl``): wall ms per decode round at each row
    count (150 forced tokens, sampling and the per-step sync included), RAS fallbacks per token, and the
    registers and spills of the norm-prologue kernels each way compiled anew.  ``--ways`` picks some;
@@ -117,7 +118,8 @@ def _gather_way(way: str):  # noqa: ANN202
 
 _TILE_WAYS = {"norm_warps8": {"norm_warps": 8}, "rolled_norm": {"rolled_norm": True},
               "rolled_norm_warps8": {"rolled_norm": True, "norm_warps": 8}, "gate_up16": {"gate_up": 16},
-              "norm_default": {"norm_warps": 4, "rolled_norm": False}, "no_pdl": {"pdl": False}}
+              "norm_default": {"norm_warps": 4, "rolled_norm": False}, "no_pdl": {"pdl": False},
+              "norm_sums_off": {"norm_sums": False}}
 
 
 def _tile_way(way: str) -> dict | None:

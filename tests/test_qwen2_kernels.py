@@ -134,10 +134,15 @@ def test_projection_adds_into_the_residual_whole_or_from_k_split_partials(split)
     proj_k.proj_residual(a, w, resid, parts, counters)
     assert _err(resid, ref) <= TOL
     assert counters.eq(0).all()  # the last split reset its tile's counter for the next layer
-    proj_k.proj_residual(a, w, resid, parts, counters)  # so the same scratch serves again
+    sums = _nan(n // 16, rows)  # and each column block's sums of squares of the finished residual
+    proj_k.proj_residual(a, w, resid, parts, counters, sums=sums)  # so the same scratch serves again
     assert _err(resid, ref + a @ w.t()) <= TOL
+    assert _err(sums, resid.view(rows, n // 16, 16).square().sum(-1).t()) <= TOL
     with pytest.raises(ValueError, match=r"3-way K split needs parts \(3, 5, 48\) and 3 counters, got"):
         proj_k.proj_residual(a, w, resid, _nan(3, 4, n), counters)
+    with pytest.raises(ValueError, match=r"proj_residual: sums of squares need a float32 \(3, 5\) buffer, got "
+                                         r"\(5, 3\) torch.float32"):
+        proj_k.proj_residual(a, w, resid, parts, counters, sums=_nan(rows, 3))
 
 
 def _mlp_through(kernels, layer, rows: int) -> tuple[torch.Tensor, ...]:
@@ -215,6 +220,10 @@ def test_looped_qkv_and_gate_up_split_over_k_equal_the_math(split, rows, rolled,
                                          rf"torch.float32 and 1"):
         proj_k.gate_up(x, layer.post_attention_layernorm.weight, layer.mlp.gate_up_weight, h,
                        layer.post_attention_layernorm.eps, _nan(split, rows, n), counters[:1])
+    with pytest.raises(ValueError, match=rf"norm sums: a float32 \(tiles, {rows}\) buffer expected, got "
+                                         rf"\(4, {rows + 1}\) torch.float32"):
+        proj_k.gate_up(x, layer.post_attention_layernorm.weight, layer.mlp.gate_up_weight, h,
+                       layer.post_attention_layernorm.eps, sums=_nan(4, rows + 1))
 
 
 @torch.inference_mode()

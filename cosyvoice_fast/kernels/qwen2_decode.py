@@ -108,10 +108,13 @@ def step_logits(decoder: Qwen2Decoder, table: torch.Tensor, head: torch.nn.Linea
     counters = torch.empty(step.counter_count, dtype=torch.int32, device=dev)
     resid = torch.empty(rows, hidden, dtype=torch.float32, device=dev)
     _gather(step.gemv, tokens.reshape(rows), table, resid, counters)
-    step.layers(resid, counters)
+    sums = step.layers(resid, counters)
     logits = torch.empty(rows, head.weight.shape[0], dtype=torch.float32, device=dev)
-    (gemv_k if step.gemv else head_k).head(resid, decoder.norm.weight, _contig(head.weight), head.bias, logits,
-                                            decoder.norm.eps)
+    head_args = (resid, decoder.norm.weight, _contig(head.weight), head.bias, logits, decoder.norm.eps)
+    if step.gemv:
+        gemv_k.head(*head_args)
+    else:
+        head_k.head(*head_args, sums=sums)
     return logits
 
 
@@ -167,11 +170,12 @@ class _Step:
         self.down_counters = down_tiles
         self.counter_count = self.attn_counters + down_tiles + self.qkv_counters + self.gate_up_counters
 
-    def layers(self, resid: torch.Tensor, counters: torch.Tensor) -> None:
+    def layers(self, resid: torch.Tensor, counters: torch.Tensor) -> torch.Tensor | None:
         """Every layer over the fp32 residual ``resid`` (B, H), in place.  ``counters`` holds the attention's
         merge counters, then the down projection's split counters, then those of the q/k/v and gate/up
         projections where they are split, all zero; each kernel puts its counters back to zero, so every layer
-        (and the next replay) finds them so."""
+        (and the next replay) finds them so.  Returns the sums of squares the last down projection left for the
+        final norm (``Tiles.norm_sums``, looped steps), else None."""
         decoder, rows, dtype = self.decoder, self.rows, self.dtype
         cfg, dev = decoder.cfg, resid.device
         n_heads, n_kv, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -194,13 +198,21 @@ class _Step:
             "parts": torch.empty(self.gate_up_split, rows, 2 * cfg.intermediate_size, dtype=torch.float32,
                                  device=dev), "counters": gate_up_counters}
         proj = gemv_k if self.gemv else proj_k
+        # looped steps: the o- and down projections leave per-tile sums of squares of the residual they finish,
+        # which the next norm reads instead of the rows (the first layer's q/k/v reads the rows)
+        sums = not self.gemv and proj_k.TILES.norm_sums
+        o_sums = torch.empty(triton.cdiv(hidden, proj_k.TILES.oproj), rows, dtype=torch.float32, device=dev) \
+            if sums else None
+        down_sums = torch.empty(triton.cdiv(hidden, proj_k.TILES.down), rows, dtype=torch.float32, device=dev) \
+            if sums else None
+        qkv_sums = {}
         inv_freq = decoder.rotary.inv_freq
         for i, layer in enumerate(decoder.layers):
             a, mlp = layer.self_attn, layer.mlp
             kc, vc = self.cache.k[i], self.cache.v[i]
             proj.qkv_rope(resid, layer.input_layernorm.weight, _contig(a.qkv_weight), _contig(a.qkv_bias),
                           inv_freq, self.positions, q, kc, vc, layer.input_layernorm.eps, n_heads, n_kv, head_dim,
-                          **qkv_split)
+                          **qkv_split, **qkv_sums)
             attn_k.decode_attention(q, kc, vc, self.positions, self.kv_len, attn, o_part, m_part, l_part,
                                     attn_counters)
             o_in, wo = attn.view(rows, n_heads * head_dim), _contig(a.o_proj.weight)
@@ -211,10 +223,12 @@ class _Step:
                 gemv_k.gate_up(*gate_in)
                 gemv_k.proj_residual(h, _contig(mlp.down_proj.weight), resid, parts, down_counters)
             else:
-                proj_k.proj_residual(o_in, wo, resid, block_n=proj_k.TILES.oproj)
-                proj_k.gate_up(*gate_in, **gate_up_split)
+                proj_k.proj_residual(o_in, wo, resid, block_n=proj_k.TILES.oproj, sums=o_sums)
+                proj_k.gate_up(*gate_in, **gate_up_split, sums=o_sums)
                 proj_k.proj_residual(h, _contig(mlp.down_proj.weight), resid, parts, down_counters,
-                                     block_n=proj_k.TILES.down)
+                                     block_n=proj_k.TILES.down, sums=down_sums)
+                qkv_sums = {"sums": down_sums}
+        return down_sums
 
 
 def _contig(t: torch.Tensor) -> torch.Tensor:

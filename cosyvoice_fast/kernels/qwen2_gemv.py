@@ -15,7 +15,7 @@ after the wait, was one more memory round trip on the step's critical path.  The
 broadcast-and-sum in fp32.  Each program holds its slice in registers, so slices are narrow (``Tiles.gemv_cols``
 columns; ``Tiles.gemv_small_cols`` for the ~2 MB q/k/v and o-projection matrices, which at 8 columns a program
 would leave SMs idle) and the down projection is split over K in ``Tiles.down_chunk`` pieces whose partial sums
-the last split adds (:func:`~.qwen2_proj.split_add`).  The same whole-K tiles through ``tl.dot`` for 2..16 rows
+the last split adds (:func:`~.qwen2_pieces.split_add`).  The same whole-K tiles through ``tl.dot`` for 2..16 rows
 spilled and ran three times slower than the looped kernels (BENCHMARKS.md).
 
 A program multiplies its weight slice by each row of the step in turn (broadcast-and-sum per row), so a row's
@@ -36,7 +36,8 @@ import triton.language as tl
 from . import qwen2_proj
 from .pdl import pdl_start
 from .qwen2_head import check_head
-from .qwen2_proj import launch_options, rope_inputs, rope_store, split_add
+from .qwen2_pieces import rope_inputs, rope_store, split_add
+from .qwen2_proj import launch_options
 
 
 @triton.jit

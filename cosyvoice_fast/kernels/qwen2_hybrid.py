@@ -35,7 +35,8 @@ import triton.language as tl
 from ..models.qwen2 import KVCache, Qwen2Decoder
 from .pdl import pdl_start
 from .qwen2_attention import decode_attention, kv_tile_step
-from .qwen2_proj import dot_precision, launch_options, rotate_store
+from .qwen2_pieces import rotate_store
+from .qwen2_proj import dot_precision, launch_options
 
 #: query positions per attention program, and keys per tile of its walk
 BLOCK_M, BLOCK_N = 64, 64

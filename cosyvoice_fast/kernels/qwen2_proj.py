@@ -7,8 +7,10 @@ columns and *all* rows of the step (``BLOCK_M`` = 16..64 rows padded, one ``tl.d
 byte crosses the memory bus once however many rows step together (1..64); more than 64 rows add row blocks.
 Everything that would otherwise be its own kernel rides in the prologue or epilogue of one of these:
 
-- RMSNorm: each program recomputes its rows' ``rsqrt(mean(x^2) + eps)`` from the fp32 residual (a hidden row is
-  a few KiB; recomputing beats a launch), then normalises each K tile as it is loaded;
+- RMSNorm: each program gets its rows' ``rsqrt(mean(x^2) + eps)`` (recomputing beats a launch), then normalises
+  each K tile as it is loaded.  The statistics come from a pass over the fp32 residual rows, or (``Tiles.norm_sums``,
+  every norm but the first layer's) from the per-column-tile sums of squares that the o- or down projection left
+  when it finished the residual: a few KiB instead of the whole rows per program (:mod:`.qwen2_pieces`);
 - RoPE and the KV-cache write: a q/k/v program owns column pairs ``(d, d + D/2)`` of one head, exactly the pairs
   the half-split rotation mixes, so it rotates in registers and stores q to a scratch buffer, k/v straight into
   the cache row at the row's own position;
@@ -21,14 +23,13 @@ Everything that would otherwise be its own kernel rides in the prologue or epilo
   no atomics on data, no extra kernel, and every reader sees one finished fp32 residual row.
 - the q/k/v projection is small (~2 MB) and has few column programs (36 at CosyVoice2-0.5B's 18 heads), each
   walking all of K in sequence; split over K the same way (``Tiles.qkv_split``, :func:`split_pair`), the split
-  that arrives last sums the partials and then applies bias, RoPE and the stores.  Each split recomputes the
-  whole row's norm statistics.  gate/up can split too (``Tiles.gate_up_split``) but already has ~1 program per
-  SM, so its default stays one.
+  that arrives last sums the partials and then applies bias, RoPE and the stores.  gate/up can split too
+  (``Tiles.gate_up_split``) but already has ~1 program per SM, and measured slower split.
 
 K tiles are ``Tiles.k_bytes`` of each weight row (128 bf16 / 64 fp32 elements), pipelined with cp.async: a
 few stages in flight per program, ~2 programs per SM for the big matrices, and small enough shared memory that
-the 152 gate/up programs fit on an H100's 132 SMs in one wave.  The norm pre-pass is unrolled (the hidden size is
-a compile-time constant) so all of a row's loads issue at once.
+the 152 gate/up programs fit on an H100's 132 SMs in one wave.  The pass over the rows is unrolled (the hidden
+size is a compile-time constant) so all of a row's loads issue at once (``Tiles.rolled_norm`` loops instead).
 
 Accumulation is fp32 everywhere; fp32 weights use IEEE products (no TF32) so fp32 runs match eager to ~1e-6.
 """
@@ -42,6 +43,7 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_options, pdl_start
+from .qwen2_pieces import normed_gemm, rope_inputs, rope_store, split_add, split_pair, w_tile
 
 MAX_ROW_BLOCK = 64
 
@@ -70,6 +72,7 @@ class Tiles:
     head: int = 32  # output columns per program of the looped steps' speech head
     norm_warps: int = 4  # warps of the looped kernels with the RMSNorm prologue (q/k/v, gate/up, speech head)
     rolled_norm: bool = False  # their norm-statistics pass as a loop over K tiles instead of unrolled
+    norm_sums: bool = True  # looped steps: the residual's writers leave per-tile sums of squares for the next norm
     gemv_cols: int = 8  # output columns per program of those kernels (gate/up, down)
     gemv_small_cols: int = 4  # the same for q/k/v (per half-head) and the o-projection: ~2 MB matrices
     down_chunk: int = 512  # K elements per split of their down projection
@@ -94,7 +97,7 @@ class Tiles:
                 raise ValueError(f"Tiles.{name} must be 1..16, got {getattr(self, name)}")
         if self.norm_warps not in (2, 4, 8, 16):
             raise ValueError(f"Tiles.norm_warps must be 2, 4, 8 or 16, got {self.norm_warps!r}")
-        for name in ("pdl", "early_tile", "gemv", "gemv_head", "looped_head", "rolled_norm"):
+        for name in ("pdl", "early_tile", "gemv", "gemv_head", "looped_head", "rolled_norm", "norm_sums"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Tiles.{name} must be True or False, got {getattr(self, name)!r}")
 
@@ -102,201 +105,16 @@ class Tiles:
 TILES = Tiles()  # what the launchers use (read at each launch, so a benchmark can swap it)
 
 
-# ------------------------------------------------------------------------------------------ shared pieces
-
-
-@triton.jit
-def _resid_tile(x_ptr, rows, rmask, k, K):
-    """fp32 residual tile ``x[rows, k]``."""
-    return tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=rmask[:, None] & (k[None, :] < K), other=0.0
-                   ).to(tl.float32)
-
-
-@triton.jit
-def _row_rstd(x_ptr, rows, rmask, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-              ROLLED: tl.constexpr = False):
-    """``1 / sqrt(mean(x^2) + eps)`` of residual rows ``rows``.  Unrolled (K is a constexpr), all of a row's
-    loads issue at once, but the whole (BLOCK_M, K) fp32 block is live in registers; ``ROLLED`` loops over K
-    tiles instead (one tile live, the loads in sequence)."""
-    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if ROLLED:
-        for k0 in range(0, K, BLOCK_K):
-            x = _resid_tile(x_ptr, rows, rmask, k0 + tl.arange(0, BLOCK_K), K)
-            ss += tl.sum(x * x, axis=1)
-    else:
-        for k0 in tl.static_range(0, K, BLOCK_K):
-            x = _resid_tile(x_ptr, rows, rmask, k0 + tl.arange(0, BLOCK_K), K)
-            ss += tl.sum(x * x, axis=1)
-    return 1.0 / tl.sqrt(ss / K + eps)
-
-
-@triton.jit
-def _normed_tile(x_ptr, rows, rmask, k, K, rstd, nw_ptr):
-    """A (BLOCK_M, BLOCK_K) tile of ``RMSNorm(x)`` in the norm weight's dtype: normalise in fp32, round, then
-    scale (the reference order)."""
-    x = _resid_tile(x_ptr, rows, rmask, k, K)
-    nw = tl.load(nw_ptr + k, mask=k < K, other=0.0)
-    return (x * rstd[:, None]).to(nw.dtype) * nw[None, :]
-
-
-@triton.jit
-def rotate_store(x1, x2, head, d, dmask, rows, rmask, pos, crow, freq, q_ptr, kc_ptr, vc_ptr,
-                 stride_cb, stride_ch, stride_cp, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
-    """fp32 columns ``d`` and ``d + D/2`` of one q, k or v head for ``rows``: RoPE on q and k heads (half-split
-    pairing: out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin; v heads do not rotate), then q to its scratch rows
-    and k/v into cache rows ``crow`` at positions ``pos``.  ``freq``: the rotary frequencies of columns ``d``."""
-    HALF: tl.constexpr = D // 2
-    rot = head < HQ + HKV
-    ang = pos.to(tl.float32)[:, None] * freq[None, :]
-    c = tl.where(rot, tl.cos(ang), 1.0)
-    s = tl.where(rot, tl.sin(ang), 0.0)
-    o1 = x1 * c - x2 * s
-    o2 = x2 * c + x1 * s
-    m2 = rmask[:, None] & dmask[None, :]
-    if head < HQ:
-        base = q_ptr + rows[:, None] * (HQ * D) + head * D + d[None, :]
-        tl.store(base, o1.to(q_ptr.dtype.element_ty), mask=m2)
-        tl.store(base + HALF, o2.to(q_ptr.dtype.element_ty), mask=m2)
-    else:
-        kvh = head - HQ
-        c_ptr = kc_ptr
-        if head >= HQ + HKV:
-            kvh = head - HQ - HKV
-            c_ptr = vc_ptr
-        off = crow[:, None] * stride_cb + kvh * stride_ch + pos[:, None] * stride_cp + d[None, :]
-        tl.store(c_ptr + off, o1.to(kc_ptr.dtype.element_ty), mask=m2)
-        tl.store(c_ptr + off + HALF, o2.to(kc_ptr.dtype.element_ty), mask=m2)
-
-
-@triton.jit
-def rope_inputs(head, d, dmask, rows, rmask, b_ptr, freq_ptr, pos_ptr, D: tl.constexpr):
-    """What the q/k/v epilogue reads besides the products: the bias of columns ``d`` and ``d + D/2`` of
-    ``head`` (fp32), their rotary frequencies and each row's position.  None of it is written by the kernel
-    before, so the GEMV kernel loads it ahead of its PDL wait."""
-    HALF: tl.constexpr = D // 2
-    col1 = head * D + d
-    b1 = tl.load(b_ptr + col1, mask=dmask, other=0.0).to(tl.float32)
-    b2 = tl.load(b_ptr + col1 + HALF, mask=dmask, other=0.0).to(tl.float32)
-    freq = tl.load(freq_ptr + d, mask=dmask, other=0.0)
-    pos = tl.load(pos_ptr + rows, mask=rmask, other=0)
-    return b1, b2, freq, pos
-
-
-@triton.jit
-def rope_store(acc1, acc2, head, d, dmask, rows, rmask, b1, b2, freq, pos, q_ptr, kc_ptr, vc_ptr,
-               stride_cb, stride_ch, stride_cp, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
-    """The q/k/v epilogue of a decode step: bias, then :func:`rotate_store` with each row's own position and
-    cache row (``b1``, ``b2``, ``freq``, ``pos`` from :func:`rope_inputs`)."""
-    rotate_store(acc1 + b1[None, :], acc2 + b2[None, :], head, d, dmask, rows, rmask, pos, rows, freq, q_ptr,
-                 kc_ptr, vc_ptr, stride_cb, stride_ch, stride_cp, HQ, HKV, D)
-
-
-@triton.jit
-def split_add(acc, r_ptr, part_ptr, cnt_ptr, tile, rows, rmask, cols, cmask, B, N, SPLIT_K: tl.constexpr):
-    """``r[rows, cols] += acc`` for a projection split over K (split ``program_id(2)``): one split adds directly;
-    with several, each stores its fp32 partial and bumps the tile's counter, and the last to arrive adds every
-    partial in split order (deterministic) and resets the counter to zero for the next layer and replay."""
-    m2 = rmask[:, None] & cmask[None, :]
-    off = rows[:, None] * N + cols[None, :]
-    if SPLIT_K == 1:
-        tl.store(r_ptr + off, tl.load(r_ptr + off, mask=m2, other=0.0) + acc, mask=m2)
-    else:
-        sid = tl.program_id(2)
-        tl.store(part_ptr + sid * B * N + off, acc, mask=m2)
-        tl.debug_barrier()  # every thread's partial is issued before the release below
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            total = tl.load(part_ptr + off, mask=m2, other=0.0, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT_K):
-                total += tl.load(part_ptr + s * B * N + off, mask=m2, other=0.0, cache_modifier=".cg")
-            tl.store(r_ptr + off, tl.load(r_ptr + off, mask=m2, other=0.0) + total, mask=m2)
-            tl.atomic_xchg(cnt_ptr + tile, 0)
-
-
-@triton.jit
-def split_pair(acc_a, acc_b, part_ptr, cnt_ptr, rows, rmask, cols_a, cols_b, cmask, B, N: tl.constexpr,
-               SPLIT_K: tl.constexpr):
-    """The two sums of :func:`normed_gemm` split over K (split ``program_id(2)``), as :func:`split_add` does it:
-    each split stores its fp32 partials at columns ``cols_a``/``cols_b`` of a (S, B, N) scratch and bumps its
-    tile's counter.  Returns ``(sum_a, sum_b, last)``: ``last`` is true only in the split that arrived last,
-    whose sums add every partial in split order (deterministic) and which puts the counter back to zero; the
-    caller masks its epilogue's stores with it."""
-    sid = tl.program_id(2)
-    tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-    m2 = rmask[:, None] & cmask[None, :]
-    off_a = rows[:, None] * N + cols_a[None, :]
-    off_b = rows[:, None] * N + cols_b[None, :]
-    tl.store(part_ptr + sid * B * N + off_a, acc_a, mask=m2)
-    tl.store(part_ptr + sid * B * N + off_b, acc_b, mask=m2)
-    tl.debug_barrier()  # every thread's partial is issued before the release below
-    last = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1
-    ml = tl.where(last, m2, False)  # (not m2 & last: the interpreter's stores refuse that mask)
-    sum_a = tl.load(part_ptr + off_a, mask=ml, other=0.0, cache_modifier=".cg")
-    sum_b = tl.load(part_ptr + off_b, mask=ml, other=0.0, cache_modifier=".cg")
-    for s in tl.static_range(1, SPLIT_K):
-        sum_a += tl.load(part_ptr + s * B * N + off_a, mask=ml, other=0.0, cache_modifier=".cg")
-        sum_b += tl.load(part_ptr + s * B * N + off_b, mask=ml, other=0.0, cache_modifier=".cg")
-    if last:
-        tl.atomic_xchg(cnt_ptr + tile, 0)
-    return sum_a, sum_b, last
-
-
-@triton.jit
-def _w_tile(w_ptr, cols, cmask, k, K, k_end):
-    """Weight rows ``cols`` of a (N, K) row-major matrix, K tile ``k`` (< ``k_end``), as a (BLOCK_K, BLOCK_N)
-    operand."""
-    return tl.load(w_ptr + cols[None, :] * K + k[:, None], mask=cmask[None, :] & (k[:, None] < k_end), other=0.0)
-
-
-@triton.jit
-def normed_gemm(x_ptr, nw_ptr, w_ptr, cols_a, cols_b, cmask, B, K: tl.constexpr, eps,
-                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
-                EARLY: tl.constexpr, PAIR: tl.constexpr = True, ROLLED: tl.constexpr = False,
-                SPLIT_K: tl.constexpr = 1):
-    """``RMSNorm(x) @ W[cols_a]^T`` and ``@ W[cols_b]^T`` for this program's row block (``program_id(1)``):
-    the q/k/v kernel's rotation pair and the gate/up kernel's two halves (without ``PAIR`` only ``cols_a``: the
-    speech head, :mod:`.qwen2_head`).  With ``EARLY`` the first K tile of the weights is loaded before the PDL
-    wait (weights never depend on the previous kernel); ``ROLLED``: see :func:`_row_rstd`.  With ``SPLIT_K`` > 1
-    the program multiplies only its split's K range (``program_id(2)``; the norm statistics still cover the
-    whole row).  Returns ``(rows, row mask, acc_a, acc_b)`` with fp32 accumulators (``acc_b`` is meaningless
-    without ``PAIR``)."""
-    CHUNK: tl.constexpr = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K
-    k_lo = tl.program_id(2) * CHUNK if SPLIT_K > 1 else 0
-    k_hi = tl.minimum(k_lo + CHUNK, K) if SPLIT_K > 1 else K
-    k = k_lo + tl.arange(0, BLOCK_K)
-    if not EARLY:
-        pdl_start(PDL)
-    wa = _w_tile(w_ptr, cols_a, cmask, k, K, k_hi)
-    if PAIR:
-        wb = _w_tile(w_ptr, cols_b, cmask, k, K, k_hi)
-    if EARLY:
-        pdl_start(PDL)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < B
-    rstd = _row_rstd(x_ptr, rows, rmask, K, eps, BLOCK_M, BLOCK_K, ROLLED)
-    xn = _normed_tile(x_ptr, rows, rmask, k, K, rstd, nw_ptr)
-    acc_a = tl.dot(xn, wa, input_precision=PREC)
-    acc_b = acc_a
-    if PAIR:
-        acc_b = tl.dot(xn, wb, input_precision=PREC)
-    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        xn = _normed_tile(x_ptr, rows, rmask, k, K, rstd, nw_ptr)
-        acc_a = tl.dot(xn, _w_tile(w_ptr, cols_a, cmask, k, K, k_hi), acc_a, input_precision=PREC)
-        if PAIR:
-            acc_b = tl.dot(xn, _w_tile(w_ptr, cols_b, cmask, k, K, k_hi), acc_b, input_precision=PREC)
-    return rows, rmask, acc_a, acc_b
-
-
 # ------------------------------------------------------------------------------------------ kernels
 
 
 @triton.jit
 def _qkv_rope_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, part_ptr, cnt_ptr,
-                     B, K: tl.constexpr, eps, stride_cb, stride_ch, stride_cp,
+                     ss_ptr, B, K: tl.constexpr, eps, stride_cb, stride_ch, stride_cp,
                      HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-                     PDL: tl.constexpr, EARLY: tl.constexpr, ROLLED: tl.constexpr, SPLIT_K: tl.constexpr):
+                     PDL: tl.constexpr, EARLY: tl.constexpr, ROLLED: tl.constexpr, SPLIT_K: tl.constexpr,
+                     NT: tl.constexpr, NTP: tl.constexpr):
     """Program (column block, row block, K split): columns ``d`` and ``d + D/2`` of one q, k or v head."""
     HALF: tl.constexpr = D // 2
     NB: tl.constexpr = (HALF + BLOCK_N - 1) // BLOCK_N
@@ -307,7 +125,8 @@ def _qkv_rope_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_p
     col1 = head * D + d
     col2 = col1 + HALF
     rows, rmask, acc1, acc2 = normed_gemm(x_ptr, nw_ptr, w_ptr, col1, col2, dmask, B, K, eps, BLOCK_M,
-                                          BLOCK_K, PREC, PDL, EARLY, ROLLED=ROLLED, SPLIT_K=SPLIT_K)
+                                          BLOCK_K, PREC, PDL, EARLY, ROLLED=ROLLED, SPLIT_K=SPLIT_K, ss_ptr=ss_ptr,
+                                          NT=NT, NTP=NTP)
     if SPLIT_K > 1:
         acc1, acc2, last = split_pair(acc1, acc2, part_ptr, cnt_ptr, rows, rmask, col1, col2, dmask, B,
                                       (HQ + 2 * HKV) * D, SPLIT_K)
@@ -318,14 +137,16 @@ def _qkv_rope_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, freq_ptr, pos_ptr, q_ptr, kc_p
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, part_ptr, cnt_ptr, B, K: tl.constexpr, N: tl.constexpr, eps,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-                    PDL: tl.constexpr, EARLY: tl.constexpr, ROLLED: tl.constexpr, SPLIT_K: tl.constexpr):
+def _gate_up_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, part_ptr, cnt_ptr, ss_ptr, B, K: tl.constexpr, N: tl.constexpr,
+                    eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+                    PDL: tl.constexpr, EARLY: tl.constexpr, ROLLED: tl.constexpr, SPLIT_K: tl.constexpr,
+                    NT: tl.constexpr, NTP: tl.constexpr):
     """``h = silu(gate(norm(x))) * up(norm(x))`` for columns ``n`` (gate rows n, up rows N + n of the fused weight)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     rows, rmask, acc_g, acc_u = normed_gemm(x_ptr, nw_ptr, w_ptr, cols, cols + N, cmask, B, K, eps, BLOCK_M,
-                                            BLOCK_K, PREC, PDL, EARLY, ROLLED=ROLLED, SPLIT_K=SPLIT_K)
+                                            BLOCK_K, PREC, PDL, EARLY, ROLLED=ROLLED, SPLIT_K=SPLIT_K,
+                                            ss_ptr=ss_ptr, NT=NT, NTP=NTP)
     if SPLIT_K > 1:
         acc_g, acc_u, last = split_pair(acc_g, acc_u, part_ptr, cnt_ptr, rows, rmask, cols, cols + N, cmask, B,
                                         2 * N, SPLIT_K)
@@ -336,9 +157,9 @@ def _gate_up_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, part_ptr, cnt_ptr, B, K: tl.con
 
 
 @triton.jit
-def _proj_residual_kernel(a_ptr, w_ptr, r_ptr, part_ptr, cnt_ptr, B, K, N, SPLIT_K: tl.constexpr,
+def _proj_residual_kernel(a_ptr, w_ptr, r_ptr, part_ptr, cnt_ptr, ss_ptr, B, K, N, SPLIT_K: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-                          PDL: tl.constexpr, EARLY: tl.constexpr):
+                          PDL: tl.constexpr, EARLY: tl.constexpr, SUMS: tl.constexpr):
     """``r[:, n] += a @ W[n, :]^T`` for columns ``n``, over K split ``program_id(2)`` (see :func:`split_add`)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -348,7 +169,7 @@ def _proj_residual_kernel(a_ptr, w_ptr, r_ptr, part_ptr, cnt_ptr, B, K, N, SPLIT
     k = sid * chunk + tl.arange(0, BLOCK_K)
     if not EARLY:
         pdl_start(PDL)
-    w = _w_tile(w_ptr, cols, cmask, k, K, k_end)
+    w = w_tile(w_ptr, cols, cmask, k, K, k_end)
     if EARLY:
         pdl_start(PDL)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -358,9 +179,9 @@ def _proj_residual_kernel(a_ptr, w_ptr, r_ptr, part_ptr, cnt_ptr, B, K, N, SPLIT
     for k0 in range(sid * chunk + BLOCK_K, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_ptr + rows[:, None] * K + k[None, :], mask=rmask[:, None] & (k[None, :] < k_end), other=0.0)
-        acc = tl.dot(a, _w_tile(w_ptr, cols, cmask, k, K, k_end), acc, input_precision=PREC)
+        acc = tl.dot(a, w_tile(w_ptr, cols, cmask, k, K, k_end), acc, input_precision=PREC)
     tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-    split_add(acc, r_ptr, part_ptr, cnt_ptr, tile, rows, rmask, cols, cmask, B, N, SPLIT_K)
+    split_add(acc, r_ptr, part_ptr, cnt_ptr, tile, rows, rmask, cols, cmask, B, N, SPLIT_K, ss_ptr, SUMS)
 
 
 # ------------------------------------------------------------------------------------------ launchers
@@ -382,10 +203,16 @@ def looped_options(t: torch.Tensor) -> dict:
     return {**launch_options(t, 3), "EARLY": TILES.early_tile}
 
 
-def normed_options(t: torch.Tensor) -> dict:
+def normed_options(t: torch.Tensor, sums: torch.Tensor | None = None) -> dict:
     """:func:`looped_options` of the looped kernels with the RMSNorm prologue (:func:`normed_gemm`): their warp
-    count and norm pass (``Tiles.norm_warps``, ``Tiles.rolled_norm``)."""
-    return {**looped_options(t), "num_warps": TILES.norm_warps, "ROLLED": TILES.rolled_norm}
+    count and norm pass (``Tiles.norm_warps``, ``Tiles.rolled_norm``), and the (tiles, B) sums of squares to
+    take the statistics from (``sums``; None: a pass over each row)."""
+    if sums is not None and (sums.dim() != 2 or sums.shape[1] != t.shape[0] or sums.dtype != torch.float32):
+        raise ValueError(f"norm sums: a float32 (tiles, {t.shape[0]}) buffer expected, got {tuple(sums.shape)} "
+                         f"{sums.dtype}")
+    nt = 0 if sums is None else sums.shape[0]
+    return {**looped_options(t), "num_warps": TILES.norm_warps, "ROLLED": TILES.rolled_norm, "NT": nt,
+            "NTP": triton.next_power_of_2(max(nt, 1))}
 
 
 def launch_options(t: torch.Tensor, stages: int) -> dict:
@@ -432,10 +259,11 @@ def _split_scratch(parts: torch.Tensor | None, counters: torch.Tensor | None, ro
 def qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, b: torch.Tensor, inv_freq: torch.Tensor,
              pos: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, eps: float,
              n_heads: int, n_kv: int, head_dim: int, parts: torch.Tensor | None = None,
-             counters: torch.Tensor | None = None) -> None:
+             counters: torch.Tensor | None = None, sums: torch.Tensor | None = None) -> None:
     """q (B, Hq, D) <- RoPE(norm(x) Wq + bq); cache rows b at ``pos[b]`` <- RoPE(k), v.  ``x``: the fp32 (B, K)
     residual.  With ``parts`` (S, B, (Hq + 2 Hkv) D) fp32 scratch and ``counters`` (>= :func:`qkv_tiles`) int32
-    zeros, K is split S ways (see :func:`split_pair`)."""
+    zeros, K is split S ways (see :func:`split_pair`).  ``sums``: the (tiles, B) sums of squares the residual's
+    last writer left (:func:`proj_residual`), for the norm statistics; None: a pass over each row."""
     rows, k_dim = x.shape
     half = head_dim // 2
     if half < 1 or half & (half - 1):
@@ -444,31 +272,37 @@ def qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, b: torch.Te
     split = _split_scratch(parts, counters, rows, w.shape[0], qkv_tiles(rows, n_heads, n_kv, head_dim), "qkv_rope")
     grid = ((n_heads + 2 * n_kv) * triton.cdiv(half, block_n), triton.cdiv(rows, bm), split)
     _qkv_rope_kernel[grid](x, norm_w, w, b, inv_freq, pos, q_out, k_cache, v_cache,
-                           x if parts is None else parts, x if counters is None else counters, rows, k_dim, eps,
+                           x if parts is None else parts, x if counters is None else counters,
+                           x if sums is None else sums, rows, k_dim, eps,
                            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                            HQ=n_heads, HKV=n_kv, D=head_dim, BLOCK_N=block_n, BLOCK_M=bm,
                            BLOCK_K=k_block(k_dim, w.dtype, bm), PREC=dot_precision(w.dtype), SPLIT_K=split,
-                           **normed_options(x))
+                           **normed_options(x, sums))
 
 
 def gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, h_out: torch.Tensor, eps: float,
-            parts: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> None:
+            parts: torch.Tensor | None = None, counters: torch.Tensor | None = None,
+            sums: torch.Tensor | None = None) -> None:
     """h (B, I) <- silu(norm(x) Wg) * (norm(x) Wu) with ``w`` the fused (2I, K) gate/up weight.  With ``parts``
-    (S, B, 2I) fp32 scratch and ``counters`` (>= :func:`gate_up_tiles`) int32 zeros, K is split S ways."""
+    (S, B, 2I) fp32 scratch and ``counters`` (>= :func:`gate_up_tiles`) int32 zeros, K is split S ways.
+    ``sums``: as in :func:`qkv_rope`."""
     rows, k_dim = x.shape
     n = w.shape[0] // 2
     bm, bn = row_block(rows), TILES.gate_up
     split = _split_scratch(parts, counters, rows, 2 * n, gate_up_tiles(rows, n), "gate_up")
     grid = (triton.cdiv(n, bn), triton.cdiv(rows, bm), split)
     _gate_up_kernel[grid](x, norm_w, w, h_out, x if parts is None else parts, x if counters is None else counters,
-                          rows, k_dim, n, eps, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=k_block(k_dim, w.dtype, bm),
-                          PREC=dot_precision(w.dtype), SPLIT_K=split, **normed_options(x))
+                          x if sums is None else sums, rows, k_dim, n, eps, BLOCK_M=bm, BLOCK_N=bn,
+                          BLOCK_K=k_block(k_dim, w.dtype, bm), PREC=dot_precision(w.dtype), SPLIT_K=split,
+                          **normed_options(x, sums))
 
 
 def proj_residual(a: torch.Tensor, w: torch.Tensor, resid: torch.Tensor, parts: torch.Tensor | None = None,
-                  counters: torch.Tensor | None = None, block_n: int = 16) -> None:
+                  counters: torch.Tensor | None = None, block_n: int = 16, sums: torch.Tensor | None = None) -> None:
     """resid (B, N) fp32 += a (B, K) @ w (N, K)^T.  With ``parts`` (S, B, N) fp32 scratch and ``counters``
-    (>= column blocks x row blocks) int32 zeros, K is split S ways (see :func:`split_add`)."""
+    (>= column blocks x row blocks) int32 zeros, K is split S ways (see :func:`split_add`).  With ``sums``
+    (N / block_n, B) fp32, each column block's sums of squares of the new residual land there, for the next
+    norm (:func:`qkv_rope`, :func:`gate_up`, :func:`.qwen2_head.head`)."""
     rows, k_dim = a.shape
     n = w.shape[0]
     bm = row_block(rows)
@@ -477,8 +311,12 @@ def proj_residual(a: torch.Tensor, w: torch.Tensor, resid: torch.Tensor, parts: 
     if split > 1 and (parts.shape[1:] != (rows, n) or counters is None or counters.numel() < tiles):
         raise ValueError(f"proj_residual: a {split}-way K split needs parts ({split}, {rows}, {n}) and {tiles} "
                          f"counters, got {tuple(parts.shape)} and {None if counters is None else counters.numel()}")
+    if sums is not None and (sums.shape != (triton.cdiv(n, block_n), rows) or sums.dtype != torch.float32):
+        raise ValueError(f"proj_residual: sums of squares need a float32 ({triton.cdiv(n, block_n)}, {rows}) "
+                         f"buffer, got {tuple(sums.shape)} {sums.dtype}")
     grid = (triton.cdiv(n, block_n), triton.cdiv(rows, bm), split)
     _proj_residual_kernel[grid](a, w, resid, resid if parts is None else parts,
-                                resid if counters is None else counters, rows, k_dim, n, SPLIT_K=split,
-                                BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=k_block(k_dim, w.dtype, bm),
-                                PREC=dot_precision(w.dtype), **looped_options(a))
+                                resid if counters is None else counters, resid if sums is None else sums, rows,
+                                k_dim, n, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=block_n,
+                                BLOCK_K=k_block(k_dim, w.dtype, bm), PREC=dot_precision(w.dtype),
+                                SUMS=sums is not None, **looped_options(a))
