@@ -361,37 +361,28 @@ def test_gpu_head_rounds_once_to_the_weight_dtype(rows):
         kernels.head(x, dec.norm.weight, lin.weight, lin.bias, out.double(), dec.norm.eps)
 
 
-def test_tiles_are_validated_by_field():
-    with pytest.raises(ValueError, match="Tiles.down must be a power of two >= 16, got 8"):
-        proj_k.Tiles(down=8)
-    with pytest.raises(ValueError, match="Tiles.down_split must be 1..16, got 0"):
-        proj_k.Tiles(down_split=0)
-    with pytest.raises(ValueError, match="Tiles.qkv_split must be 1..16, got 17"):
-        proj_k.Tiles(qkv_split=17)
-    with pytest.raises(ValueError, match="Tiles.gate_up_split must be 1..16, got 0"):
-        proj_k.Tiles(gate_up_split=0)
-    with pytest.raises(ValueError, match="Tiles.norm_warps must be 2, 4, 8 or 16, got 6"):
-        proj_k.Tiles(norm_warps=6)
-    with pytest.raises(ValueError, match="Tiles.rolled_norm must be True or False, got 'yes'"):
-        proj_k.Tiles(rolled_norm="yes")
-    with pytest.raises(ValueError, match="Tiles.gemv_cols must be a power of two in 1..64, got 12"):
-        proj_k.Tiles(gemv_cols=12)
-    with pytest.raises(ValueError, match="Tiles.gemv_small_cols must be a power of two in 1..64, got 0"):
-        proj_k.Tiles(gemv_small_cols=0)
-    with pytest.raises(ValueError, match="Tiles.gemv_rows must be 1..16, got 17"):
-        proj_k.Tiles(gemv_rows=17)
-    with pytest.raises(ValueError, match="Tiles.gemv must be True or False, got 1"):
-        proj_k.Tiles(gemv=1)
-    with pytest.raises(ValueError, match="Tiles.gemv_head must be True or False, got 0"):
-        proj_k.Tiles(gemv_head=0)
-    with pytest.raises(ValueError, match="Tiles.looped_head must be True or False, got None"):
-        proj_k.Tiles(looped_head=None)
-    with pytest.raises(ValueError, match="Tiles.head must be a power of two >= 16, got 24"):
-        proj_k.Tiles(head=24)
-    with pytest.raises(ValueError, match="Tiles.down_chunk must be a power of two >= 16, got 100"):
-        proj_k.Tiles(down_chunk=100)
-    with pytest.raises(ValueError, match=r"Tiles.cublas_rows must be an int in 0..1024 \(0: never\), got -1"):
-        proj_k.Tiles(cublas_rows=-1)
+@pytest.mark.parametrize("field,value,message", [
+    ("down", 8, "Tiles.down must be a power of two >= 16, got 8"),
+    ("down_split", 0, "Tiles.down_split must be 1..16, got 0"),
+    ("qkv_split", 17, "Tiles.qkv_split must be 1..16, got 17"),
+    ("gate_up_split", 0, "Tiles.gate_up_split must be 1..16, got 0"),
+    ("norm_warps", 6, "Tiles.norm_warps must be 2, 4, 8 or 16, got 6"),
+    ("rolled_norm", "yes", "Tiles.rolled_norm must be True or False, got 'yes'"),
+    ("norm_sums", 1, "Tiles.norm_sums must be True or False, got 1"),
+    ("gemv_cols", 12, "Tiles.gemv_cols must be a power of two in 1..64, got 12"),
+    ("gemv_small_cols", 0, "Tiles.gemv_small_cols must be a power of two in 1..64, got 0"),
+    ("gemv_rows", 17, "Tiles.gemv_rows must be 1..16, got 17"),
+    ("gemv", 1, "Tiles.gemv must be True or False, got 1"),
+    ("gemv_head", 0, "Tiles.gemv_head must be True or False, got 0"),
+    ("looped_head", None, "Tiles.looped_head must be True or False, got None"),
+    ("head", 24, "Tiles.head must be a power of two >= 16, got 24"),
+    ("down_chunk", 100, "Tiles.down_chunk must be a power of two >= 16, got 100"),
+    ("cublas_rows", -1, "Tiles.cublas_rows must be an int in 0..1024 (0: never), got -1"),
+])
+def test_tiles_are_validated_by_field(field, value, message):
+    with pytest.raises(ValueError) as err:
+        proj_k.Tiles(**{field: value})
+    assert str(err.value) == message
 
 
 def test_attention_splits_fill_the_gpu_for_few_rows_and_stay_powers_of_two():

@@ -228,7 +228,7 @@ class _Step:
                 proj_k.proj_residual(h, _contig(mlp.down_proj.weight), resid, parts, down_counters,
                                      block_n=proj_k.TILES.down, sums=down_sums)
                 qkv_sums = {"sums": down_sums}
-        return down_sums
+        return down_sums if decoder.layers else None
 
 
 def _contig(t: torch.Tensor) -> torch.Tensor:
