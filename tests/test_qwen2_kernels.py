@@ -138,7 +138,8 @@ def test_projection_adds_into_the_residual_whole_or_from_k_split_partials(split)
     proj_k.proj_residual(a, w, resid, parts, counters, sums=sums)  # so the same scratch serves again
     assert _err(resid, ref + a @ w.t()) <= TOL
     assert _err(sums, resid.view(rows, n // 16, 16).square().sum(-1).t()) <= TOL
-    with pytest.raises(ValueError, match=r"3-way K split needs parts \(3, 5, 48\) and 3 counters, got"):
+    with pytest.raises(ValueError, match=r"proj_residual: a 3-way K split needs float32 parts \(3, 5, 48\) and 3 "
+                                         r"counters, got \(3, 4, 48\) torch.float32 and 3"):
         proj_k.proj_residual(a, w, resid, _nan(3, 4, n), counters)
     with pytest.raises(ValueError, match=r"proj_residual: sums of squares need a float32 \(3, 5\) buffer, got "
                                          r"\(5, 3\) torch.float32"):

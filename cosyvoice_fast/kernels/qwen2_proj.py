@@ -306,11 +306,8 @@ def proj_residual(a: torch.Tensor, w: torch.Tensor, resid: torch.Tensor, parts: 
     rows, k_dim = a.shape
     n = w.shape[0]
     bm = row_block(rows)
-    split = 1 if parts is None else parts.shape[0]
-    tiles = triton.cdiv(n, block_n) * triton.cdiv(rows, bm)
-    if split > 1 and (parts.shape[1:] != (rows, n) or counters is None or counters.numel() < tiles):
-        raise ValueError(f"proj_residual: a {split}-way K split needs parts ({split}, {rows}, {n}) and {tiles} "
-                         f"counters, got {tuple(parts.shape)} and {None if counters is None else counters.numel()}")
+    split = _split_scratch(parts, counters, rows, n, triton.cdiv(n, block_n) * triton.cdiv(rows, bm),
+                           "proj_residual")
     if sums is not None and (sums.shape != (triton.cdiv(n, block_n), rows) or sums.dtype != torch.float32):
         raise ValueError(f"proj_residual: sums of squares need a float32 ({triton.cdiv(n, block_n)}, {rows}) "
                          f"buffer, got {tuple(sums.shape)} {sums.dtype}")
