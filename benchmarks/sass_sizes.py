@@ -19,9 +19,12 @@ objects.)
 - ``decode``: one fused decode step of one row through :func:`~cosyvoice_fast.kernels.qwen2_decode.step_logits`;
 - ``decode16``: the same for 16 rows (the looped projections and the looped head).
 
-The Triton here may differ from the GPU machine's (the code it emits differs a little between versions); the
-sizes are for comparing kernels with each other.  Results: per kernel launches per forward, SASS instructions,
-instructions times launches, registers, stack and shared bytes; JSON to ``--out``.
+The Triton here may differ from the GPU machine's, and so may the code it emits: the sizes are for comparing
+kernels with each other.  Registers differ most: the 16-row gate/up kernel compiled to 255 registers with a 56-byte
+stack here (Triton 3.9) and to 76-92 registers without spills on the H100's Triton 3.6 (BENCHMARKS.md, session 33;
+``device_ras_check.py`` reports the GPU's own counts for the norm-prologue kernels).  Results: per kernel
+launches per forward, SASS instructions, instructions times launches, registers, stack and shared bytes; JSON to
+``--out``.
 """
 
 from __future__ import annotations
