@@ -31,9 +31,9 @@ kernels.philox`): are the recomputed variates ``exponential_``'s bits, and what 
    launch (``no_pdl``: the profile's kernel times without the early launches' waits), or with the looped q/k/v
    or gate/up projection split N ways over K (``qkv_splitN``, ``gate_up_splitN``), or with every norm taking a
    pass over its rows instead of the per-tile sums of squares (``norm_sums_off``); these ways combine with
-   ``+`` (``qkv_split4+no_pdl``): wall ms per decode round at each row
-   count (150 forced tokens, sampling and the per-step sync included), RAS fallbacks per token, and the
-   registers and spills of the norm-prologue kernels each way compiled anew.  ``--ways`` picks some;
+   ``+`` (``qkv_split4+no_pdl``; so do the session-28/32 ways and ``head16``/``head64``): wall ms per decode
+   round at each row count (150 forced tokens, sampling and the per-step sync included), RAS fallbacks per
+   token, and the registers and spills of the norm-prologue kernels each way compiled anew.  ``--ways`` picks some;
    ``--steps`` picks steps (``profile_torch_tail``, ``profile_before31``, ``profile_before32``,
    ``profile_floor``, ``profile=WAY`` for any way: the profile of that way).
 
@@ -116,14 +116,17 @@ def _gather_way(way: str):  # noqa: ANN202
     return gather
 
 
-_TILE_WAYS = {"norm_warps8": {"norm_warps": 8}, "rolled_norm": {"rolled_norm": True},
+_TILE_WAYS = {"before_session28": {"gemv_head": False, "looped_head": False},
+              "before_session32": {"looped_head": False}, "head16": {"head": 16}, "head64": {"head": 64},
+              "norm_warps8": {"norm_warps": 8}, "rolled_norm": {"rolled_norm": True},
               "rolled_norm_warps8": {"rolled_norm": True, "norm_warps": 8}, "gate_up16": {"gate_up": 16},
               "norm_default": {"norm_warps": 4, "rolled_norm": False}, "no_pdl": {"pdl": False},
               "norm_sums_off": {"norm_sums": False}}
 
 
 def _tile_way(way: str) -> dict | None:
-    """The ``Tiles`` fields of a way made of ``_TILE_WAYS`` joined by ``+`` (``norm_warps8+no_pdl``), else None."""
+    """The ``Tiles`` fields of a way made of ``_TILE_WAYS`` entries and K splits joined by ``+``
+    (``qkv_split1+norm_sums_off``), else None (a way that switches something else)."""
     fields: dict = {}
     for part in way.split("+"):
         name, _, n = part.rpartition("_split")
@@ -165,14 +168,9 @@ def _switches(way: str) -> Iterator[None]:
     nucleus.USE_RULE_KERNELS = decode_feed.USE_KERNELS = way != "ahead_torch_tail"
     floor = nucleus_topk.USE_FLOOR
     nucleus_topk.USE_FLOOR = way in ("ahead_floor", "floor_before_session31")
-    if way == "before_session28":
-        qwen2_proj.TILES = dataclasses.replace(tiles, gemv_head=False, looped_head=False)
-    if way == "before_session32":
-        qwen2_proj.TILES = dataclasses.replace(tiles, looped_head=False)
-    if way in ("head16", "head64"):
-        qwen2_proj.TILES = dataclasses.replace(tiles, head=int(way[4:]))
-    if _tile_way(way) is not None:
-        qwen2_proj.TILES = dataclasses.replace(tiles, **_tile_way(way))
+    fields = _tile_way(way)
+    if fields is not None:
+        qwen2_proj.TILES = dataclasses.replace(tiles, **fields)
     warps = ras_rule.row_warps
     if way.startswith("rule_warps"):  # the rule and fallback-draw kernels at another warp count
         ras_rule.row_warps = lambda block, n=int(way[len("rule_warps"):]): n
@@ -197,9 +195,8 @@ def backend(rows_list: list[int], results: dict, save, only: list[str] | None) -
     ahead = {"device_ras": True, "decode_ahead": True}
     ways = {"ahead": ahead, "ahead_sort": ahead, "graph": {"device_ras": True, "decode_ahead": False},
             "host": {"device_ras": False}, "ahead_torch_tail": ahead, "ahead_floor": ahead,
-            "before_session28": ahead, "before_session31": ahead, "floor_before_session31": ahead,
-            "rule_warps4": ahead, "rule_warps16": ahead, "token_copy": ahead, "before_session32": ahead,
-            "head16": ahead, "head64": ahead, "torch_gather": ahead, "gather_no_pdl": ahead,
+            "before_session31": ahead, "floor_before_session31": ahead, "rule_warps4": ahead,
+            "rule_warps16": ahead, "token_copy": ahead, "torch_gather": ahead, "gather_no_pdl": ahead,
             "all_gather_no_pdl": ahead}
     for way in only or list(ways):  # in the order asked for (repeats allowed: alternate to see drift)
         kwargs = ahead if _tile_way(way) is not None else ways[way]

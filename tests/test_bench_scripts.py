@@ -367,3 +367,14 @@ def test_device_ras_timeline_takes_the_last_cublas_gemm_of_a_round_as_the_head()
     events.append(ev("_read_kernel", 600.0, 602.0))
     med = _timeline(events)["median_us"]
     assert (med["decoder"], med["tail"]) == (227.0, 30.0)
+
+
+def test_device_ras_check_tile_ways_combine_into_tiles_fields():
+    from benchmarks.device_ras_check import _tile_way
+
+    assert _tile_way("qkv_split1+norm_sums_off") == {"qkv_split": 1, "norm_sums": False}
+    assert _tile_way("before_session32+head64+gate_up_split2") == {"looped_head": False, "head": 64,
+                                                                   "gate_up_split": 2}
+    assert _tile_way("before_session28") == {"gemv_head": False, "looped_head": False}
+    assert _tile_way("ahead") is None and _tile_way("qkv_split4+token_copy") is None
+    assert _tile_way("qkv_splitx") is None
