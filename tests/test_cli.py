@@ -52,6 +52,21 @@ def test_gpu_only_tools_say_so_without_a_gpu():
         bench_flow.main([])
 
 
+def test_profile_stages_names_bad_frames_and_flows(capsys):
+    import pytest
+
+    from cosyvoice_fast import profile_stages
+
+    for argv, message in ((["--frames", "56,x"], "expected comma-separated frame counts like 56,206, got '56,x'"),
+                          (["--frames", "0"], "frame counts must be >= 1, got '0'"),
+                          (["--flows", "fused,warp"], "unknown flow warp; choose from eager, incremental, cudagraph, "
+                                                      "cudagraph-incremental, fused, fused-incremental")):
+        with pytest.raises(SystemExit) as e:
+            profile_stages.main(argv)
+        assert e.value.code == 2
+        assert message in capsys.readouterr().err
+
+
 def test_speaker_state_stores_a_saved_voice_and_names_bad_requests(tmp_path, capsys):
     from pathlib import Path
 

@@ -289,6 +289,31 @@ def test_gpu_full_size_fp32_and_bf16(full, no_tf32, frames, streaming):
 
 
 @_gpu
+def test_gpu_estimator_profile_counts_the_step_graphs_kernels(full):
+    """profile_stages' estimator lines: the fused forward with its time-table row launches the kernels
+    ``kernels_per_forward`` counts less the three time-embedding GEMMs, and without the row exactly that count;
+    the FLOPs are the model's, every time is a real measurement."""
+    from cosyvoice_fast.kernels import estimator_common
+    from cosyvoice_fast.kernels.estimator_fused import SPLIT_LN_MAX_ROWS
+    from cosyvoice_fast.kernels.estimator_profile import estimator_flops, estimator_profile
+
+    est16 = full[1]
+    cfg, frames = est16.cfg, 56
+    expect = kernels_per_forward(cfg.n_blocks, cfg.num_mid_blocks, resnet_split_ln=2 * frames <= SPLIT_LN_MAX_ROWS,
+                                 conv_tail=estimator_common.LAUNCH["conv_tail"])
+    for time_row, kernels in ((True, expect - 3), (False, expect)):
+        eager, fused = estimator_profile(est16, frames=(frames,), iters=3, time_row=time_row)
+        assert (eager.backend, fused.backend) == ("cudagraph", "fused")
+        assert fused.kernels == kernels
+        assert eager.kernels > fused.kernels
+        for p in (eager, fused):
+            assert p.gflop == round(estimator_flops(cfg, 2, frames, True) / 1e9, 2)
+            assert p.graph_ms > 0 and p.kernel_ms > 0
+            assert 0 < sum(p.by_kernel_us.values()) <= p.kernel_ms * 1e3 + 0.5
+            assert p.as_dict()["tflops"] == round(p.gflop / p.graph_ms, 2)
+
+
+@_gpu
 @pytest.mark.parametrize("frames,streaming", [(200, True), (450, False)])
 def test_gpu_full_size_bf16_solve_mel_is_no_worse_than_eager_bf16(full, no_tf32, frames, streaming):
     """The whole guided solve (10 Euler steps, CFG) at the bench's first (chunk mask) and final (full attention)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -149,8 +149,10 @@ class EstimatorProfile:
     rows: int
     frames: int
     kernels: int
-    graph_ms: float
+    graph_ms: float  # median CUDA-graph replay: what a forward costs the GPU
+    kernel_ms: float  # its kernels' GPU time summed (one uncaptured forward); above graph_ms when launches overlap
     gflop: float
+    by_kernel_us: dict = field(default_factory=dict)  # kernel name -> summed GPU µs of one forward, costliest 8
 
     @property
     def tflops(self) -> float:
@@ -158,13 +160,32 @@ class EstimatorProfile:
 
     def line(self) -> str:
         return (f"{self.backend:9s} {self.rows} rows x {self.frames:4d} frames: {self.kernels:4d} kernels, "
-                f"{self.graph_ms:.3f} ms/forward, {self.gflop:.1f} GFLOP = {self.tflops:.1f} TFLOP/s "
-                f"({100 * self.tflops / H100_BF16_TFLOPS:.1f}% of {H100_BF16_TFLOPS:.0f})")
+                f"{self.graph_ms:.3f} ms/forward (kernels summed {self.kernel_ms:.3f}), {self.gflop:.1f} GFLOP = "
+                f"{self.tflops:.1f} TFLOP/s ({100 * self.tflops / H100_BF16_TFLOPS:.1f}% of "
+                f"{H100_BF16_TFLOPS:.0f})")
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "tflops": round(self.tflops, 2)}
+
+
+def _measure(backend: str, fn: Callable[[], object], rows: int, frames: int, gflop: float,
+             iters: int) -> EstimatorProfile:
+    fn()
+    times = kernel_times(fn)
+    by_name: dict[str, float] = defaultdict(float)
+    for name, us in times:
+        by_name[name.split("(")[0][:60]] += us
+    top = dict(sorted(((k, round(v, 1)) for k, v in by_name.items()), key=lambda kv: -kv[1])[:8])
+    return EstimatorProfile(backend, rows, frames, len(times), round(graph_replay_ms(fn, iters=iters), 4),
+                            round(sum(us for _, us in times) / 1e3, 4), round(gflop, 2), top)
 
 
 def estimator_profile(estimator: torch.nn.Module, frames: Sequence[int] = (56, 206), rows: int = 2,
-                      streaming: bool = True, iters: int = 20) -> list[EstimatorProfile]:
-    """``cudagraph`` (the eager estimator captured) and ``fused`` side by side at each frame count."""
+                      streaming: bool = True, iters: int = 20, time_row: bool = True) -> list[EstimatorProfile]:
+    """``cudagraph`` (the eager estimator captured) and ``fused`` side by side at each frame count.
+
+    ``time_row``: the fused forward reads its step's row of :meth:`FusedEstimator.time_table`, as the flow
+    backends' step graphs run it (three launches fewer); the eager estimator has no such table."""
     from .estimator_fused import FusedEstimator
 
     if not torch.cuda.is_available():
@@ -175,10 +196,9 @@ def estimator_profile(estimator: torch.nn.Module, frames: Sequence[int] = (56, 2
     with torch.inference_mode():
         for n in frames:
             args = estimator_inputs(estimator.cfg, rows, n, dtype)
+            tall = fused.time_table(args[3][:1], rows)[0] if time_row else None
             gflop = estimator_flops(estimator.cfg, rows, n, streaming) / 1e9
-            for name, mod in (("cudagraph", estimator), ("fused", fused)):
-                mod(*args, streaming)
-                k = count_kernels(lambda: mod(*args, streaming))  # noqa: B023 - called at once
-                ms = graph_replay_ms(lambda: mod(*args, streaming), iters=iters)  # noqa: B023
-                out.append(EstimatorProfile(name, rows, n, k, ms, gflop))
+            out.append(_measure("cudagraph", lambda: estimator(*args, streaming), rows, n, gflop, iters))  # noqa: B023
+            out.append(_measure("fused", lambda: fused(*args, streaming, tall=tall), rows, n, gflop,  # noqa: B023
+                                iters))
     return out
