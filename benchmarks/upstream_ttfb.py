@@ -5,10 +5,10 @@
 ``DIR`` holds upstream's packages, imported from there and never copied into this project: ``cosyvoice/`` from
 github.com/FunAudioLLM/CosyVoice and ``matcha/`` from its third-party Matcha-TTS. Their Python dependencies
 (transformers, diffusers, hyperpyyaml, conformer, einops; ruamel.yaml below 0.19, whose loader hyperpyyaml 1.2.3
-cannot drive) must be importable; ``--deps DIR`` puts a folder of them first on the path. Upstream modules are built from the model directory's own ``cosyvoice2.yaml`` (only its
-``llm``, ``flow`` and ``hift`` entries and the scalar settings above them: the rest names training-only code)
-and loaded with upstream's ``CosyVoice2Model.load``, strict, from the same ``llm.pt`` / ``flow.pt`` /
-``hift.pt`` this engine loads.
+cannot drive) must be importable; ``--deps DIR`` puts a folder of them first on the path. Upstream modules are
+built from the model directory's own ``cosyvoice2.yaml`` (only its ``llm``, ``flow`` and ``hift`` entries and
+the scalar settings above them: the rest names training-only code) and loaded with upstream's
+``CosyVoice2Model.load``, strict, from the same ``llm.pt`` / ``flow.pt`` / ``hift.pt`` this engine loads.
 
 What is timed is upstream's streaming ``tts()`` generator, as its CLI drives it: from the call until it yields
 the first chunk, then to the end. The inputs are the ones ``python -m cosyvoice_fast.bench`` uses (the same

@@ -170,14 +170,9 @@ class EstimatorProfile:
 
 def _measure(backend: str, fn: Callable[[], object], rows: int, frames: int, gflop: float,
              iters: int) -> EstimatorProfile:
-    fn()
-    times = kernel_times(fn)
-    by_name: dict[str, float] = defaultdict(float)
-    for name, us in times:
-        by_name[name.split("(")[0][:60]] += us
-    top = dict(sorted(((k, round(v, 1)) for k, v in by_name.items()), key=lambda kv: -kv[1])[:8])
-    return EstimatorProfile(backend, rows, frames, len(times), round(graph_replay_ms(fn, iters=iters), 4),
-                            round(sum(us for _, us in times) / 1e3, 4), round(gflop, 2), top)
+    g = graph_profile(fn, iters=iters, top=8)
+    return EstimatorProfile(backend, rows, frames, g["kernels"], g["ms"], round(g["kernel_us_total"] / 1e3, 4),
+                            round(gflop, 2), g["by_kernel_us"])
 
 
 def estimator_profile(estimator: torch.nn.Module, frames: Sequence[int] = (56, 206), rows: int = 2,
