@@ -27,8 +27,8 @@ import torch
 
 from .profile_llm import H100_GBS, step_profile
 
-#: flow variants of part (4): name -> BackendConfig fields (the eager flow under two names, as the app offers it)
-FLOWS = {"eager": {"flow": "eager", "incremental": False}, "incremental": {"flow": "eager"},
+#: flow variants of part (4): name -> BackendConfig fields (each recomputing, then incremental)
+FLOWS = {"eager": {"flow": "eager", "incremental": False}, "incremental": {"flow": "incremental"},
          "cudagraph": {"flow": "cudagraph", "incremental": False}, "cudagraph-incremental": {"flow": "cudagraph"},
          "fused": {"flow": "fused", "incremental": False}, "fused-incremental": {"flow": "fused"}}
 
