@@ -1,7 +1,7 @@
 """cosyvoice_fast web app: ``python app.py`` (see ``--help``).
 
 Loads a model directory (or a synthetic random-weight model when none is found, announced in a banner) and serves
-the Gradio UI of :mod:`cosyvoice_fast.webui`: streamed synthesis, a live latency dashboard and an A/B tab.
+the Gradio UI of :mod:`cosyvoice_fast.app.page`: streamed synthesis, a live latency dashboard and an A/B tab.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from cosyvoice_fast.cli_args import add_cli_args, from_cli_args
+    from cosyvoice_fast.config.flags import add_cli_args, from_cli_args
 
     ap = argparse.ArgumentParser(prog="python app.py", description=__doc__.splitlines()[0])
     add_cli_args(ap)  # --model-dir, --synthetic, --device, --dtype, default backends, engine capacity
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: torch is not installed. Run `python install.py`: it installs the CPU or CUDA build that fits "
               "this machine, then the rest of requirements.txt.", file=sys.stderr)
         return 2
-    from cosyvoice_fast.launch import PortInUse, check_port, serve_until_stopped, setup_logging
+    from cosyvoice_fast.app.launch import PortInUse, check_port, serve_until_stopped, setup_logging
 
     setup_logging()
     try:
@@ -50,13 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     except PortInUse as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from cosyvoice_fast.service import load_service
-    from cosyvoice_fast.webui import build_demo
+    from cosyvoice_fast.serving.service import load_service
+    from cosyvoice_fast.app.page import build_demo
 
     logging.getLogger(__name__).info("loading the model …")
     try:
         if a.backend_url:
-            from cosyvoice_fast.remote_service import connect
+            from cosyvoice_fast.serving.remote import connect
 
             svc = connect(a.backend_url)
         else:

@@ -1,9 +1,9 @@
-"""Run ``python -m cosyvoice_fast.bench`` with keyword arguments forced on a backend class: a same-call A/B of a
+"""Run ``python -m cosyvoice_fast.bench.engine_bench`` with keyword arguments forced on a backend class: a same-call A/B of a
 constructor option that has no command-line flag (it is a backend detail, not a capacity setting).
 
     python benchmarks/bench_with.py cudagraph_llm.CudaGraphLLM decode_ahead=false -- --synthetic full ...
 
-Each ``NAME=VALUE`` after the class is passed to every construction of ``cosyvoice_fast.backends.<module>.<class>``
+Each ``NAME=VALUE`` after the class is passed to every construction of ``cosyvoice_fast.engine.stages.<module>.<class>``
 (subclasses included); values are parsed as Python literals where they are one (``false``/``true`` too),
 else kept as strings.  Everything after ``--`` goes to the bench unchanged.
 """
@@ -38,7 +38,7 @@ def main(argv: list[str]) -> None:
     split = argv.index("--")
     target, pairs, bench_args = argv[0], argv[1:split], argv[split + 1:]
     module_name, _, class_name = target.rpartition(".")
-    cls = getattr(importlib.import_module(f"cosyvoice_fast.backends.{module_name}"), class_name)
+    cls = getattr(importlib.import_module(f"cosyvoice_fast.engine.stages.{module_name}"), class_name)
     forced = {}
     for pair in pairs:
         name, sep, value = pair.partition("=")
@@ -52,8 +52,8 @@ def main(argv: list[str]) -> None:
 
     cls.__init__ = init
     print(f"bench_with: {target}({', '.join(f'{k}={v!r}' for k, v in forced.items())})", flush=True)
-    sys.argv = ["cosyvoice_fast.bench", *bench_args]
-    runpy.run_module("cosyvoice_fast.bench", run_name="__main__", alter_sys=True)
+    sys.argv = ["cosyvoice_fast.bench.engine_bench", *bench_args]
+    runpy.run_module("cosyvoice_fast.bench.engine_bench", run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

@@ -24,13 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.hift_profile import err_stats  # noqa: E402
 from benchmarks.steps import StepRunner, require_cuda  # noqa: E402
-from cosyvoice_fast.backends import build_stage_set  # noqa: E402
-from cosyvoice_fast.bench import synthetic_inputs  # noqa: E402
-from cosyvoice_fast.config import TORCH_DTYPES, BackendConfig, StreamParams  # noqa: E402
-from cosyvoice_fast.engine_config import EngineConfig  # noqa: E402
-from cosyvoice_fast.modelfiles import load_models  # noqa: E402
-from cosyvoice_fast.schedule import plan  # noqa: E402
-from cosyvoice_fast.synthetic import synthetic_model_dir  # noqa: E402
+from cosyvoice_fast.engine.stages import build_stage_set  # noqa: E402
+from cosyvoice_fast.bench.engine_bench import synthetic_inputs  # noqa: E402
+from cosyvoice_fast.config.model import TORCH_DTYPES, BackendConfig, StreamParams  # noqa: E402
+from cosyvoice_fast.config.engine import EngineConfig  # noqa: E402
+from cosyvoice_fast.modeldir.files import load_models  # noqa: E402
+from cosyvoice_fast.config.schedule import plan  # noqa: E402
+from cosyvoice_fast.modeldir.synthetic import synthetic_model_dir  # noqa: E402
 
 FLOWS = (("eager", "fp32"), ("eager", "bf16"), ("cudagraph", "bf16"), ("fused", "bf16"), ("fused", "fp32"))
 

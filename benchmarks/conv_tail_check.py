@@ -39,7 +39,8 @@ _PAIR0: dict = {}
 
 def set_mode(mode: str) -> None:
     """Switch the ResNet convs to ``mode`` (read at each launch, so at each capture)."""
-    from cosyvoice_fast.kernels import estimator_common, estimator_conv
+    from cosyvoice_fast.kernels import common as estimator_common
+    from cosyvoice_fast.flow.kernels import estimator_conv
 
     tail, tiles = VARIANTS[mode]
     _PAIR0 or _PAIR0.update(estimator_conv.TUNING_PAIR)
@@ -54,7 +55,7 @@ def main() -> int:
 
     def forward() -> dict:
         from benchmarks.first_forward_ab import full_fused_bf16, step_forward
-        from cosyvoice_fast.kernels.estimator_profile import count_kernels, graph_replay_ms
+        from cosyvoice_fast.bench.estimator_profile import count_kernels, graph_replay_ms
 
         fused = full_fused_bf16()
         calls = {shape: step_forward(fused, *shape) for shape in SHAPES}

@@ -1,5 +1,5 @@
 """One GPU call for the fused decode step at CosyVoice2-0.5B shapes (seeded random weights): the one-row GEMV
-kernels (weights loaded before the PDL wait, :mod:`cosyvoice_fast.kernels.qwen2_gemv`) against the looped ones.
+kernels (weights loaded before the PDL wait, :mod:`cosyvoice_fast.llm.kernels.qwen2_gemv`) against the looped ones.
 
     PYTHONUNBUFFERED=1 python benchmarks/decode_step_check.py --out $OUT [--graph-only] [--budget S]
 
@@ -41,8 +41,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.steps import StepRunner, require_cuda  # noqa: E402
-from cosyvoice_fast import profile_llm  # noqa: E402
-from cosyvoice_fast.kernels import qwen2_proj  # noqa: E402
+from cosyvoice_fast.bench import profile_llm  # noqa: E402
+from cosyvoice_fast.llm.kernels import qwen2_proj  # noqa: E402
 
 CONTEXT, MAX_LEN, BUCKET = 300, 1024, 512
 ROWS = (1, 2, 4, 8, 16, 32, 64)
@@ -56,7 +56,7 @@ VARIANTS = {"attn_programs128": {"attn_programs": 128}, "attn_programs256": {"at
 
 
 def _lm(dtype: torch.dtype) -> torch.nn.Module:
-    from cosyvoice_fast.synthetic import random_full_size_lm
+    from cosyvoice_fast.modeldir.synthetic import random_full_size_lm
 
     return random_full_size_lm(dtype)
 
@@ -164,9 +164,9 @@ def main() -> int:
             qwen2_proj.TILES = default
 
     def run_backend() -> None:
-        from cosyvoice_fast.backends.fused_llm import FusedLLM
-        from cosyvoice_fast.config import full_config
-        from cosyvoice_fast.request import ModelInputs
+        from cosyvoice_fast.llm.fused import FusedLLM
+        from cosyvoice_fast.config.model import full_config
+        from cosyvoice_fast.frontend.request import ModelInputs
 
         text = torch.arange(100, 130, dtype=torch.int32)[None]
         inputs = ModelInputs(text_segments=[text], prompt_text=torch.arange(200, 220)[None],
@@ -239,7 +239,7 @@ def main() -> int:
 
     def run_cublas_rows() -> None:
         """Steps of 1..64 rows on the fused projections against cuBLAS GEMMs with the Triton glue
-        (``Tiles.cublas_rows``, :func:`cosyvoice_fast.kernels.qwen2_hybrid.decode_rows`)."""
+        (``Tiles.cublas_rows``, :func:`cosyvoice_fast.llm.kernels.qwen2_hybrid.decode_rows`)."""
         rows_ab("cublas_rows", (1, 2, 4, 8, 16, 32, 64), {"fused": {"cublas_rows": 0}, "cublas": {"cublas_rows": 1}})
 
     for name, fn in (("correctness", run_correctness), ("graph", run_graph), ("backend", run_backend),

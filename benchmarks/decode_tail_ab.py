@@ -36,8 +36,8 @@ VARIANTS = {"before": {"floor": False, "gemv_head": False}, "floor": {"floor": T
 def build_llm(stages: Any, one: Any, floor: bool = False, **tiles_change: Any) -> Any:
     """A ``fused`` LLM stage like the service's, captured with the floor as asked and ``qwen2_proj.TILES``
     changed by ``tiles_change``."""
-    from cosyvoice_fast.backends import _build_llm
-    from cosyvoice_fast.kernels import nucleus_topk, qwen2_proj
+    from cosyvoice_fast.engine.stages import _build_llm
+    from cosyvoice_fast.llm.kernels import nucleus_topk, qwen2_proj
 
     config = one.backend
     tiles, use_floor = qwen2_proj.TILES, nucleus_topk.USE_FLOOR

@@ -60,8 +60,8 @@ TOKENS, MAX_LEN = 150, 1024
 
 
 def bits() -> dict:
-    from cosyvoice_fast.backends.decode_feed import int64 as _int64
-    from cosyvoice_fast.kernels.philox import exponential_rows
+    from cosyvoice_fast.llm.decode_feed import int64 as _int64
+    from cosyvoice_fast.llm.kernels.philox import exponential_rows
 
     out: dict = {}
     for n in (25, 6564):
@@ -86,8 +86,8 @@ def bits() -> dict:
 
 def _lm_and_request() -> tuple:
     """The full-size LM (seeded random weights, bf16) and one request's inputs: a 75-token prompt, 30 text ids."""
-    from cosyvoice_fast.request import ModelInputs
-    from cosyvoice_fast.synthetic import random_full_size_lm
+    from cosyvoice_fast.frontend.request import ModelInputs
+    from cosyvoice_fast.modeldir.synthetic import random_full_size_lm
 
     text = torch.arange(100, 130, dtype=torch.int32)[None]
     inputs = ModelInputs(text_segments=[text], prompt_text=torch.arange(200, 220)[None],
@@ -101,7 +101,7 @@ def _gather_way(way: str):  # noqa: ANN202
     (``gather_no_pdl``) or for every step (``all_gather_no_pdl``)."""
     import triton
 
-    from cosyvoice_fast.kernels import qwen2_gemv
+    from cosyvoice_fast.llm.kernels import qwen2_gemv
 
     def gather(gemv: bool, tokens: torch.Tensor, table: torch.Tensor, resid: torch.Tensor,
                counters: torch.Tensor) -> None:
@@ -142,7 +142,7 @@ def _tile_way(way: str) -> dict | None:
 def _normed_kernels() -> dict:
     """Compiled variants so far of the looped kernels with the norm prologue, by kernel name and cache key:
     warps, registers per thread and spilled registers (Triton's ``n_regs``/``n_spills``, set at first launch)."""
-    from cosyvoice_fast.kernels import qwen2_head, qwen2_proj
+    from cosyvoice_fast.llm.kernels import qwen2_head, qwen2_proj
 
     out: dict = {}
     for fn in (qwen2_proj._qkv_rope_kernel, qwen2_proj._gate_up_kernel, qwen2_head._head_kernel):
@@ -157,8 +157,8 @@ def _normed_kernels() -> dict:
 @contextmanager
 def _switches(way: str) -> Iterator[None]:
     """The module switches a way builds under (read while the graphs are captured)."""
-    from cosyvoice_fast.backends import decode_feed, nucleus
-    from cosyvoice_fast.kernels import nucleus_topk, qwen2_decode, qwen2_proj, ras_rule
+    from cosyvoice_fast.llm import decode_feed, nucleus
+    from cosyvoice_fast.llm.kernels import nucleus_topk, qwen2_decode, qwen2_proj, ras_rule
 
     tiles = qwen2_proj.TILES
     gather = qwen2_decode._gather
@@ -187,8 +187,8 @@ def _switches(way: str) -> Iterator[None]:
 
 
 def backend(rows_list: list[int], results: dict, save, only: list[str] | None) -> None:  # noqa: ANN001
-    from cosyvoice_fast.backends.fused_llm import FusedLLM
-    from cosyvoice_fast.config import full_config
+    from cosyvoice_fast.llm.fused import FusedLLM
+    from cosyvoice_fast.config.model import full_config
 
     lm, text, inputs = _lm_and_request()
 
@@ -279,8 +279,8 @@ def _timeline(events: list) -> dict:
 def profile(rows_list: list[int], way: str = "ahead") -> dict:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    from cosyvoice_fast.backends.fused_llm import FusedLLM
-    from cosyvoice_fast.config import full_config
+    from cosyvoice_fast.llm.fused import FusedLLM
+    from cosyvoice_fast.config.model import full_config
 
     lm, text, inputs = _lm_and_request()
     with _switches(way):

@@ -54,9 +54,9 @@ VARIANTS = {"bm32_bn64": {"bm": 32, "bn": 64}, "bm64_bn64": {"bm": 64, "bn": 64}
 
 
 def _flow(dtype: torch.dtype) -> torch.nn.Module:
-    from cosyvoice_fast.config import full_config
-    from cosyvoice_fast.models.flow import CausalMaskedDiffWithXvec
-    from cosyvoice_fast.models.flow_encoder_layers import RelPositionSelfAttention
+    from cosyvoice_fast.config.model import full_config
+    from cosyvoice_fast.flow.model.flow import CausalMaskedDiffWithXvec
+    from cosyvoice_fast.flow.model.encoder_layers import RelPositionSelfAttention
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -84,9 +84,9 @@ def main() -> int:
     runner = gpu_runner("encoder_fused_check.py", out, step_timeout=400)
 
     def encoders(flow: torch.nn.Module, modes: list[str]) -> dict:
-        from cosyvoice_fast.backends.graph_encoder import GraphEncoder, token_buckets
-        from cosyvoice_fast.engine_config import EngineConfig
-        from cosyvoice_fast.kernels.encoder_fused import FusedEncoder
+        from cosyvoice_fast.flow.graph_encoder import GraphEncoder, token_buckets
+        from cosyvoice_fast.config.engine import EngineConfig
+        from cosyvoice_fast.flow.kernels.encoder_fused import FusedEncoder
 
         buckets = EngineConfig().flow_buckets
         assert 125 in token_buckets(buckets, 2, 25, 750)
@@ -97,9 +97,9 @@ def main() -> int:
     def gemms() -> dict:
         import torch.nn.functional as F
 
-        from cosyvoice_fast.kernels.estimator_linear import PRO_LN, PRO_NONE, linear
-        from cosyvoice_fast.kernels.estimator_oneshot import linear_oneshot
-        from cosyvoice_fast.kernels.estimator_profile import graph_replay_ms
+        from cosyvoice_fast.flow.kernels.estimator_linear import PRO_LN, PRO_NONE, linear
+        from cosyvoice_fast.flow.kernels.estimator_oneshot import linear_oneshot
+        from cosyvoice_fast.bench.estimator_profile import graph_replay_ms
 
         g = torch.Generator(device="cuda").manual_seed(0)
         r: dict = {"us_per_launch": {}, "best": {}}
@@ -144,7 +144,7 @@ def main() -> int:
         return r
 
     def graphs() -> dict:
-        from cosyvoice_fast.kernels.estimator_profile import count_kernels, kernel_times
+        from cosyvoice_fast.bench.estimator_profile import count_kernels, kernel_times
 
         flow = _flow(torch.bfloat16)
         flow32 = _flow(torch.float32)
@@ -174,7 +174,7 @@ def main() -> int:
         return r
 
     def tiles() -> dict:
-        from cosyvoice_fast.kernels import encoder_attention
+        from cosyvoice_fast.flow.kernels import encoder_attention
 
         flow = _flow(torch.bfloat16)
         saved = dict(encoder_attention.RELPOS_TUNING)

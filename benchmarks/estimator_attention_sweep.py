@@ -3,7 +3,7 @@
     PYTHONUNBUFFERED=1 python benchmarks/estimator_attention_sweep.py --out $OUT/estimator_attention_sweep.json
 
 Full-size estimator heads (8 x 64), bf16, seeded random q/k/v.
-1. ``kernel``: µs per call of :func:`~cosyvoice_fast.kernels.estimator_attention.attention` at each of
+1. ``kernel``: µs per call of :func:`~cosyvoice_fast.flow.kernels.estimator_attention.attention` at each of
    :data:`SHAPES` (rows x frames, chunk-causal with the 50-frame chunk or full) with the shipped tiles and with
    every setting of :func:`variants`; ``torch`` SDPA beside it (flash for full attention without padding, the
    dense-mask kernel for chunk-causal), TFLOP/s over the visible (query, key) pairs, and each setting's largest
@@ -31,12 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.estimator_tall_gemm import forward_shapes  # noqa: E402
 from benchmarks.steps import StepRunner, require_cuda  # noqa: E402
-from cosyvoice_fast.config import CFMConfig, DecoderConfig  # noqa: E402
-from cosyvoice_fast.kernels import estimator_attention as ea  # noqa: E402
-from cosyvoice_fast.kernels.estimator_fused import FusedEstimator  # noqa: E402
-from cosyvoice_fast.kernels.estimator_profile import estimator_inputs, graph_replay_ms  # noqa: E402
-from cosyvoice_fast.models.cfm import CausalCFM  # noqa: E402
-from cosyvoice_fast.models.flow_decoder import attention_allowed  # noqa: E402
+from cosyvoice_fast.config.model import CFMConfig, DecoderConfig  # noqa: E402
+from cosyvoice_fast.flow.kernels import estimator_attention as ea  # noqa: E402
+from cosyvoice_fast.flow.kernels.estimator_fused import FusedEstimator  # noqa: E402
+from cosyvoice_fast.bench.estimator_profile import estimator_inputs, graph_replay_ms  # noqa: E402
+from cosyvoice_fast.flow.model.cfm import CausalCFM  # noqa: E402
+from cosyvoice_fast.flow.model.decoder import attention_allowed  # noqa: E402
 
 HEADS, HEAD_DIM, CHUNK = 8, 64, 50
 #: name -> (batch rows, frames, chunk-causal?, weight in the pick: how much of a c64 wave's attention it is)

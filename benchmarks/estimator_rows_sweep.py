@@ -23,12 +23,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.steps import StepRunner, require_cuda  # noqa: E402
-from cosyvoice_fast.config import CFMConfig, DecoderConfig  # noqa: E402
-from cosyvoice_fast.kernels import estimator_attention, estimator_conv, estimator_cublas  # noqa: E402
-from cosyvoice_fast.kernels.estimator_fused import FusedEstimator  # noqa: E402
-from cosyvoice_fast.kernels.estimator_profile import (estimator_flops, estimator_inputs,  # noqa: E402
-                                                      graph_replay_ms, kernel_times)
-from cosyvoice_fast.models.cfm import CausalCFM  # noqa: E402
+from cosyvoice_fast.config.model import CFMConfig, DecoderConfig  # noqa: E402
+from cosyvoice_fast.flow.kernels import estimator_attention, estimator_conv, estimator_cublas  # noqa: E402
+from cosyvoice_fast.flow.kernels.estimator_fused import FusedEstimator  # noqa: E402
+from cosyvoice_fast.bench.estimator_profile import estimator_flops, estimator_inputs, graph_replay_ms, kernel_times
+from cosyvoice_fast.flow.model.cfm import CausalCFM  # noqa: E402
 
 _CONV_SMALL = dict(estimator_conv.TUNING)
 # (conv TUNING_LARGE, ATTN_TUNING, the many-rows GEMM path from MANY_ROWS_M rows) per named setting: a handful

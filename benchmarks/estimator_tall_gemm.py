@@ -7,9 +7,9 @@ Full-size estimator (CosyVoice2 DecoderConfig), seeded random weights, bf16.
    GELU; FF2 + residual + next LayerNorm; FF2 + residual) at the row counts batched solves produce
    (8 x 206, 16 x 250, 32 x 250, 32 x 450 frames): µs per call of the path ``linear`` takes with the shipped
    settings, of ``torch.mm`` alone (the product without its epilogue), and of
-   :func:`~cosyvoice_fast.kernels.estimator_tall.linear_tall` for a handful of tile settings.
+   :func:`~cosyvoice_fast.flow.kernels.estimator_tall.linear_tall` for a handful of tile settings.
 2. ``ffn``: the feed-forward half of a block with the next LayerNorm as one kernel
-   (:func:`~cosyvoice_fast.kernels.estimator_linear.ffn`) per tile setting of :data:`FFN`, against the two
+   (:func:`~cosyvoice_fast.flow.kernels.estimator_linear.ffn`) per tile setting of :data:`FFN`, against the two
    GEMMs the many-rows path runs without it.
 3. ``pick``: the tile settings with the least time summed over the kinds (weighted by calls per forward).
 4. ``forward``: graph-replay ms of one fused forward from 2 x 206 to 32 x 450 frames under each of
@@ -31,13 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.estimator_rows_sweep import by_name  # noqa: E402
 from benchmarks.steps import StepRunner, require_cuda  # noqa: E402
-from cosyvoice_fast.config import CFMConfig, DecoderConfig  # noqa: E402
-from cosyvoice_fast.kernels import estimator_cublas, estimator_linear, estimator_tall  # noqa: E402
-from cosyvoice_fast.kernels.estimator_fused import FusedEstimator  # noqa: E402
-from cosyvoice_fast.kernels.estimator_linear import ACT_GELU, ACT_NONE, linear  # noqa: E402
-from cosyvoice_fast.kernels.estimator_profile import (estimator_flops, estimator_inputs,  # noqa: E402
-                                                      graph_replay_ms, kernel_times)
-from cosyvoice_fast.models.cfm import CausalCFM  # noqa: E402
+from cosyvoice_fast.config.model import CFMConfig, DecoderConfig  # noqa: E402
+from cosyvoice_fast.flow.kernels import estimator_cublas, estimator_linear, estimator_tall  # noqa: E402
+from cosyvoice_fast.flow.kernels.estimator_fused import FusedEstimator  # noqa: E402
+from cosyvoice_fast.flow.kernels.estimator_linear import ACT_GELU, ACT_NONE, linear  # noqa: E402
+from cosyvoice_fast.bench.estimator_profile import estimator_flops, estimator_inputs, graph_replay_ms, kernel_times
+from cosyvoice_fast.flow.model.cfm import CausalCFM  # noqa: E402
 
 #: (bm, bn, bk, warps, stages) of launches without the whole-row LayerNorm
 PLAIN = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 3),
@@ -60,7 +59,7 @@ SETTINGS = {"cublas_2048": ("cublas", 2048, 2048, False), "cublas_1024": ("cubla
             "auto_512": ("auto", 512, 2048, False), "auto_512_conv": ("auto", 512, 512, False),
             "auto_384": ("auto", 384, 2048, False), "auto_256": ("auto", 256, 2048, False),
             "tall_1024": ("triton", 1024, 2048, False), "auto_512_ffn": ("auto", 512, 2048, True)}
-#: (bm, bh, warps, stages) of the one-kernel feed-forward (:func:`~cosyvoice_fast.kernels.estimator_linear.ffn`)
+#: (bm, bh, warps, stages) of the one-kernel feed-forward (:func:`~cosyvoice_fast.flow.kernels.estimator_linear.ffn`)
 FFN = [(64, 64, 8, 2), (64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (32, 64, 4, 2),
        (64, 32, 4, 3), (64, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 2)]
 #: forward shapes: rows x frames, "f" for full attention (the final chunk), else chunk-causal

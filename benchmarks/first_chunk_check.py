@@ -51,10 +51,10 @@ def _median_ms(fn, iters: int) -> dict:  # noqa: ANN001
 
 def build(prompt_tokens: int, seed: int = 0):  # noqa: ANN201
     """(stage, flow, inputs, tokens, call) at full size, bf16, the fused flow stage."""
-    from cosyvoice_fast.backends.fused_flow import FusedFlow
-    from cosyvoice_fast.config import StreamParams, full_config
-    from cosyvoice_fast.models.flow import CausalMaskedDiffWithXvec
-    from cosyvoice_fast.schedule import plan
+    from cosyvoice_fast.flow.fused import FusedFlow
+    from cosyvoice_fast.config.model import StreamParams, full_config
+    from cosyvoice_fast.flow.model.flow import CausalMaskedDiffWithXvec
+    from cosyvoice_fast.config.schedule import plan
 
     cfg = full_config()
     torch.manual_seed(seed)
@@ -74,7 +74,7 @@ def main() -> int:
     out, steps = step_args("split,timeline")
     runner = gpu_runner("first_chunk_check.py", out)
     from benchmarks.serve_profile import kernel_stages
-    from cosyvoice_fast.backends.eager import _encode_call
+    from cosyvoice_fast.flow.eager import _encode_call
 
     iters = 30
     stage, flow, inputs, tokens, call = build(PROMPT_TOKENS)

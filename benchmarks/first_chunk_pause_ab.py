@@ -40,7 +40,7 @@ def main(argv: list[str]) -> None:
     mine, bench_argv, out = one_stream.script_args(argv, __doc__, "benchmarks/first_chunk_pause_ab.py",
                                                    one_stream.ab_flags)
 
-    from cosyvoice_fast.runtime.scheduler import Scheduler
+    from cosyvoice_fast.engine.scheduler import Scheduler
 
     one = one_stream.load(bench_argv, "benchmarks/first_chunk_pause_ab.py")
     shipped = (Scheduler._yields, Scheduler._completes_first_chunk)

@@ -41,8 +41,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.steps import gpu_runner, step_args  # noqa: E402
-from cosyvoice_fast.kernels import estimator_common, estimator_linear  # noqa: E402
-from cosyvoice_fast.kernels.estimator_profile import estimator_inputs, graph_replay_ms, kernel_times  # noqa: E402
+from cosyvoice_fast.kernels import common as estimator_common
+from cosyvoice_fast.flow.kernels import estimator_linear  # noqa: E402
+from cosyvoice_fast.bench.estimator_profile import estimator_inputs, graph_replay_ms, kernel_times  # noqa: E402
 
 KINDS = {(1536, 256): "qkv", (1024, 256): "ff1", (256, 512): "out", (256, 1024): "ff2"}
 #: one-shot tile variants per kind at a few hundred rows (the first is session 15's pick for > 256 rows)
@@ -136,9 +137,9 @@ class Routing:
 
 def full_fused_bf16() -> torch.nn.Module:
     """The full-size estimator (seeded random weights, bf16, CUDA) wrapped as the ``fused`` flow backend runs it."""
-    from cosyvoice_fast.config import CFMConfig, DecoderConfig
-    from cosyvoice_fast.kernels.estimator_fused import FusedEstimator
-    from cosyvoice_fast.models.cfm import CausalCFM
+    from cosyvoice_fast.config.model import CFMConfig, DecoderConfig
+    from cosyvoice_fast.flow.kernels.estimator_fused import FusedEstimator
+    from cosyvoice_fast.flow.model.cfm import CausalCFM
 
     torch.manual_seed(0)
     return FusedEstimator(CausalCFM(CFMConfig(), DecoderConfig()).cuda().eval().to(torch.bfloat16).estimator)
@@ -166,7 +167,7 @@ def main() -> int:
             calls[frames] = step_forward(fused, 2, frames)
         return calls[frames]
 
-    from cosyvoice_fast.kernels import estimator_attention, estimator_conv
+    from cosyvoice_fast.flow.kernels import estimator_attention, estimator_conv
 
     conv0 = dict(estimator_conv.TUNING)
     saved = dict(estimator_attention.ATTN_PAIR), dict(estimator_conv.TUNING_PAIR)

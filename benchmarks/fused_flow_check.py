@@ -30,11 +30,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.steps import StepRunner, require_cuda  # noqa: E402
-from cosyvoice_fast.config import CFMConfig, DecoderConfig  # noqa: E402
-from cosyvoice_fast.kernels.estimator_fused import FusedEstimator, kernels_per_forward  # noqa: E402
-from cosyvoice_fast.kernels import estimator_common, estimator_conv, estimator_linear  # noqa: E402
-from cosyvoice_fast.kernels.estimator_profile import (count_kernels, estimator_inputs,  # noqa: E402
-                                                      graph_replay_ms, kernel_times)
+from cosyvoice_fast.config.model import CFMConfig, DecoderConfig  # noqa: E402
+from cosyvoice_fast.flow.kernels.estimator_fused import FusedEstimator, kernels_per_forward  # noqa: E402
+from cosyvoice_fast.kernels import common as estimator_common
+from cosyvoice_fast.flow.kernels import estimator_conv, estimator_linear  # noqa: E402
+from cosyvoice_fast.bench.estimator_profile import count_kernels, estimator_inputs, graph_replay_ms, kernel_times
 
 # Named tile settings timed in the variants step (a handful, not a sweep): (linear TUNING, conv TUNING)
 # overrides of the defaults (4 warps, BK 128, tiles narrowed to >= 132 programs; BENCHMARKS.md, session 9).
@@ -56,7 +56,7 @@ LAUNCHES = {
     "rowtiled": {**estimator_common.LAUNCH, "oneshot": False},  # the default before the one-shot GEMMs
     "default": dict(estimator_common.LAUNCH),
 }
-from cosyvoice_fast.models.cfm import CausalCFM  # noqa: E402
+from cosyvoice_fast.flow.model.cfm import CausalCFM  # noqa: E402
 
 
 def err_stats(a: torch.Tensor, ref: torch.Tensor) -> dict:

@@ -4,7 +4,7 @@
    with and without programmatic dependent launch (PDL) between the fused kernels;
 2. kernels per step, the costliest kernels and decode-step GPU time as CUDA-graph replays, ``cudagraph`` vs
    ``fused`` math (PDL off and on), at 1 and 16 rows, with achieved GB/s against the H100's 3.35 TB/s
-   (:mod:`cosyvoice_fast.profile_llm`);
+   (:mod:`cosyvoice_fast.bench.profile_llm`);
 3. the fused backend end to end with PDL (``generate``, sampling and the per-step host sync included): ms per
    token at 1 and 16 requests (token parity with eager is tests/test_fused_llm.py's job);
 4. three tile variants of the fused kernels at the same shapes (each compiles a handful of kernels, no sweep).
@@ -32,19 +32,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.steps import StepRunner, require_cuda  # noqa: E402
-from cosyvoice_fast import profile_llm  # noqa: E402
-from cosyvoice_fast.config import full_config  # noqa: E402
-from cosyvoice_fast.kernels import qwen2_proj  # noqa: E402
-from cosyvoice_fast.kernels.qwen2_decode import decode_step  # noqa: E402
-from cosyvoice_fast.models.llm import Qwen2LM  # noqa: E402
-from cosyvoice_fast.request import ModelInputs  # noqa: E402
+from cosyvoice_fast.bench import profile_llm  # noqa: E402
+from cosyvoice_fast.config.model import full_config  # noqa: E402
+from cosyvoice_fast.llm.kernels import qwen2_proj  # noqa: E402
+from cosyvoice_fast.llm.kernels.qwen2_decode import decode_step  # noqa: E402
+from cosyvoice_fast.llm.model.speech_lm import Qwen2LM  # noqa: E402
+from cosyvoice_fast.frontend.request import ModelInputs  # noqa: E402
 
 CONTEXT, MAX_LEN, BUCKET = 300, 1024, 512  # a row ~300 positions in (prompt + text + ~150 tokens)
 
 
 def random_lm(dtype: torch.dtype) -> Qwen2LM:
-    """CosyVoice2-0.5B shapes with seeded random weights (:func:`cosyvoice_fast.synthetic.random_full_size_lm`)."""
-    from cosyvoice_fast.synthetic import random_full_size_lm
+    """CosyVoice2-0.5B shapes with seeded random weights (:func:`cosyvoice_fast.modeldir.synthetic.random_full_size_lm`)."""
+    from cosyvoice_fast.modeldir.synthetic import random_full_size_lm
 
     return random_full_size_lm(dtype)
 
@@ -83,8 +83,8 @@ def correctness(lm32: Qwen2LM, lm16: Qwen2LM, rows: int) -> dict:
 
 def backends(lm: Qwen2LM, names: list[str], results: dict, save: Callable[[], None]) -> None:
     """ms per token of the whole backends (``fused`` runs under the current ``qwen2_proj.TILES``)."""
-    from cosyvoice_fast.backends.cudagraph_llm import CudaGraphLLM
-    from cosyvoice_fast.backends.fused_llm import FusedLLM
+    from cosyvoice_fast.llm.graph import CudaGraphLLM
+    from cosyvoice_fast.llm.fused import FusedLLM
 
     cfg = full_config()
     text = torch.arange(100, 130, dtype=torch.int32)[None]

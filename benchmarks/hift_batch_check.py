@@ -20,9 +20,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.steps import StepRunner, require_cuda, time_call  # noqa: E402
-from cosyvoice_fast.backends.cudagraph_vocoder import CudaGraphVocoder  # noqa: E402
-from cosyvoice_fast.modelfiles import load_models  # noqa: E402
-from cosyvoice_fast.synthetic import synthetic_model_dir  # noqa: E402
+from cosyvoice_fast.vocoder.graph import CudaGraphVocoder  # noqa: E402
+from cosyvoice_fast.modeldir.files import load_models  # noqa: E402
+from cosyvoice_fast.modeldir.synthetic import synthetic_model_dir  # noqa: E402
 
 
 def main() -> int:

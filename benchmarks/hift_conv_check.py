@@ -4,7 +4,7 @@
 
 Full-size HiFT (seeded, as the synthetic model builds it; timing does not depend on weight values), the ``fused``
 vocoder as served (time-major conv stack, TF32 where cuDNN would use it), ``triton_convs`` off (``cudnn``) and on
-(``triton``: :mod:`cosyvoice_fast.kernels.hift_conv`).
+(``triton``: :mod:`cosyvoice_fast.vocoder.kernels.hift_conv`).
 
 - ``chunk``: one row at mel lengths 50 (a new voice's first chunk) and 56: median GPU ms (CUDA events) of one
   ``vocode`` call per (mode, length), 50 calls, three alternating rounds; kernels per call and, per mode at 50
@@ -37,11 +37,11 @@ MODES = ("cudnn", "triton")
 def main() -> int:
     out, steps = step_args("chunk,rows,tiles")
     runner = gpu_runner("hift_conv_check.py", out, step_timeout=420)
-    from cosyvoice_fast.backends.fused_vocoder import FusedVocoder
-    from cosyvoice_fast.config import full_config
-    from cosyvoice_fast.kernels import hift_conv
-    from cosyvoice_fast.kernels.estimator_profile import count_kernels, kernel_times
-    from cosyvoice_fast.models.hift import HiFTGenerator
+    from cosyvoice_fast.vocoder.fused import FusedVocoder
+    from cosyvoice_fast.config.model import full_config
+    from cosyvoice_fast.vocoder.kernels import hift_conv
+    from cosyvoice_fast.bench.estimator_profile import count_kernels, kernel_times
+    from cosyvoice_fast.vocoder.model.hift import HiFTGenerator
 
     def build_hift() -> torch.nn.Module:  # as the synthetic model's (seed 0, default init, weight norm kept)
         with torch.random.fork_rng(devices=[]):

@@ -37,10 +37,10 @@ def main() -> int:
     runner = gpu_runner("hift_cudnn_check.py", out, step_timeout=400)
 
     def chunk() -> dict:
-        from cosyvoice_fast.backends.fused_vocoder import FusedVocoder
-        from cosyvoice_fast.config import full_config
-        from cosyvoice_fast.kernels.estimator_profile import count_kernels, kernel_times
-        from cosyvoice_fast.models.hift import HiFTGenerator
+        from cosyvoice_fast.vocoder.fused import FusedVocoder
+        from cosyvoice_fast.config.model import full_config
+        from cosyvoice_fast.bench.estimator_profile import count_kernels, kernel_times
+        from cosyvoice_fast.vocoder.model.hift import HiFTGenerator
 
         def build_hift() -> torch.nn.Module:  # as the synthetic model's (seed 0, default init, weight norm kept)
             with torch.random.fork_rng(devices=[]):

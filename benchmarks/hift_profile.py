@@ -33,9 +33,9 @@ SNR in dB).  Variants:
   are shadowed on the instance by wrappers that leave autocast: no model code is copied here.  (c) and (d) run
   with TF32 off, so what stays fp32 is true fp32 and their error against (a) is bf16's alone.
 - ``cudagraph_fp32_no_tf32`` (e): (a) captured as one CUDA graph per shape (side-stream warm-up, then capture:
-  :func:`cosyvoice_fast.backends.graphs.capture`), replays timed; ``cudagraph_fp32_tf32``: the same under (b).
+  :func:`cosyvoice_fast.kernels.graphs.capture`), replays timed; ``cudagraph_fp32_tf32``: the same under (b).
 - ``cudagraph_fused_no_tf32`` / ``cudagraph_fused_tf32``: (e) and its TF32 twin on the ``fused`` vocoder's module
-  (every Snake residual block as :class:`~cosyvoice_fast.kernels.hift_snake.FusedSnakeResBlock`).
+  (every Snake residual block as :class:`~cosyvoice_fast.vocoder.kernels.hift_snake.FusedSnakeResBlock`).
 
 ``profile_fp32_tf32_rows16``: torch.profiler over one (b) forward at 16 rows per mel length, the top 15 CUDA
 kernels by total time (memcpy / memset left out); ``profile_fused_tf32_rows16`` the same for the fused module.
@@ -60,8 +60,8 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.steps import StepRunner, require_cuda, time_call  # noqa: E402
-from cosyvoice_fast.config import full_config  # noqa: E402
-from cosyvoice_fast.models.hift import HiFTGenerator  # noqa: E402
+from cosyvoice_fast.config.model import full_config  # noqa: E402
+from cosyvoice_fast.vocoder.model.hift import HiFTGenerator  # noqa: E402
 
 REFERENCE = "fp32_no_tf32"
 PROFILE_ROWS = 16
@@ -170,14 +170,14 @@ def top_kernels(kernels: list[tuple[str, float]], top: int = TOP_KERNELS) -> dic
 def build_hift(model_dir: str | None) -> HiFTGenerator:
     """The vocoder on the GPU, weight norm folded (the engine's plain copy), eval, no grad."""
     if model_dir:
-        from cosyvoice_fast.modelfiles import load_models
+        from cosyvoice_fast.modeldir.files import load_models
 
         models = load_models(model_dir, device=DEVICE_TYPE, progress=False)
         hift = models.hift
         del models
         torch.cuda.empty_cache()
     else:
-        # as cosyvoice_fast.synthetic.write_synthetic_model_dir builds it (seed 0, default init, no taming),
+        # as cosyvoice_fast.modeldir.synthetic.write_synthetic_model_dir builds it (seed 0, default init, no taming),
         # without writing the 2 GB speech LM beside it
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
@@ -232,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         hift = build_hift(args.model_dir)
         state["hift"] = hift
         if any(VARIANTS[n].fused for n in args.variants):
-            from cosyvoice_fast.kernels.hift_snake import fuse_hift
+            from cosyvoice_fast.vocoder.kernels.hift_snake import fuse_hift
 
             state["fused"] = build_hift(args.model_dir)
             state["fused_blocks"] = fuse_hift(state["fused"], time_major=False)
@@ -264,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def shape_entry(name: str, v: Variant, key: str, spectral_fp32: bool) -> dict:
         mel, noise = state["inputs"][key]
         if v.graph:
-            from cosyvoice_fast.backends.graphs import capture
+            from cosyvoice_fast.kernels.graphs import capture
 
             module = (state["fused_time_major"] if v.time_major else state["fused"]) if v.fused else hift
             # a pool of its own: the graph and its memory go when this shape is done
@@ -317,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return r
 
     def profile_rows16(module: HiFTGenerator) -> dict:
-        from cosyvoice_fast.kernels.estimator_profile import kernel_times
+        from cosyvoice_fast.bench.estimator_profile import kernel_times
 
         r: dict = {}
         with tf32(True), torch.inference_mode():

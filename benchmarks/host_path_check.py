@@ -115,7 +115,7 @@ def copies_step(dev: torch.device, rounds: int = 20) -> dict[str, Any]:
 
 def main(argv: list[str]) -> None:
     from benchmarks import one_stream
-    from cosyvoice_fast import bench
+    from cosyvoice_fast.bench import engine_bench as bench
 
     def flags(ap: argparse.ArgumentParser) -> None:
         ap.add_argument("--requests", type=int, default=12)

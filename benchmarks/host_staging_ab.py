@@ -35,8 +35,8 @@ def before_prefill(self: Any, states: Sequence[Any]) -> list[Any]:
     before session 27 (for the A/B only; error handling trimmed: the benchmark's requests do not fail)."""
     import torch
 
-    from cosyvoice_fast.backends.llm_buckets import token_budget
-    from cosyvoice_fast.backends.llm_prefill import PrefillItem
+    from cosyvoice_fast.llm.buckets import token_budget
+    from cosyvoice_fast.llm.prefill import PrefillItem
 
     out: list[Any] = [None] * len(states)
     items = []
@@ -65,7 +65,7 @@ def before_encode_calls(self: Any, items: Sequence[Any], streaming: bool) -> lis
     import numpy as np
     import torch
 
-    from cosyvoice_fast.backends.eager import fold_to_flow_vocab
+    from cosyvoice_fast.flow.eager import fold_to_flow_vocab
 
     dev = items[0][0].flow_prompt_speech_token.device
     flat = torch.cat([tokens.reshape(-1).to(items[0][1].device) for _, tokens, _ in items]).to(dev)
@@ -121,8 +121,8 @@ def main(argv: list[str]) -> None:
 
     mine, bench_argv, out = one_stream.script_args(argv, __doc__, "benchmarks/host_staging_ab.py", one_stream.ab_flags)
 
-    from cosyvoice_fast.backends.cudagraph_llm import CudaGraphLLM
-    from cosyvoice_fast.backends.graph_encoder import GraphEncoder
+    from cosyvoice_fast.llm.graph import CudaGraphLLM
+    from cosyvoice_fast.flow.graph_encoder import GraphEncoder
 
     one = one_stream.load(bench_argv, "benchmarks/host_staging_ab.py")
     shipped = (CudaGraphLLM.prefill, GraphEncoder.encode_calls, GraphEncoder._run)

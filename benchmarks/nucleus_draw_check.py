@@ -1,4 +1,4 @@
-"""One GPU call: where the nucleus draw's time goes (:mod:`cosyvoice_fast.kernels.nucleus_topk`), one row of the
+"""One GPU call: where the nucleus draw's time goes (:mod:`cosyvoice_fast.llm.kernels.nucleus_topk`), one row of the
 speech vocabulary (6564 ids, top_k 25, top_p 0.8), flat rows as the random-weight model gives them.
 
     PYTHONUNBUFFERED=1 python benchmarks/nucleus_draw_check.py --out $OUT
@@ -23,10 +23,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cosyvoice_fast.kernels import nucleus_topk as nt  # noqa: E402
+from cosyvoice_fast.llm.kernels import nucleus_topk as nt  # noqa: E402
 from benchmarks.steps import require_cuda  # noqa: E402
-from cosyvoice_fast.kernels.estimator_profile import replay_median_ms  # noqa: E402
-from cosyvoice_fast.kernels.nucleus_topk import SCRATCH  # noqa: E402
+from cosyvoice_fast.bench.estimator_profile import replay_median_ms  # noqa: E402
+from cosyvoice_fast.llm.kernels.nucleus_topk import SCRATCH  # noqa: E402
 
 
 def _time(fn, launches: int = 100) -> float:

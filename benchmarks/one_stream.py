@@ -3,7 +3,7 @@
 alternating same-process A/B the last two run (:func:`ab_rounds`).
 
 They take the bench's model, device and engine flags plus its workload flags after ``--`` and build requests
-exactly as ``python -m cosyvoice_fast.bench`` does (seeded synthetic token ids, a new voice per request, EOS
+exactly as ``python -m cosyvoice_fast.bench.engine_bench`` does (seeded synthetic token ids, a new voice per request, EOS
 ignored), so their numbers line up with the bench's c1 row.
 """
 
@@ -48,11 +48,11 @@ class OneStream:
 
 def load(bench_argv: Sequence[str], prog: str) -> OneStream:
     """Load the service the bench flags describe (``--backends`` names one preset, default ``fused``)."""
-    from cosyvoice_fast import bench
-    from cosyvoice_fast.cli_args import add_cli_args, from_cli_args
-    from cosyvoice_fast.config import StreamParams
-    from cosyvoice_fast.request import SynthesisRequest
-    from cosyvoice_fast.service import load_service
+    from cosyvoice_fast.bench import engine_bench as bench
+    from cosyvoice_fast.config.flags import add_cli_args, from_cli_args
+    from cosyvoice_fast.config.model import StreamParams
+    from cosyvoice_fast.frontend.request import SynthesisRequest
+    from cosyvoice_fast.serving.service import load_service
 
     ap = argparse.ArgumentParser(prog=f"{prog} (bench flags after --)")
     add_cli_args(ap, parts=("model", "device", "engine"))
@@ -123,7 +123,7 @@ def ab_rounds(one: OneStream, variants: dict[str, Callable[[], None]], rounds: i
 
     import torch
 
-    from cosyvoice_fast import bench
+    from cosyvoice_fast.bench import engine_bench as bench
 
     svc, a, backend = one.svc, one.args, one.backend
     dev = svc.models.device

@@ -25,11 +25,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.steps import StepRunner, require_cuda  # noqa: E402
-from cosyvoice_fast.kernels.estimator_attention import attention  # noqa: E402
-from cosyvoice_fast.kernels.estimator_common import LAUNCH  # noqa: E402
-from cosyvoice_fast.kernels.estimator_linear import ACT_GELU, PRO_LN, PRO_NONE, linear  # noqa: E402
-from cosyvoice_fast.kernels.estimator_oneshot import linear_oneshot  # noqa: E402
-from cosyvoice_fast.kernels.estimator_profile import graph_replay_ms  # noqa: E402
+from cosyvoice_fast.flow.kernels.estimator_attention import attention  # noqa: E402
+from cosyvoice_fast.kernels.common import LAUNCH  # noqa: E402
+from cosyvoice_fast.flow.kernels.estimator_linear import ACT_GELU, PRO_LN, PRO_NONE, linear  # noqa: E402
+from cosyvoice_fast.flow.kernels.estimator_oneshot import linear_oneshot  # noqa: E402
+from cosyvoice_fast.bench.estimator_profile import graph_replay_ms  # noqa: E402
 
 C, HEADS, D, FF, BLOCKS = 256, 8, 64, 1024, 56
 KINDS = {  # name: (N, K, layernorm prologue, act, residual)
@@ -185,10 +185,10 @@ def step_stack(frames: int, best: dict) -> dict:
 
 
 def step_estimator() -> dict:
-    from cosyvoice_fast.config import DecoderConfig
-    from cosyvoice_fast.kernels.estimator_fused import FusedEstimator
-    from cosyvoice_fast.kernels.estimator_profile import estimator_inputs
-    from cosyvoice_fast.models.flow_decoder import CausalConditionalDecoder
+    from cosyvoice_fast.config.model import DecoderConfig
+    from cosyvoice_fast.flow.kernels.estimator_fused import FusedEstimator
+    from cosyvoice_fast.bench.estimator_profile import estimator_inputs
+    from cosyvoice_fast.flow.model.decoder import CausalConditionalDecoder
 
     torch.manual_seed(0)
     est = CausalConditionalDecoder(DecoderConfig()).to("cuda", torch.bfloat16).eval()

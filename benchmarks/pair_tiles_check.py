@@ -31,7 +31,7 @@ MODES = ("session22", "pair", "pair_all")
 
 def set_mode(mode: str) -> None:
     """Switch the estimator kernels' routing to ``mode`` (settings read at each launch)."""
-    from cosyvoice_fast.kernels import estimator_common
+    from cosyvoice_fast.kernels import common as estimator_common
 
     estimator_common.PAIR_ROWS.update(min=1 if mode == "pair_all" else 129, max=0 if mode == "session22" else 512)
     estimator_common.LAUNCH["oneshot_max_rows"] = 300 if mode == "session22" else 512
@@ -41,7 +41,7 @@ def main() -> int:
     out, steps = step_args("forward")
     runner = gpu_runner("pair_tiles_check.py", out, step_timeout=400)
     from benchmarks.first_forward_ab import full_fused_bf16, step_forward
-    from cosyvoice_fast.kernels.estimator_profile import graph_replay_ms
+    from cosyvoice_fast.bench.estimator_profile import graph_replay_ms
 
     fused = full_fused_bf16()
     calls = {shape: step_forward(fused, *shape) for shape in SHAPES}

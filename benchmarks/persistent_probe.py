@@ -32,7 +32,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.steps import StepRunner, require_cuda  # noqa: E402
-from cosyvoice_fast.kernels.estimator_profile import graph_replay_ms  # noqa: E402
+from cosyvoice_fast.bench.estimator_profile import graph_replay_ms  # noqa: E402
 from cosyvoice_fast.kernels.pdl import pdl_options, pdl_start  # noqa: E402
 
 
@@ -136,7 +136,7 @@ def chain(m: int, phases: int, bm: int, bn: int, pdl: bool) -> dict:
 def chain_oneshot(m: int, phases: int, bm: int, bn: int, same_x: bool) -> dict:
     """The probe's chain through ``linear_oneshot`` (ping-pong like ``chain``, or every launch on the same input
     with a fresh output, like ``oneshot_check.py``'s chain step)."""
-    from cosyvoice_fast.kernels.estimator_oneshot import linear_oneshot
+    from cosyvoice_fast.flow.kernels.estimator_oneshot import linear_oneshot
 
     x, w, b = _setup(m, phases)
     tiles = {"bm": bm, "bn": bn, "warps": 4}

@@ -1,4 +1,4 @@
-"""One GPU call for the fused prefill (:mod:`cosyvoice_fast.kernels.qwen2_hybrid`) at CosyVoice2-0.5B shapes
+"""One GPU call for the fused prefill (:mod:`cosyvoice_fast.llm.kernels.qwen2_hybrid`) at CosyVoice2-0.5B shapes
 (seeded random weights) against the graph-replayed prefill of the model's own decoder.
 
     PYTHONUNBUFFERED=1 python benchmarks/prefill_check.py --out $OUT [--steps errors,graphs,kernels]
@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.steps import StepRunner, require_cuda  # noqa: E402
-from cosyvoice_fast.kernels.estimator_profile import replay_median_ms  # noqa: E402
+from cosyvoice_fast.bench.estimator_profile import replay_median_ms  # noqa: E402
 
 SHAPES = ((64, 1), (128, 1), (256, 1), (512, 1), (128, 4), (128, 16), (256, 16))
 
@@ -37,9 +37,9 @@ def _stats(a: torch.Tensor, ref: torch.Tensor) -> dict:
 
 
 def errors() -> dict:
-    from cosyvoice_fast.kernels.qwen2_hybrid import prefill_rows
-    from cosyvoice_fast.models.qwen2 import KVCache
-    from cosyvoice_fast.synthetic import random_full_size_lm
+    from cosyvoice_fast.llm.kernels.qwen2_hybrid import prefill_rows
+    from cosyvoice_fast.llm.model.qwen2 import KVCache
+    from cosyvoice_fast.modeldir.synthetic import random_full_size_lm
 
     out: dict = {}
     length, slots, last = 128, torch.tensor([3, 1], device="cuda"), torch.tensor([127, 100], device="cuda")
@@ -77,8 +77,8 @@ def errors() -> dict:
 
 
 def _stages() -> dict:
-    from cosyvoice_fast.backends.fused_llm import FusedLLM
-    from cosyvoice_fast.synthetic import full_config, random_full_size_lm
+    from cosyvoice_fast.llm.fused import FusedLLM
+    from cosyvoice_fast.modeldir.synthetic import full_config, random_full_size_lm
 
     lm = random_full_size_lm(torch.bfloat16)
     return {name: FusedLLM(lm, full_config(), slots=16, max_len=2048, progress=False, fused_prefill=fused)

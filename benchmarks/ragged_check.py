@@ -3,7 +3,7 @@
     PYTHONUNBUFFERED=1 python benchmarks/ragged_check.py --out $OUT/ragged_check.json
 
 Full-size estimator (CosyVoice2 DecoderConfig), seeded random weights, the flow's real graph runner
-(:class:`~cosyvoice_fast.backends.cudagraph_flow.GraphEstimator` with the engine's default buckets).  Each case is
+(:class:`~cosyvoice_fast.flow.graph.GraphEstimator` with the engine's default buckets).  Each case is
 one Euler step of a solve with ``live`` batch rows (CFG rows) x ``frames`` frames, served from the graph of its
 (frames bucket, rows bucket); each is timed three ways, as the whole runner call (input copies + replay; median
 ms of GPU time over 40 calls, each between its own events):
@@ -40,9 +40,9 @@ CASES = [("pair_2x206", 2, 206, True), ("pair_2x306", 2, 306, True), ("pair_fina
 ERROR_CASES = ("pair_2x206", "batch11_22x206", "batch8_16x450")
 
 def _runner(est: torch.nn.Module, ragged: bool):
-    from cosyvoice_fast.backends.cudagraph_flow import GraphEstimator
-    from cosyvoice_fast.engine_config import EngineConfig
-    from cosyvoice_fast.kernels.estimator_fused import FusedEstimator
+    from cosyvoice_fast.flow.graph import GraphEstimator
+    from cosyvoice_fast.config.engine import EngineConfig
+    from cosyvoice_fast.flow.kernels.estimator_fused import FusedEstimator
 
     return GraphEstimator(FusedEstimator(est), torch.device("cuda"), granularity=50,
                           buckets=EngineConfig().flow_buckets, ragged=ragged)
@@ -64,8 +64,8 @@ def _call_ms(runner, args: tuple, streaming: bool, iters: int = 40) -> float:
 
 
 def _est(dtype: torch.dtype) -> torch.nn.Module:
-    from cosyvoice_fast.config import DecoderConfig
-    from cosyvoice_fast.models.flow_decoder import CausalConditionalDecoder
+    from cosyvoice_fast.config.model import DecoderConfig
+    from cosyvoice_fast.flow.model.decoder import CausalConditionalDecoder
 
     torch.manual_seed(0)
     est = CausalConditionalDecoder(DecoderConfig()).to("cuda", dtype).eval()
@@ -74,7 +74,7 @@ def _est(dtype: torch.dtype) -> torch.nn.Module:
 
 
 def step_timing() -> dict:
-    from cosyvoice_fast.kernels.estimator_profile import estimator_inputs
+    from cosyvoice_fast.bench.estimator_profile import estimator_inputs
 
     est = _est(torch.bfloat16)
     padded, ragged, exact = _runner(est, False), _runner(est, True), _runner(est, True)
@@ -96,8 +96,8 @@ def step_timing() -> dict:
 
 def step_errors() -> dict:
     """Ragged against padded (bf16) and against the unpadded eager-free fused forward (fp32, TF32 off)."""
-    from cosyvoice_fast.kernels.estimator_fused import FusedEstimator
-    from cosyvoice_fast.kernels.estimator_profile import estimator_inputs
+    from cosyvoice_fast.flow.kernels.estimator_fused import FusedEstimator
+    from cosyvoice_fast.bench.estimator_profile import estimator_inputs
 
     out = {}
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -121,8 +121,8 @@ def step_profile() -> dict:
     """Why a ragged replay of a few rows is slower than an exact-shape one: the forward at 2 x 206 live frames in
     the 250-frame bucket as four graphs (exact 206, padded 250, ragged 206 of 250, ragged with the whole bucket
     live), each with its replay time, kernel count and GPU time by kernel name."""
-    from cosyvoice_fast.kernels.estimator_fused import FusedEstimator
-    from cosyvoice_fast.kernels.estimator_profile import estimator_inputs, graph_profile
+    from cosyvoice_fast.flow.kernels.estimator_fused import FusedEstimator
+    from cosyvoice_fast.bench.estimator_profile import estimator_inputs, graph_profile
 
     est = _est(torch.bfloat16)
     fused = FusedEstimator(est)

@@ -14,9 +14,9 @@ also gives each kernel's registers per thread, spill stack and shared memory (a 
 non-zero stack).  (The recording runs in a child process: under the interpreter the kernels are not compilable
 objects.)
 
-- ``estimator``: one fused estimator forward (:class:`~cosyvoice_fast.kernels.estimator_fused.FusedEstimator`)
+- ``estimator``: one fused estimator forward (:class:`~cosyvoice_fast.flow.kernels.estimator_fused.FusedEstimator`)
   of ``--rows`` rows x ``--frames`` frames, streaming (a first chunk's CFG pair by default);
-- ``decode``: one fused decode step of one row through :func:`~cosyvoice_fast.kernels.qwen2_decode.step_logits`;
+- ``decode``: one fused decode step of one row through :func:`~cosyvoice_fast.llm.kernels.qwen2_decode.step_logits`;
 - ``decode16``: the same for 16 rows (the looped projections and the looped head).
 
 The Triton here may differ from the GPU machine's, and so may the code it emits: the sizes are for comparing
@@ -137,10 +137,10 @@ def compiled_size(module: str, name: str, sig: dict[str, str], const: dict[str, 
 
 
 def estimator_launches(rows: int, frames: int) -> None:
-    from cosyvoice_fast.config import full_config
-    from cosyvoice_fast.kernels.estimator_fused import FusedEstimator
-    from cosyvoice_fast.kernels.estimator_profile import estimator_inputs
-    from cosyvoice_fast.models.flow_decoder import CausalConditionalDecoder
+    from cosyvoice_fast.config.model import full_config
+    from cosyvoice_fast.flow.kernels.estimator_fused import FusedEstimator
+    from cosyvoice_fast.bench.estimator_profile import estimator_inputs
+    from cosyvoice_fast.flow.model.decoder import CausalConditionalDecoder
 
     torch.manual_seed(0)
     est = CausalConditionalDecoder(full_config().flow.decoder).to(torch.bfloat16).eval()
@@ -150,8 +150,8 @@ def estimator_launches(rows: int, frames: int) -> None:
 
 
 def decode_launches(rows: int = 1) -> None:
-    from cosyvoice_fast.kernels.qwen2_decode import step_logits
-    from cosyvoice_fast.synthetic import random_full_size_lm
+    from cosyvoice_fast.llm.kernels.qwen2_decode import step_logits
+    from cosyvoice_fast.modeldir.synthetic import random_full_size_lm
 
     lm = random_full_size_lm(torch.bfloat16, device="cpu")
     cache = lm.new_cache(512, batch=rows)

@@ -1,4 +1,4 @@
-"""Where a serving run's GPU time goes: ``python -m cosyvoice_fast.bench`` under ``torch.profiler`` (CUDA
+"""Where a serving run's GPU time goes: ``python -m cosyvoice_fast.bench.engine_bench`` under ``torch.profiler`` (CUDA
 activity only), kernel time summed per stage.
 
     PYTHONUNBUFFERED=1 python benchmarks/serve_profile.py --out $OUT -- --synthetic full --backends fused ...
@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cosyvoice_fast import gpu_busy  # noqa: E402
+from cosyvoice_fast.bench import gpu_busy  # noqa: E402
 
 STAGE_OF_MODULE = (("estimator_", "flow estimator"), ("qwen2_", "llm"), ("philox", "llm"), ("nucleus", "llm"),
                    ("ras_", "llm"), ("step_feed", "llm"), ("hift_", "vocoder"))
@@ -88,9 +88,9 @@ def main(argv: list[str]) -> None:
 
     gpu_busy.GpuBusy = ProfiledBusy  # the bench imports it when runpy runs it below
     t0 = time.perf_counter()
-    sys.argv = ["cosyvoice_fast.bench", *bench_args, "--gpu-busy", "--out", str(out / "bench")]
+    sys.argv = ["cosyvoice_fast.bench.engine_bench", *bench_args, "--gpu-busy", "--out", str(out / "bench")]
     try:
-        runpy.run_module("cosyvoice_fast.bench", run_name="__main__", alter_sys=True)
+        runpy.run_module("cosyvoice_fast.bench.engine_bench", run_name="__main__", alter_sys=True)
     except SystemExit as e:  # the bench's own exit: the profile is still summed
         if e.code not in (None, 0):
             raise

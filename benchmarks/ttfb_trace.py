@@ -107,7 +107,7 @@ def analyse(trace: dict[str, Any], offset_us: float, windows: list[tuple[str, fl
 
 def main(argv: list[str]) -> None:
     from benchmarks import one_stream
-    from cosyvoice_fast import bench
+    from cosyvoice_fast.bench import engine_bench as bench
 
     def flags(ap: argparse.ArgumentParser) -> None:
         ap.add_argument("--requests", type=int, default=4)

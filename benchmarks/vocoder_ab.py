@@ -8,7 +8,7 @@ vocoder stages built like the service's for the one stage set the requests run o
 
 - ``cudnn``: the fused vocoder as before session 29 (captured with ``hift_conv.LAUNCH["max_rows"]`` at 0: no
   call takes the Triton convolutions);
-- ``triton``: the shipped stage (its one-row calls on :mod:`cosyvoice_fast.kernels.hift_conv`).
+- ``triton``: the shipped stage (its one-row calls on :mod:`cosyvoice_fast.vocoder.kernels.hift_conv`).
 
 Results: ``OUT/vocoder_ab.json`` (per round and variant the bench's aggregate: TTFB p50/p95 and its stages).
 """
@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def build_cudnn_vocoder(stages: Any) -> Any:
     """A ``fused`` vocoder stage like the service's (same captured lengths and rows), captured with
     ``hift_conv.LAUNCH["max_rows"]`` at 0, so no call runs the Triton convolutions."""
-    from cosyvoice_fast.backends import _build_vocoder
-    from cosyvoice_fast.kernels import hift_conv
+    from cosyvoice_fast.engine.stages import _build_vocoder
+    from cosyvoice_fast.vocoder.kernels import hift_conv
 
     saved = hift_conv.LAUNCH["max_rows"]
     hift_conv.LAUNCH["max_rows"] = 0

@@ -30,10 +30,10 @@ CASES = {"forward": (100, 200), "window": ((0, 200, 250), (100, 100, 250), (200,
 
 
 def _setup():
-    from cosyvoice_fast.config import DecoderConfig
-    from cosyvoice_fast.kernels.estimator_fused import FusedEstimator
-    from cosyvoice_fast.models.flow_decoder import CausalConditionalDecoder
-    from cosyvoice_fast.models.flow_incremental import RecordingWindow, estimator_increment
+    from cosyvoice_fast.config.model import DecoderConfig
+    from cosyvoice_fast.flow.kernels.estimator_fused import FusedEstimator
+    from cosyvoice_fast.flow.model.decoder import CausalConditionalDecoder
+    from cosyvoice_fast.flow.model.incremental import RecordingWindow, estimator_increment
 
     torch.manual_seed(0)
     est = CausalConditionalDecoder(DecoderConfig()).to("cuda", torch.bfloat16).eval()
@@ -47,7 +47,7 @@ def _setup():
 
 
 def _window(layout, start: int, n: int, cap: int):
-    from cosyvoice_fast.models.flow_incremental import StaticWindow, static_mask
+    from cosyvoice_fast.flow.model.incremental import StaticWindow, static_mask
 
     (h, d), = {(a, b) for kind, a, b in layout if kind == "kv"}
     n_attn = sum(1 for kind, *_ in layout if kind == "kv")
@@ -62,7 +62,7 @@ def _window(layout, start: int, n: int, cap: int):
 
 
 def step_forward(frames: int) -> dict:
-    from cosyvoice_fast.kernels.estimator_profile import estimator_inputs, graph_profile
+    from cosyvoice_fast.bench.estimator_profile import estimator_inputs, graph_profile
 
     est, fused, _ = _setup()
     args = estimator_inputs(est.cfg, 2, frames, torch.bfloat16)
@@ -71,7 +71,7 @@ def step_forward(frames: int) -> dict:
 
 
 def step_window(start: int, n: int, cap: int) -> dict:
-    from cosyvoice_fast.kernels.estimator_profile import graph_profile
+    from cosyvoice_fast.bench.estimator_profile import graph_profile
 
     est, fused, layout = _setup()
     win = _window(layout, start, n, cap)
@@ -90,9 +90,9 @@ ATTN_TILES = [(16, 64, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (32, 32, 4, 3), (1
 def step_attention() -> dict:
     """The cached attention alone (10 launches per graph, µs per launch) at each window shape and tile, and
     the full forward's attention at the same new-frame counts for reference."""
-    from cosyvoice_fast.kernels.estimator_attention import attention
-    from cosyvoice_fast.kernels.estimator_profile import graph_replay_ms
-    from cosyvoice_fast.kernels.estimator_window import attention_cached
+    from cosyvoice_fast.flow.kernels.estimator_attention import attention
+    from cosyvoice_fast.bench.estimator_profile import graph_replay_ms
+    from cosyvoice_fast.flow.kernels.estimator_window import attention_cached
 
     h, d, out = 8, 64, {}
     g = torch.Generator(device="cpu").manual_seed(4)

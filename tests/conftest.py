@@ -73,7 +73,7 @@ def load_case(fixture_dir):
 @pytest.fixture(scope="session")
 def tiny_models(fixture_dir):
     """The fixture model directory loaded with the same loader users use (fp32, CPU, eval mode)."""
-    from cosyvoice_fast.modelfiles import load_models
+    from cosyvoice_fast.modeldir.files import load_models
 
     return load_models(fixture_dir, device="cpu")
 
@@ -112,7 +112,7 @@ class _FakeGraphCache:
         self.frozen = True
 
     def get(self, key, example):  # noqa: ANN001
-        from cosyvoice_fast.backends.graphs import CapturedGraph
+        from cosyvoice_fast.kernels.graphs import CapturedGraph
 
         if key not in self.graphs:
             if self.frozen:
@@ -127,7 +127,7 @@ class _FakeGraphCache:
 @pytest.fixture
 def fake_graphs(monkeypatch):
     """Graph-captured backends' bookkeeping (padding, keys, buffers) testable on CPU."""
-    import cosyvoice_fast.backends.graphs as graphs
+    import cosyvoice_fast.kernels.graphs as graphs
 
     monkeypatch.setattr(graphs, "GraphCache", _FakeGraphCache)
 

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from cosyvoice_fast.backends.eager import EagerLLM
-from cosyvoice_fast.backends.kv_pool import SlotPool
-from cosyvoice_fast.config import BackendConfig, StreamParams
-from cosyvoice_fast.engine import Engine, EngineBusy
-from cosyvoice_fast.engine_config import EngineConfig
-from cosyvoice_fast.request import ModelInputs, SynthesisRequest
+from cosyvoice_fast.llm.eager import EagerLLM
+from cosyvoice_fast.llm.kv_pool import SlotPool
+from cosyvoice_fast.config.model import BackendConfig, StreamParams
+from cosyvoice_fast.engine.engine import Engine, EngineBusy
+from cosyvoice_fast.config.engine import EngineConfig
+from cosyvoice_fast.frontend.request import ModelInputs, SynthesisRequest
 
 PARAMS = StreamParams(token_hop_len_first=5, token_hop_len=5, pre_lookahead_len=0)
 

@@ -19,7 +19,7 @@ gr_client = pytest.importorskip("gradio_client",
 from gradio_client import Client, handle_file  # noqa: E402
 from gradio_client.exceptions import AppError  # noqa: E402
 
-from cosyvoice_fast.telemetry import STAGES  # noqa: E402
+from cosyvoice_fast.telemetry.record import STAGES  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = REPO / "assets" / "zero_shot_prompt.wav"
@@ -34,8 +34,8 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
     """(client, base url, service) of a running app on the tiny synthetic model."""
-    from cosyvoice_fast.service import load_service
-    from cosyvoice_fast.webui import build_demo, serve
+    from cosyvoice_fast.serving.service import load_service
+    from cosyvoice_fast.app.page import build_demo, serve
 
     svc = load_service(None, synthetic="tiny", device="cpu", dtype="fp32",
                        speaker_cache_dir=tmp_path_factory.mktemp("speakers"), progress=False)
@@ -118,7 +118,7 @@ def test_streaming_synthesis_yields_several_chunks_and_a_final_wav(streamed):
 def test_without_ffmpeg_the_audio_comes_whole_at_the_end(app):
     """No ffmpeg: each chunk leaves the streaming player alone, the last update gives it the whole utterance, and
     the header says why."""
-    from cosyvoice_fast.webui_handlers import CONFIG_FIELDS, VOICE_FIELDS, Handlers
+    from cosyvoice_fast.app.handlers import CONFIG_FIELDS, VOICE_FIELDS, Handlers
 
     h = Handlers(app[2], stream_audio=False)
     assert "ffmpeg not found" in h.header_markdown()

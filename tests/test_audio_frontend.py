@@ -17,12 +17,14 @@ import torch
 
 sf = pytest.importorskip("soundfile", reason="soundfile is not installed here (pip install -r requirements.txt)")
 
-from cosyvoice_fast.frontend.audio import (PromptAudioError, load_audio, load_prompt, prepare_prompt, resample,
-                                           speech_bounds, trim_silence)
+from cosyvoice_fast.frontend.audio import (
+    PromptAudioError, load_audio, load_prompt, prepare_prompt, resample, speech_bounds, trim_silence,
+)
 from cosyvoice_fast.frontend.features import whisper_log_mel  # noqa: E402
-from cosyvoice_fast.frontend.speaker import (OnnxSpeakerEmbedder, OnnxSpeechTokenizer, PromptFeatures,
-                                             SpeakerCache, SpeakerCacheError, align_prompt, extract_prompt,
-                                             validate_speaker_name)
+from cosyvoice_fast.frontend.speaker import (
+    OnnxSpeakerEmbedder, OnnxSpeechTokenizer, PromptFeatures, SpeakerCache, SpeakerCacheError, align_prompt,
+    extract_prompt, validate_speaker_name,
+)
 
 # audioread (the decoder fallback) imports stdlib modules that Python 3.11 deprecates
 pytestmark = pytest.mark.filterwarnings("ignore:'(aifc|audioop|sunau)' is deprecated:DeprecationWarning")
@@ -281,7 +283,7 @@ def test_onnx_provider_choice_and_errors(onnx_dir, tmp_path):
 
 def test_synthetic_model_files_work(tmp_path):
     """The tiny graphs the synthetic model directories ship have the same interface."""
-    from cosyvoice_fast.synthetic_frontend import write_speaker_model, write_speech_tokenizer
+    from cosyvoice_fast.modeldir.synthetic_frontend import write_speaker_model, write_speech_tokenizer
 
     write_speech_tokenizer(tmp_path / "speech_tokenizer_v2.onnx", 1000)
     write_speaker_model(tmp_path / "campplus.onnx")

@@ -20,16 +20,16 @@ import torch
 gr = pytest.importorskip("gradio", reason="gradio is not installed here (pip install -r requirements.txt)")
 sf = pytest.importorskip("soundfile", reason="soundfile is not installed here (pip install -r requirements.txt)")
 
-from cosyvoice_fast.config import BackendConfig, ConfigError, StreamParams  # noqa: E402
-from cosyvoice_fast.modelfiles import ModelFileError, load_models, validate_model_dir  # noqa: E402
-from cosyvoice_fast.request import SynthesisRequest  # noqa: E402
+from cosyvoice_fast.config.model import BackendConfig, ConfigError, StreamParams  # noqa: E402
+from cosyvoice_fast.modeldir.files import ModelFileError, load_models, validate_model_dir  # noqa: E402
+from cosyvoice_fast.frontend.request import SynthesisRequest  # noqa: E402
 
 TINY = dict(max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory):
-    from cosyvoice_fast.service import load_service
+    from cosyvoice_fast.serving.service import load_service
 
     s = load_service(None, synthetic="tiny", device="cpu", dtype="fp32",
                      speaker_cache_dir=tmp_path_factory.mktemp("speakers"), progress=False)
@@ -156,7 +156,7 @@ def test_missing_prompt_file(svc, tmp_path):
 ])
 def test_app_handlers_give_the_same_message_without_paths(svc, wavs, name, message):
     """The app's synthesize and save-voice handlers: a gr.Error with the library's text, no server path."""
-    from cosyvoice_fast.webui_handlers import CONFIG_FIELDS, VOICE_FIELDS, Handlers
+    from cosyvoice_fast.app.handlers import CONFIG_FIELDS, VOICE_FIELDS, Handlers
 
     h = Handlers(svc, stream_audio=False)
     voice = dict(text="hello", mode="cross_lingual", prompt_upload=str(wavs[name]), prompt_mic=None,

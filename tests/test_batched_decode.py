@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from cosyvoice_fast.backends import cudagraph_llm
-from cosyvoice_fast.backends.cudagraph_llm import CudaGraphLLM
-from cosyvoice_fast.backends.nucleus import nucleus_keep, nucleus_keep_rows, nucleus_pick, nucleus_pick_rows
-from cosyvoice_fast.backends.eager import EagerLLM
-from cosyvoice_fast.backends.base import generate_alone
-from cosyvoice_fast.config import QwenConfig
-from cosyvoice_fast.models.qwen2 import KVCache, Qwen2Decoder
-from cosyvoice_fast.models.sampling import _nucleus_size
-from cosyvoice_fast.request import ModelInputs
+from cosyvoice_fast.llm import graph as cudagraph_llm
+from cosyvoice_fast.llm.graph import CudaGraphLLM
+from cosyvoice_fast.llm.nucleus import nucleus_keep, nucleus_keep_rows, nucleus_pick, nucleus_pick_rows
+from cosyvoice_fast.llm.eager import EagerLLM
+from cosyvoice_fast.llm.stage import generate_alone
+from cosyvoice_fast.config.model import QwenConfig
+from cosyvoice_fast.llm.model.qwen2 import KVCache, Qwen2Decoder
+from cosyvoice_fast.llm.model.sampling import _nucleus_size
+from cosyvoice_fast.frontend.request import ModelInputs
 
 HAS_CUDA = torch.cuda.is_available()
 _gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)

@@ -110,8 +110,8 @@ def test_gpu_script_without_cuda_exits_2_with_a_clear_message(tmp_path, name):
 
 def test_hift_profile_conv_stack_bf16_seam_is_removed_afterwards(monkeypatch):
     from benchmarks import hift_profile as hp
-    from cosyvoice_fast.config import tiny_config
-    from cosyvoice_fast.models.hift import HiFTGenerator
+    from cosyvoice_fast.config.model import tiny_config
+    from cosyvoice_fast.vocoder.model.hift import HiFTGenerator
 
     monkeypatch.setattr(hp, "DEVICE_TYPE", "cpu")
     torch.manual_seed(0)
@@ -184,8 +184,8 @@ def test_ttfb_trace_splits_each_stage_into_gpu_busy_and_idle_and_names_what_ende
 
 def test_host_path_check_wraps_methods_and_staticmethods_and_records_each_call(monkeypatch):
     from benchmarks import host_path_check as hp
-    from cosyvoice_fast.runtime.chunks import ChunkRunner
-    from cosyvoice_fast.schedule import ChunkCursor
+    from cosyvoice_fast.engine.chunks import ChunkRunner
+    from cosyvoice_fast.config.schedule import ChunkCursor
 
     for cls, name in ((ChunkCursor, "tokens_short"), (ChunkRunner, "_to_host")):
         monkeypatch.setattr(cls, name, cls.__dict__[name])  # restored after the test
@@ -194,7 +194,7 @@ def test_host_path_check_wraps_methods_and_staticmethods_and_records_each_call(m
     assert hp.wrap("runtime.chunks", "ChunkRunner", "_to_host") == "ChunkRunner._to_host"
     assert hp.wrap("schedule", "ChunkCursor", "no_such_method") is None
     assert hp.wrap("no_such_module", "X", "y") is None
-    from cosyvoice_fast.config import StreamParams
+    from cosyvoice_fast.config.model import StreamParams
 
     cursor = ChunkCursor(8, StreamParams())
     assert cursor.tokens_short(40) == 5 and ChunkRunner._to_host([]) == []
@@ -208,7 +208,7 @@ def test_ab_rounds_alternates_the_variants_and_leaves_the_last_patched_in(tmp_pa
     from types import SimpleNamespace
 
     from benchmarks import one_stream
-    from cosyvoice_fast import bench
+    from cosyvoice_fast.bench import engine_bench as bench
 
     applied, measured = [], []
     p50 = iter([41.0, 40.0, 40.5, 39.5, 42.0, 39.0])
@@ -237,7 +237,7 @@ def test_swap_rounds_measures_each_variant_with_its_value_in_place(tmp_path, mon
     from types import SimpleNamespace
 
     from benchmarks import one_stream
-    from cosyvoice_fast import bench
+    from cosyvoice_fast.bench import engine_bench as bench
 
     target, seen = SimpleNamespace(vocoder=None), []
 

@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from cosyvoice_fast.bistream_cli import main
+from cosyvoice_fast.cli.bistream import main
 
 
 class Trickle(io.RawIOBase):
@@ -49,7 +49,7 @@ def test_synth_bistream_reads_stdin_through_the_engine(tmp_path, monkeypatch, ca
     """``python -m cosyvoice_fast synth --bistream``: stdin's pieces stream into the engine, audio streams out."""
     import soundfile as sf
 
-    from cosyvoice_fast.__main__ import main as cli_main
+    from cosyvoice_fast.cli.main import main as cli_main
 
     text = "Hello there, this is streamed text from a pipe, a few words at a time."
     stdin = Trickle([text[i:i + 5].encode() for i in range(0, len(text), 5)])
@@ -66,7 +66,7 @@ def test_synth_bistream_reads_stdin_through_the_engine(tmp_path, monkeypatch, ca
 
 
 def test_synth_needs_text_or_bistream(capsys):
-    from cosyvoice_fast.__main__ import main as cli_main
+    from cosyvoice_fast.cli.main import main as cli_main
 
     assert cli_main(["synth", "--synthetic", "tiny", "--device", "cpu"]) == 2
     assert "give --text, or --bistream" in capsys.readouterr().err

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from cosyvoice_fast.config import ConfigError
+from cosyvoice_fast.config.model import ConfigError
 from cosyvoice_fast.frontend.text_source import SourceLimits
-from cosyvoice_fast.request import SynthesisRequest
+from cosyvoice_fast.frontend.request import SynthesisRequest
 
 PROMPT = Path(__file__).resolve().parent.parent / "assets" / "cross_lingual_prompt.wav"
 TEXT = "Hello there, this sentence arrives a few words at a time, like an agent's reply in 1990."
@@ -25,7 +25,7 @@ MAX_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory):
-    from cosyvoice_fast.service import load_service
+    from cosyvoice_fast.serving.service import load_service
 
     s = load_service(None, "tiny", "cpu", "fp32", speaker_cache_dir=tmp_path_factory.mktemp("spk"), progress=False)
     yield s
@@ -147,9 +147,9 @@ def test_bad_sources_get_clear_messages(kw, message):
 
 def test_adapter_tokens_equal_the_eager_driver(svc):
     """The engine's stage (eager runner) gives the eager driver's tokens for the same chunks and seed."""
-    from cosyvoice_fast.backends.bistream_eager import EagerBistream
-    from cosyvoice_fast.backends.bistream_llm import BistreamLLM
-    from cosyvoice_fast.runtime.bistream import TextFeed
+    from cosyvoice_fast.llm.bistream_eager import EagerBistream
+    from cosyvoice_fast.llm.bistream_stage import BistreamLLM
+    from cosyvoice_fast.engine.bistream import TextFeed
 
     llm = svc.models.llm
     tok = svc.frontend.text_stream()
@@ -182,8 +182,8 @@ def test_adapter_tokens_equal_the_eager_driver(svc):
 
 def test_pre_tokenised_source_with_model_inputs(svc):
     """``inputs`` (the prompt side) + a source of token-id lists: no tokenizer needed (the GPU bench's path)."""
-    from cosyvoice_fast.bench import synthetic_inputs
-    from cosyvoice_fast.bench_bistream import paced
+    from cosyvoice_fast.bench.engine_bench import synthetic_inputs
+    from cosyvoice_fast.bench.bistream import paced
 
     inputs = synthetic_inputs(svc.models.config, 20, 23, seed=2)
     ids = inputs.text_segments[0][0].tolist()
@@ -201,7 +201,7 @@ def test_pre_tokenised_source_with_model_inputs(svc):
 def test_bench_bistream_runs_on_the_tiny_model(tmp_path):
     import json
 
-    from cosyvoice_fast.bench_bistream import main
+    from cosyvoice_fast.bench.bistream import main
 
     assert main(["--synthetic", "tiny", "--device", "cpu", "--concurrency", "1,2", "--requests", "2",
                  "--gen-tokens", "30", "--text-tokens", "12", "--piece-interval-ms", "0", "--out", str(tmp_path)]) == 0
@@ -212,7 +212,7 @@ def test_bench_bistream_runs_on_the_tiny_model(tmp_path):
 
 
 def test_chunk_timeline_marks_text_arrivals(svc):
-    from cosyvoice_fast.dashboard import TEXT_ROW, chunk_timeline_figure
+    from cosyvoice_fast.app.dashboard import TEXT_ROW, chunk_timeline_figure
 
     pieces = _pieces(svc, 3)
     _, tele, chunks = _run(svc, iter(pieces))
@@ -224,8 +224,8 @@ def test_chunk_timeline_marks_text_arrivals(svc):
 
 
 def test_type_as_you_go_handler_feeds_words_and_marks_them(svc):
-    from cosyvoice_fast.dashboard import TEXT_ROW
-    from cosyvoice_fast.webui_bistream import type_as_you_go, words_at
+    from cosyvoice_fast.app.dashboard import TEXT_ROW
+    from cosyvoice_fast.app.bistream import type_as_you_go, words_at
 
     assert "".join(words_at(TEXT, 100)) == TEXT
     with pytest.raises(ValueError, match="words per second"):

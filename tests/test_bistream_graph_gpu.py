@@ -29,11 +29,11 @@ def _drive(stage, states):
 def run_both(llm, device: str) -> dict[str, list[list[int]]]:
     """Three requests (with and without prompt speech, text in pieces of 3 ids) stepped together on the eager
     and the graph runner (``use_graphs`` only on CUDA); greedy picks, so the tokens must be identical."""
-    from cosyvoice_fast.backends.bistream_eager import EagerBistream
-    from cosyvoice_fast.backends.bistream_graph import GraphBistream
-    from cosyvoice_fast.backends.bistream_llm import BistreamLLM
-    from cosyvoice_fast.runtime.bistream import IdText, TextFeed
-    from cosyvoice_fast.models.sampling import greedy_sample
+    from cosyvoice_fast.llm.bistream_eager import EagerBistream
+    from cosyvoice_fast.llm.bistream_graph import GraphBistream
+    from cosyvoice_fast.llm.bistream_stage import BistreamLLM
+    from cosyvoice_fast.engine.bistream import IdText, TextFeed
+    from cosyvoice_fast.llm.model.sampling import greedy_sample
 
     runs = {}
     graph = GraphBistream(llm, slots=4, max_len=1024, use_graphs=device == "cuda")
@@ -57,7 +57,7 @@ def run_both(llm, device: str) -> dict[str, list[list[int]]]:
 
 @pytest.mark.gpu
 def test_graph_stage_equals_eager_in_fp32():
-    from cosyvoice_fast.synthetic import random_full_size_lm
+    from cosyvoice_fast.modeldir.synthetic import random_full_size_lm
 
     runs = run_both(random_full_size_lm(torch.float32, "cuda").eval(), "cuda")
     assert runs["graph"] == runs["eager"]
@@ -76,7 +76,7 @@ def test_bench_bistream_on_cuda_with_the_graph_runner(tmp_path):
     """The engine path on CUDA: the graph runner through the engine, paced pre-tokenised text, c1 and c4."""
     import json
 
-    from cosyvoice_fast.bench_bistream import main
+    from cosyvoice_fast.bench.bistream import main
 
     assert main(["--synthetic", "tiny", "--device", "cuda", "--dtype", "fp32", "--backend", "cudagraph",
                  "--concurrency", "1,4", "--requests", "4", "--gen-tokens", "60", "--text-tokens", "30",

@@ -7,8 +7,9 @@ import logging
 
 import pytest
 
-from cosyvoice_fast.models.bistream import (PHASE_FINAL, PHASE_TEXT, BistreamError, BistreamSpec, BistreamState,
-                                            Segment)
+from cosyvoice_fast.llm.model.bistream import (
+    PHASE_FINAL, PHASE_TEXT, BistreamError, BistreamSpec, BistreamState, Segment,
+)
 
 SPEC = BistreamSpec(text_rows=5, speech_rows=15, speech_token_size=100)
 

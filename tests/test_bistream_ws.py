@@ -22,8 +22,8 @@ START = {"type": "start", "voice": None, "mode": "cross_lingual", "max_tokens": 
 def server(tmp_path_factory):
     from fastapi import FastAPI
 
-    from cosyvoice_fast.http_api import mount_api
-    from cosyvoice_fast.service import load_service
+    from cosyvoice_fast.serving.http import mount_api
+    from cosyvoice_fast.serving.service import load_service
 
     svc = load_service(None, "tiny", "cpu", "fp32", speaker_cache_dir=tmp_path_factory.mktemp("spk"), progress=False)
     app = FastAPI()
@@ -43,7 +43,7 @@ def server(tmp_path_factory):
 
 
 def _start(**kw) -> str:
-    from cosyvoice_fast.api_voices import bundled_voices
+    from cosyvoice_fast.serving.voices import bundled_voices
 
     voice = next(iter(bundled_voices()))
     return json.dumps({**START, "voice": voice, **kw})
@@ -124,7 +124,7 @@ def test_auth_guards_the_websocket_like_the_http_routes(server):
     from fastapi.testclient import TestClient
     from starlette.websockets import WebSocketDisconnect
 
-    from cosyvoice_fast.http_api import mount_api
+    from cosyvoice_fast.serving.http import mount_api
 
     svc, _ = server
     app = FastAPI()

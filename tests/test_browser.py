@@ -45,8 +45,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def app_url(tmp_path_factory):
-    from cosyvoice_fast.service import load_service
-    from cosyvoice_fast.webui import build_demo, serve
+    from cosyvoice_fast.serving.service import load_service
+    from cosyvoice_fast.app.page import build_demo, serve
 
     svc = load_service(None, synthetic="tiny", device="cpu", dtype="fp32",
                        speaker_cache_dir=tmp_path_factory.mktemp("speakers"), progress=False)

@@ -13,10 +13,10 @@ import weakref
 import pytest
 import torch
 
-from cosyvoice_fast.config import StreamParams
-from cosyvoice_fast.engine import Engine
-from cosyvoice_fast.request import ModelInputs, SynthesisRequest
-from cosyvoice_fast.backends.incremental_flow import FlowState
+from cosyvoice_fast.config.model import StreamParams
+from cosyvoice_fast.engine.engine import Engine
+from cosyvoice_fast.frontend.request import ModelInputs, SynthesisRequest
+from cosyvoice_fast.flow.incremental import FlowState
 
 FAST = StreamParams(token_hop_len_first=3, token_hop_len=3, pre_lookahead_len=0)
 
@@ -232,9 +232,9 @@ def test_observer_outcomes(engine, case):
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
     pytest.importorskip("gradio_client")
-    from cosyvoice_fast.service import load_service
-    from cosyvoice_fast.soak import test_prompt
-    from cosyvoice_fast.webui import build_demo, serve
+    from cosyvoice_fast.serving.service import load_service
+    from cosyvoice_fast.bench.soak import test_prompt
+    from cosyvoice_fast.app.page import build_demo, serve
     from tests.test_app import free_port
 
     d = tmp_path_factory.mktemp("app")

@@ -6,7 +6,7 @@ import pytest
 
 sf = pytest.importorskip("soundfile", reason="soundfile is not installed here (pip install -r requirements.txt)")
 
-from cosyvoice_fast.__main__ import main  # noqa: E402
+from cosyvoice_fast.cli.main import main  # noqa: E402
 
 
 def test_synth_streams_to_a_wav_and_prints_the_breakdown(tmp_path, capsys):
@@ -42,7 +42,7 @@ def test_gpu_only_tools_say_so_without_a_gpu():
     import pytest
     import torch
 
-    from cosyvoice_fast import bench_flow, profile_stages
+    from cosyvoice_fast.bench import flow as bench_flow, profile_stages
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
@@ -55,7 +55,7 @@ def test_gpu_only_tools_say_so_without_a_gpu():
 def test_profile_stages_names_bad_frames_and_flows(capsys):
     import pytest
 
-    from cosyvoice_fast import profile_stages
+    from cosyvoice_fast.bench import profile_stages
 
     for argv, message in ((["--frames", "56,x"], "expected comma-separated frame counts like 56,206, got '56,x'"),
                           (["--frames", "0"], "frame counts must be >= 1, got '0'"),
@@ -74,7 +74,7 @@ def test_speaker_state_stores_a_saved_voice_and_names_bad_requests(tmp_path, cap
     spk = tmp_path / "spk"
     assert main(["synth", "--synthetic", "tiny", "--text", "Hi.", "--out", str(tmp_path / "o.wav"),
                  "--speaker-cache", str(spk), "--prompt-wav", str(prompt)]) == 0
-    from cosyvoice_fast.service import load_service
+    from cosyvoice_fast.serving.service import load_service
 
     svc = load_service(synthetic="tiny", device="cpu", speaker_cache_dir=spk, progress=False)
     try:

@@ -9,9 +9,9 @@ from dataclasses import fields
 import pytest
 import torch
 
-from cosyvoice_fast.cli_args import ENGINE_HELP, CliError, add_cli_args, flag, from_cli_args, pick_device
-from cosyvoice_fast.config import BackendConfig, default_dtype
-from cosyvoice_fast.engine_config import EngineConfig
+from cosyvoice_fast.config.flags import ENGINE_HELP, CliError, add_cli_args, flag, from_cli_args, pick_device
+from cosyvoice_fast.config.model import BackendConfig, default_dtype
+from cosyvoice_fast.config.engine import EngineConfig
 
 
 def parse(argv: list[str], **kw) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -138,22 +138,22 @@ def test_a_tools_synthetic_default_yields_to_model_dir():
 
 def test_every_tool_declares_the_shared_flags(monkeypatch):
     import app
-    from cosyvoice_fast import __main__ as cli
-    from cosyvoice_fast import soak
+    from cosyvoice_fast.cli import main as cli
+    from cosyvoice_fast.bench import soak
 
     assert app.parse_args(["--max-streams", "3", "--device", "cpu"]).run.engine.max_streams == 3
     ap = argparse.ArgumentParser()
     soak.add_arguments(ap)
     assert from_cli_args(ap.parse_args(["--queue-limit", "7"])).engine.queue_limit == 7
     # the CLI resolves the flags before loading anything: a bad value costs no model load
-    monkeypatch.setattr("cosyvoice_fast.service.load_service", lambda **kw: pytest.fail("loaded a model"))
+    monkeypatch.setattr("cosyvoice_fast.serving.service.load_service", lambda **kw: pytest.fail("loaded a model"))
     assert cli.main(["synth", "--synthetic", "tiny", "--text", "hi", "--max-streams", "0"]) == 2
     assert cli.main(["speaker-state", "bob", "--synthetic", "tiny", "--dtype", "bf16", "--device", "cpu"]) == 2
 
 
 def test_bench_runs_on_cpu_without_a_dtype_flag(tmp_path):
     """Issue 14: ``bench --synthetic tiny --backends eager`` refused on a CPU ("dtype bf16 is for GPUs")."""
-    from cosyvoice_fast import bench
+    from cosyvoice_fast.bench import engine_bench as bench
 
     out = tmp_path / "b"
     assert bench.main(["--synthetic", "tiny", "--backends", "eager", "--concurrency", "1", "--requests", "2",
@@ -167,8 +167,8 @@ def test_bench_runs_on_cpu_without_a_dtype_flag(tmp_path):
 
 def test_bench_timeline_lays_every_timed_request_on_one_time_axis(tmp_path):
     """``--timeline`` writes each timed request's stage and chunk timestamps with its start in the run."""
-    from cosyvoice_fast import bench
-    from cosyvoice_fast.schedule import StreamParams, plan
+    from cosyvoice_fast.bench import engine_bench as bench
+    from cosyvoice_fast.config.schedule import StreamParams, plan
 
     out = tmp_path / "t"
     assert bench.main(["--synthetic", "tiny", "--backends", "eager", "--concurrency", "2", "--requests", "4",

@@ -13,17 +13,18 @@ import numpy as np
 import pytest
 import torch
 
-from cosyvoice_fast.backends.base import BackendUnavailable, generate_alone, iter_alone
-from cosyvoice_fast.backends.cudagraph_llm import CudaGraphLLM
-from cosyvoice_fast.backends.llm_buckets import bucket_for, choose_kv_buckets, prefill_row_counts, token_budget
-from cosyvoice_fast.backends.nucleus import nucleus_keep, nucleus_pick
-from cosyvoice_fast.backends.eager import EagerLLM
-from cosyvoice_fast.backends.kv_pool import PoolExhausted, SlotPool
-from cosyvoice_fast.config import full_config, tiny_config
-from cosyvoice_fast.models.llm import Qwen2LM
-from cosyvoice_fast.models.qwen2 import KVCacheFullError
-from cosyvoice_fast.models.sampling import _nucleus_size
-from cosyvoice_fast.request import ModelInputs
+from cosyvoice_fast.config.backends import BackendUnavailable
+from cosyvoice_fast.llm.stage import generate_alone, iter_alone
+from cosyvoice_fast.llm.graph import CudaGraphLLM
+from cosyvoice_fast.llm.buckets import bucket_for, choose_kv_buckets, prefill_row_counts, token_budget
+from cosyvoice_fast.llm.nucleus import nucleus_keep, nucleus_pick
+from cosyvoice_fast.llm.eager import EagerLLM
+from cosyvoice_fast.llm.kv_pool import PoolExhausted, SlotPool
+from cosyvoice_fast.config.model import full_config, tiny_config
+from cosyvoice_fast.llm.model.speech_lm import Qwen2LM
+from cosyvoice_fast.llm.model.qwen2 import KVCacheFullError
+from cosyvoice_fast.llm.model.sampling import _nucleus_size
+from cosyvoice_fast.frontend.request import ModelInputs
 
 HAS_CUDA = torch.cuda.is_available()
 _gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
@@ -299,8 +300,8 @@ def test_gpu_half_precision_runs_and_stays_close(llm_cuda, tiny_models, case, dt
 
 
 def _random_full_size_lm(dtype: torch.dtype) -> Qwen2LM:
-    """CosyVoice2-0.5B shapes with seeded random weights (:func:`cosyvoice_fast.synthetic.random_full_size_lm`)."""
-    from cosyvoice_fast.synthetic import random_full_size_lm
+    """CosyVoice2-0.5B shapes with seeded random weights (:func:`cosyvoice_fast.modeldir.synthetic.random_full_size_lm`)."""
+    from cosyvoice_fast.modeldir.synthetic import random_full_size_lm
 
     return random_full_size_lm(dtype)
 

@@ -11,8 +11,8 @@ import pytest
 plotly = pytest.importorskip("plotly", reason="plotly is not installed here (pip install -r requirements.txt)")
 import plotly.graph_objects as go  # noqa: E402
 
-from cosyvoice_fast import dashboard as db  # noqa: E402
-from cosyvoice_fast.telemetry import STAGES, ChunkTiming, RequestTelemetry  # noqa: E402
+from cosyvoice_fast.app import dashboard as db  # noqa: E402
+from cosyvoice_fast.telemetry.record import STAGES, ChunkTiming, RequestTelemetry  # noqa: E402
 
 
 def _tele(late_s: float = 0.5, backend: str = "eager/eager/eager", hop_first: int = 25) -> RequestTelemetry:
@@ -166,7 +166,7 @@ def test_benchmark_report_html_lists_runs_and_skips():
 def _bench_results() -> dict:
     """A results dict built the way ``bench.py`` builds it: ``aggregate()`` of fabricated telemetry plus the
     extra keys ``bench_config`` adds, two backends × two concurrencies and one skipped backend."""
-    from cosyvoice_fast.telemetry import aggregate
+    from cosyvoice_fast.telemetry.record import aggregate
 
     runs = []
     for backend, late in (("eager", 0.5), ("cudagraph", 0.45)):

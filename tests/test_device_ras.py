@@ -22,12 +22,12 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from cosyvoice_fast.backends import cudagraph_llm  # noqa: E402
-from cosyvoice_fast.backends.base import generate_alone  # noqa: E402
-from cosyvoice_fast.backends.decode_feed import int64  # noqa: E402
-from cosyvoice_fast.backends.nucleus import nucleus_pick_rows, ras_pick_rows  # noqa: E402
-from cosyvoice_fast.kernels.philox import DRAW_OFFSET, MAX_ELEMENTS, exponential_rows  # noqa: E402
-from cosyvoice_fast.models.sampling import _nucleus_size  # noqa: E402
+from cosyvoice_fast.llm import graph as cudagraph_llm  # noqa: E402
+from cosyvoice_fast.llm.stage import generate_alone  # noqa: E402
+from cosyvoice_fast.llm.decode_feed import int64  # noqa: E402
+from cosyvoice_fast.llm.nucleus import nucleus_pick_rows, ras_pick_rows  # noqa: E402
+from cosyvoice_fast.llm.kernels.philox import DRAW_OFFSET, MAX_ELEMENTS, exponential_rows  # noqa: E402
+from cosyvoice_fast.llm.model.sampling import _nucleus_size  # noqa: E402
 from test_batched_decode import _CpuGraphLLM, _drive, _inputs, _take, case  # noqa: E402,F401 (case: a fixture)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -155,7 +155,7 @@ def _draw(gen: PhiloxGen, n: int) -> torch.Tensor:
 
 
 class PhiloxRas:
-    """The eager RAS sampler (:func:`~cosyvoice_fast.models.sampling.ras_sample`) with every multinomial
+    """The eager RAS sampler (:func:`~cosyvoice_fast.llm.model.sampling.ras_sample`) with every multinomial
     written as torch computes it on a CUDA generator (``argmax(p / exponential_)``): the reference."""
 
     def __init__(self, sampler):
@@ -501,8 +501,8 @@ def llm_gpu(tiny_models):
 def test_gpu_device_ras_equals_eager_tokens_and_generator_offsets(llm_gpu, tiny_models, case):
     """Real CUDA generators, staggered interleaved requests (one seed past 2**63): the same tokens as the eager
     backend with fallbacks exercised, and every generator left where the eager draws leave it."""
-    from cosyvoice_fast.backends.cudagraph_llm import CudaGraphLLM
-    from cosyvoice_fast.backends.eager import EagerLLM
+    from cosyvoice_fast.llm.graph import CudaGraphLLM
+    from cosyvoice_fast.llm.eager import EagerLLM
 
     stage = CudaGraphLLM(llm_gpu, tiny_models.config, slots=4, max_len=512, kv_buckets=(128, 256),
                          progress=False)
@@ -527,8 +527,8 @@ def test_gpu_decode_ahead_equals_eager_through_joins_sit_outs_and_a_cancel(llm_g
                                                                           monkeypatch):
     """Real generators, the step after each call's launched before its tokens are read: tokens and generator
     offsets equal the eager backend's through joins, rows sitting out, a cancel and a stop token."""
-    from cosyvoice_fast.backends.cudagraph_llm import CudaGraphLLM
-    from cosyvoice_fast.backends.eager import EagerLLM
+    from cosyvoice_fast.llm.graph import CudaGraphLLM
+    from cosyvoice_fast.llm.eager import EagerLLM
 
     llm = _eos_prone(llm_gpu)
     stage = CudaGraphLLM(llm, tiny_models.config, slots=4, max_len=512, kv_buckets=(128, 256), progress=False)

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from cosyvoice_fast.backends.base import LLMState, accept_token
-from cosyvoice_fast.config import BackendConfig, ConfigError, StreamParams
-from cosyvoice_fast.engine import Engine
-from cosyvoice_fast.request import ModelInputs, SynthesisRequest
-from cosyvoice_fast.telemetry import STAGES
+from cosyvoice_fast.llm.stage import LLMState, accept_token
+from cosyvoice_fast.config.model import BackendConfig, ConfigError, StreamParams
+from cosyvoice_fast.engine.engine import Engine
+from cosyvoice_fast.frontend.request import ModelInputs, SynthesisRequest
+from cosyvoice_fast.telemetry.record import STAGES
 
 
 class ScriptedLLM:

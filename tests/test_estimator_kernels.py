@@ -17,15 +17,16 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 
-from cosyvoice_fast.kernels.estimator_attention import attention  # noqa: E402
-from cosyvoice_fast.kernels.estimator_common import LAUNCH  # noqa: E402
-from cosyvoice_fast.kernels.estimator_conv import causal_conv, pack_conv_weight  # noqa: E402
-from cosyvoice_fast.kernels.estimator_fused import pack_inputs  # noqa: E402
-from cosyvoice_fast.kernels import estimator_conv, estimator_linear  # noqa: E402
-from cosyvoice_fast.kernels.estimator_linear import (ACT_GELU, ACT_MISH, ACT_NONE, ACT_SILU, PRO_LN,  # noqa: E402
-                                                     PRO_MISH, PRO_SINUS, ffn, linear, spread_tiles)
+from cosyvoice_fast.flow.kernels.estimator_attention import attention  # noqa: E402
+from cosyvoice_fast.kernels.common import LAUNCH  # noqa: E402
+from cosyvoice_fast.flow.kernels.estimator_conv import causal_conv, pack_conv_weight  # noqa: E402
+from cosyvoice_fast.flow.kernels.estimator_fused import pack_inputs  # noqa: E402
+from cosyvoice_fast.flow.kernels import estimator_conv, estimator_linear  # noqa: E402
+from cosyvoice_fast.flow.kernels.estimator_linear import (
+    ACT_GELU, ACT_MISH, ACT_NONE, ACT_SILU, PRO_LN, PRO_MISH, PRO_SINUS, ffn, linear, spread_tiles,
+)
 from cosyvoice_fast.kernels.pdl import pdl_options  # noqa: E402
-from cosyvoice_fast.models.flow_decoder import attention_allowed, sinusoidal_embedding  # noqa: E402
+from cosyvoice_fast.flow.model.decoder import attention_allowed, sinusoidal_embedding  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 1e-4
@@ -238,7 +239,7 @@ def test_pack_inputs_is_the_channel_concatenation():
 
 @pytest.mark.parametrize("chunk", [0, 10])
 def test_attention_out_is_attention_then_out_projection(chunk):
-    from cosyvoice_fast.kernels.estimator_attention import attention_out
+    from cosyvoice_fast.flow.kernels.estimator_attention import attention_out
 
     bsz, heads, d, frames, c = 2, 2, 16, 37, 40
     qkv = rnd(bsz * frames, 3 * heads * d)
@@ -252,7 +253,7 @@ def test_attention_out_is_attention_then_out_projection(chunk):
 
 def test_row_epilogue_is_the_conv_epilogue():
     """GEMM-only conv + row pass = the conv with its LayerNorm epilogue fused."""
-    from cosyvoice_fast.kernels.estimator_conv import row_epilogue
+    from cosyvoice_fast.flow.kernels.estimator_conv import row_epilogue
 
     bsz, frames, c, n = 2, 11, 24, 40
     x, r, vec = rnd(bsz * frames, c), rnd(bsz * frames, n), rnd(bsz, n)
@@ -280,7 +281,7 @@ def _tail_case(frames: int, c: int, n: int, bsz: int = 2, skip: int = 0):
 def _tail_vs_split(k: dict, frames: int, n: int, extent: torch.Tensor | None = None):
     """(tail conv, split conv + row pass, the two residual projections, the counters) on case ``k``: the first
     conv of a ResNet block (skip input, residual projection, time vector) as a tail conv and as the split pair."""
-    from cosyvoice_fast.kernels.estimator_conv import row_epilogue, tail_slots
+    from cosyvoice_fast.flow.kernels.estimator_conv import row_epilogue, tail_slots
 
     rows = k["x"].shape[0]
     ctr = torch.zeros(tail_slots(rows), device=DEV, dtype=torch.int32)
@@ -297,7 +298,7 @@ def test_tail_conv_is_the_split_conv_and_row_pass():
     """A tail conv (LayerNorm epilogue applied by the last program of each row tile) gives what the conv spread
     over output channels followed by its row pass gives, with a skip input and the residual projection; every
     row tile's counter ends at its column-tile count (150 outputs: 3 column tiles of 64 under the interpreter)."""
-    from cosyvoice_fast.kernels.estimator_conv import row_epilogue, tail_slots
+    from cosyvoice_fast.flow.kernels.estimator_conv import row_epilogue, tail_slots
 
     frames, n = 150, 150
     k = _tail_case(frames, 24, n, skip=8)
@@ -340,7 +341,7 @@ def test_gpu_tail_conv_over_many_tiles_and_repeats(dtype):
     a CFG pair of 200 frames: 25 row tiles x 8 column tiles in bf16) equals the split pair in every one of 50
     launches in a row, each on freshly zeroed counters (a row epilogue that read a column tile before its
     store would differ)."""
-    from cosyvoice_fast.kernels.estimator_conv import row_epilogue, tail_slots
+    from cosyvoice_fast.flow.kernels.estimator_conv import row_epilogue, tail_slots
 
     frames, n = 200, 256
     k = {key: (v.to(dtype) if isinstance(v, torch.Tensor) else v) for key, v in _tail_case(frames, n, n).items()}
@@ -365,7 +366,7 @@ def test_linear_many_rows_path_matches_torch_in_bf16(monkeypatch, product, prolo
     """From MANY_ROWS_M rows on, 16-bit GEMMs take the many-rows path (here forced at 42 rows): cuBLAS with a Triton
     epilogue, or the tall Triton kernel with the epilogue fused in.  The same function as the fused kernel,
     within one bf16 rounding of the product (bf16 inputs, fp32 reference)."""
-    from cosyvoice_fast.kernels import estimator_cublas
+    from cosyvoice_fast.flow.kernels import estimator_cublas
 
     monkeypatch.setattr(estimator_cublas, "MANY_ROWS_M", 8)
     monkeypatch.setitem(estimator_cublas.MANY_ROWS, "product", product)
@@ -399,7 +400,7 @@ def test_many_rows_epilogue_writes_the_layer_norm_of_its_stored_rows(monkeypatch
     round nearly the same fp32 value (and the interpreter truncates to bf16 where ``F.layer_norm`` rounds).
     The returned rows are bit-identical to a call without ``norm_out``; N = 48 is not a power of two, so the
     whole-row tile's masked columns are exercised."""
-    from cosyvoice_fast.kernels import estimator_cublas
+    from cosyvoice_fast.flow.kernels import estimator_cublas
 
     monkeypatch.setattr(estimator_cublas, "MANY_ROWS_M", 8)
     monkeypatch.setitem(estimator_cublas.MANY_ROWS, "product", product)
@@ -423,7 +424,7 @@ def test_tall_gemm_matches_torch_in_fp32(m, k, n, tiles):
     """The tall Triton GEMM on its own in fp32 (IEEE dots): bias, GELU, residual, row mask and the (B, N, T)
     store, with M, K and N off the tile sizes (a K loop with a masked last step, masked rows and columns), and
     with several column tiles per row; the next LayerNorm of its rows when asked (a whole-row tile)."""
-    from cosyvoice_fast.kernels.estimator_tall import linear_tall
+    from cosyvoice_fast.flow.kernels.estimator_tall import linear_tall
 
     b, t = 2, m // 2
     x, w, bias, r = rnd(m, k), rnd(n, k) / 8, rnd(n), rnd(m, n)

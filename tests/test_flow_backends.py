@@ -15,18 +15,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosyvoice_fast.backends.base import BackendUnavailable
-from cosyvoice_fast.backends.cudagraph_flow import CudaGraphFlow
-from cosyvoice_fast.backends.eager import EagerFlow, flow_chunk_mel
-from cosyvoice_fast.backends.onnx_export import (estimator_fingerprint, example_inputs, probe_matches,
-                                                 weight_probe)
-from cosyvoice_fast.backends.tensorrt_build import (TRT_MISSING, FlowShapeProfile, TensorRTNotInstalled,
-                                                    build_engines_cli, build_flow_engine, engine_name,
-                                                    parse_engine_name, profile_from_schedule)
-from cosyvoice_fast.backends.tensorrt_flow import TensorRTFlow, select_engine
-from cosyvoice_fast.config import StreamParams, tiny_config
-from cosyvoice_fast.request import ModelInputs
-from cosyvoice_fast.schedule import bucket_frames, call_frames, plan, schedule_frames
+from cosyvoice_fast.config.backends import BackendUnavailable
+from cosyvoice_fast.flow.graph import CudaGraphFlow
+from cosyvoice_fast.flow.eager import EagerFlow, flow_chunk_mel
+from cosyvoice_fast.flow.onnx_export import estimator_fingerprint, example_inputs, probe_matches, weight_probe
+from cosyvoice_fast.flow.tensorrt_build import (
+    TRT_MISSING, FlowShapeProfile, TensorRTNotInstalled, build_engines_cli, build_flow_engine, engine_name,
+    parse_engine_name, profile_from_schedule,
+)
+from cosyvoice_fast.flow.tensorrt import TensorRTFlow, select_engine
+from cosyvoice_fast.config.model import StreamParams, tiny_config
+from cosyvoice_fast.frontend.request import ModelInputs
+from cosyvoice_fast.config.schedule import bucket_frames, call_frames, plan, schedule_frames
 
 HAS_CUDA = torch.cuda.is_available()
 _gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
@@ -246,8 +246,8 @@ def test_backends_refuse_without_cuda(flow, cls):
 def test_build_stage_set_raises_the_backend_reason(tiny_models):
     if HAS_CUDA:
         pytest.skip("checks the CPU-only refusal")
-    from cosyvoice_fast.backends import build_stage_set
-    from cosyvoice_fast.config import BackendConfig
+    from cosyvoice_fast.engine.stages import build_stage_set
+    from cosyvoice_fast.config.model import BackendConfig
 
     for name in ("cudagraph", "tensorrt"):
         with pytest.raises(BackendUnavailable, match="flow backend"):
@@ -271,7 +271,7 @@ def test_build_without_tensorrt_says_how_to_install(no_tensorrt, tmp_path):
 
 
 def test_cli_reports_missing_tensorrt_as_an_error(no_tensorrt, tmp_path, capsys):
-    from cosyvoice_fast.__main__ import main
+    from cosyvoice_fast.cli.main import main
 
     assert main(["build-engines", "--synthetic", "tiny", "--engines-dir", str(tmp_path)]) == 2
     assert "tensorrt is not installed" in capsys.readouterr().err
@@ -286,7 +286,7 @@ def test_cli_onnx_only_needs_no_tensorrt(no_tensorrt, tmp_path):
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the CPU-only refusal")
 def test_tensorrt_listed_unavailable_with_reason():
-    from cosyvoice_fast.backends.base import available_backends
+    from cosyvoice_fast.engine.stages import available_backends
 
     info = {(b.stage, b.name): b for b in available_backends("cpu")}
     assert not info[("flow", "tensorrt")].available and "CUDA" in info[("flow", "tensorrt")].reason
@@ -367,7 +367,7 @@ def test_gpu_graph_estimator_pads_and_falls_back(flow_cuda):
 
 
 def test_graph_estimator_pads_slices_and_keys_by_bucket(flow, fake_graphs):
-    from cosyvoice_fast.backends.cudagraph_flow import GraphEstimator
+    from cosyvoice_fast.flow.graph import GraphEstimator
 
     est = flow.decoder.estimator
     runner = GraphEstimator(est, torch.device("cpu"), granularity=50, max_frames=150)

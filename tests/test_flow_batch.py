@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from cosyvoice_fast.backends.cudagraph_flow import GraphEncoder, CudaGraphFlow, GraphEstimator, bucket_rows
-from cosyvoice_fast.backends.eager import EagerFlow, flow_chunk_mel, flow_chunk_mel_batch, plan_solves
-from cosyvoice_fast.backends.onnx_export import example_inputs
-from cosyvoice_fast.config import BackendConfig, StreamParams, tiny_config
-from cosyvoice_fast.engine import Engine, RequestStream
-from cosyvoice_fast.engine_config import EngineConfig
-from cosyvoice_fast.request import ModelInputs, SynthesisRequest
-from cosyvoice_fast.schedule import plan
+from cosyvoice_fast.flow.graph import GraphEncoder, CudaGraphFlow, GraphEstimator, bucket_rows
+from cosyvoice_fast.flow.eager import EagerFlow, flow_chunk_mel, flow_chunk_mel_batch, plan_solves
+from cosyvoice_fast.flow.onnx_export import example_inputs
+from cosyvoice_fast.config.model import BackendConfig, StreamParams, tiny_config
+from cosyvoice_fast.engine.engine import Engine, RequestStream
+from cosyvoice_fast.config.engine import EngineConfig
+from cosyvoice_fast.frontend.request import ModelInputs, SynthesisRequest
+from cosyvoice_fast.config.schedule import plan
 
 HAS_CUDA = torch.cuda.is_available()
 TOL = 1e-5

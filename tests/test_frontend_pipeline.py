@@ -11,12 +11,12 @@ import torch
 
 sf = pytest.importorskip("soundfile", reason="soundfile is not installed here (pip install -r requirements.txt)")
 
-from cosyvoice_fast.config import ConfigError  # noqa: E402
+from cosyvoice_fast.config.model import ConfigError  # noqa: E402
 from cosyvoice_fast.frontend.audio import PromptAudioError  # noqa: E402
 from cosyvoice_fast.frontend.pipeline import Frontend, FrontendConfig  # noqa: E402
 from cosyvoice_fast.frontend.speaker import SpeakerCacheError  # noqa: E402
-from cosyvoice_fast.request import SynthesisRequest  # noqa: E402
-from cosyvoice_fast.synthetic import synthetic_model_dir  # noqa: E402
+from cosyvoice_fast.frontend.request import SynthesisRequest  # noqa: E402
+from cosyvoice_fast.modeldir.synthetic import synthetic_model_dir  # noqa: E402
 
 PROMPT = Path(__file__).resolve().parents[2] / "shared" / "prompts" / "zero_shot_prompt.wav"
 

@@ -19,12 +19,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from cosyvoice_fast.config import DecoderConfig, EncoderConfig, FlowConfig  # noqa: E402
-from cosyvoice_fast.kernels.encoder_attention import relpos_attention  # noqa: E402
-from cosyvoice_fast.kernels.encoder_fused import FusedEncoder, why_unsupported  # noqa: E402
-from cosyvoice_fast.models.flow import CausalMaskedDiffWithXvec  # noqa: E402
-from cosyvoice_fast.models.flow_encoder import attention_mask  # noqa: E402
-from cosyvoice_fast.models.flow_encoder_layers import RelPositionSelfAttention, relative_position_table  # noqa: E402
+from cosyvoice_fast.config.model import DecoderConfig, EncoderConfig, FlowConfig  # noqa: E402
+from cosyvoice_fast.flow.kernels.encoder_attention import relpos_attention  # noqa: E402
+from cosyvoice_fast.flow.kernels.encoder_fused import FusedEncoder, why_unsupported  # noqa: E402
+from cosyvoice_fast.flow.model.flow import CausalMaskedDiffWithXvec  # noqa: E402
+from cosyvoice_fast.flow.model.encoder import attention_mask  # noqa: E402
+from cosyvoice_fast.flow.model.encoder_layers import RelPositionSelfAttention, relative_position_table  # noqa: E402
 
 TOL = 1e-4
 
@@ -133,7 +133,7 @@ def test_fused_encoder_equals_encode_padded_on_the_fixture(tiny_models, load_cas
 
 
 def test_the_encoder_graphs_capture_the_function_they_are_given(fake_graphs):
-    from cosyvoice_fast.backends.graph_encoder import GraphEncoder
+    from cosyvoice_fast.flow.graph_encoder import GraphEncoder
 
     flow = _small_flow(seed=4)
     fused = FusedEncoder(flow)
@@ -211,7 +211,7 @@ def test_gpu_fused_encoder_kernel_count():
     """One bf16 call at one row (after a first call: the position tables are built once per length): 5 kernels
     per Conformer block, the two position projections, the output GEMM and the embedding and resampling glue;
     eagerly more than 2.5x as many."""
-    from cosyvoice_fast.kernels.estimator_profile import count_kernels
+    from cosyvoice_fast.bench.estimator_profile import count_kernels
 
     flow = _full_size_flow(torch.bfloat16)
     ids, full, body, emb = (z.cuda() for z in _padded(flow, [(103, 3)], seed=2))

@@ -17,10 +17,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from cosyvoice_fast.config import DecoderConfig  # noqa: E402
-from cosyvoice_fast.kernels.estimator_fused import FusedEstimator, kernels_per_forward  # noqa: E402
-from cosyvoice_fast.kernels.estimator_profile import estimator_inputs  # noqa: E402
-from cosyvoice_fast.models.flow_decoder import CausalConditionalDecoder  # noqa: E402
+from cosyvoice_fast.config.model import DecoderConfig  # noqa: E402
+from cosyvoice_fast.flow.kernels.estimator_fused import FusedEstimator, kernels_per_forward  # noqa: E402
+from cosyvoice_fast.bench.estimator_profile import estimator_inputs  # noqa: E402
+from cosyvoice_fast.flow.model.decoder import CausalConditionalDecoder  # noqa: E402
 
 TOL = 1e-4
 PAD_TOL = 1e-5
@@ -89,7 +89,7 @@ def test_ragged_extent_on_the_many_rows_path(two_blocks, monkeypatch):
     """The many-rows path (cuBLAS or tall Triton products, their epilogue passes, the folded LayerNorms) under
     an extent: fp16 capacity buffers with NaN outside the live part give the unpadded forward's result to fp16
     rounding (cuBLAS blocks the capacity's longer product its own way)."""
-    from cosyvoice_fast.kernels import estimator_cublas
+    from cosyvoice_fast.flow.kernels import estimator_cublas
 
     _, est16 = two_blocks
     args = estimator_inputs(est16.cfg, 2, 24, torch.float16, "cpu", valid=[24, 13], seed=12)
@@ -135,7 +135,7 @@ def test_fused_weights_follow_the_module(small):
 
 def test_graph_runner_captures_the_fused_estimator(small, fake_graphs):
     """The ``cudagraph`` flow's runner (length and row buckets, static buffers) drives the fused estimator."""
-    from cosyvoice_fast.backends.cudagraph_flow import GraphEstimator
+    from cosyvoice_fast.flow.graph import GraphEstimator
 
     runner = GraphEstimator(FusedEstimator(small), torch.device("cpu"), granularity=20, max_frames=60, ragged=True)
     assert runner.ragged
@@ -187,7 +187,7 @@ def test_many_rows_fold_the_next_layer_norm_into_the_epilogue(two_blocks, monkey
     next ``norm1`` itself.  The result is within the fp16 bounds: against eager fp32, no worse than
     1.5x eager fp16 or the all-Triton path, and the fusion itself moves it by no more than eager fp16's own
     error; padding stays exactly 0."""
-    from cosyvoice_fast.kernels import estimator_cublas, estimator_fused
+    from cosyvoice_fast.flow.kernels import estimator_cublas, estimator_fused
 
     est32, est16 = two_blocks
     groups = [g for g in _transformer_groups(est16) if len(g)]
@@ -230,7 +230,7 @@ def test_tail_convs_equal_the_split_row_passes(small, monkeypatch):
     """With ``LAUNCH["conv_tail"]`` on, a CFG pair's forward runs its ResNet convs as tail convs (the LayerNorm
     pass in each conv's last programs); off (the default) as conv + row pass.  Both give the same rows, in a
     plain forward and under a ragged extent, and equal eager."""
-    from cosyvoice_fast.kernels import estimator_common
+    from cosyvoice_fast.kernels import common as estimator_common
 
     args = estimator_inputs(small.cfg, 2, 30, torch.float32, "cpu", valid=[30, 21], seed=3)
     cap = tuple(_in_capacity(z, 3, 40) for z in args)
@@ -293,9 +293,9 @@ def test_gpu_estimator_profile_counts_the_step_graphs_kernels(full):
     """profile_stages' estimator lines: the fused forward with its time-table row launches the kernels
     ``kernels_per_forward`` counts less the three time-embedding GEMMs, and without the row exactly that count;
     the FLOPs are the model's, every time is a real measurement."""
-    from cosyvoice_fast.kernels import estimator_common
-    from cosyvoice_fast.kernels.estimator_fused import SPLIT_LN_MAX_ROWS
-    from cosyvoice_fast.kernels.estimator_profile import estimator_flops, estimator_profile
+    from cosyvoice_fast.kernels import common as estimator_common
+    from cosyvoice_fast.flow.kernels.estimator_fused import SPLIT_LN_MAX_ROWS
+    from cosyvoice_fast.bench.estimator_profile import estimator_flops, estimator_profile
 
     est16 = full[1]
     cfg, frames = est16.cfg, 56
@@ -319,8 +319,8 @@ def test_gpu_full_size_bf16_solve_mel_is_no_worse_than_eager_bf16(full, no_tf32,
     """The whole guided solve (10 Euler steps, CFG) at the bench's first (chunk mask) and final (full attention)
     chunk lengths: the fused bf16 mel's max, p99.9 and mean error against eager fp32 stay within 1.5 x eager
     bf16's (BENCHMARKS.md tabulates the values; benchmarks/bf16_error.py measures them through the stages)."""
-    from cosyvoice_fast.config import CFMConfig
-    from cosyvoice_fast.models.cfm import CausalCFM
+    from cosyvoice_fast.config.model import CFMConfig
+    from cosyvoice_fast.flow.model.cfm import CausalCFM
 
     est32, est16 = full
     cfm32 = CausalCFM(CFMConfig(), est32.cfg).cuda().eval()
@@ -363,7 +363,7 @@ def test_gpu_full_size_many_rows_path_within_the_bf16_bounds(full, no_tf32, monk
     """A batched solve (16 requests: 32 rows of 206 frames) runs its GEMMs on the many-rows path (cuBLAS with
     Triton epilogues, the tall Triton kernels, or each where it is faster); its error against fp32 is no worse
     than the row-tiled path's or eager bf16's (same bound as one CFG pair)."""
-    from cosyvoice_fast.kernels import estimator_cublas
+    from cosyvoice_fast.flow.kernels import estimator_cublas
 
     monkeypatch.setitem(estimator_cublas.MANY_ROWS, "product", product)
     est32, est16 = full
@@ -389,7 +389,7 @@ def test_gpu_pdl_and_early_weight_tiles_change_no_bit(full, monkeypatch):
     """Programmatic dependent launch only moves when a kernel's programs start, and an early weight tile only
     when a load is issued: CUDA-graph replays of the full-size bf16 forward with both off, PDL alone, and both
     on give identical bits, replay after replay (a read before a kernel's wait would show up here as a race)."""
-    from cosyvoice_fast.kernels.estimator_common import LAUNCH
+    from cosyvoice_fast.kernels.common import LAUNCH
 
     _, est16 = full
     args = estimator_inputs(est16.cfg, 2, 206, torch.bfloat16, seed=3)
@@ -421,8 +421,8 @@ def test_gpu_full_size_padding_is_exact(full, monkeypatch, path):
     on the same GEMM path and tiles for both calls (the row-tiled kernels, the one-shot GEMMs with their few-rows
     tiles, or the tall Triton kernels from one row on; the default switches paths and tiles by row count, so
     there the two calls would differ by bf16 rounding, which the bf16 bound tests cover)."""
-    from cosyvoice_fast.kernels import estimator_cublas, estimator_oneshot
-    from cosyvoice_fast.kernels.estimator_common import LAUNCH, PAIR_ROWS
+    from cosyvoice_fast.flow.kernels import estimator_cublas, estimator_oneshot
+    from cosyvoice_fast.kernels.common import LAUNCH, PAIR_ROWS
 
     monkeypatch.setattr(estimator_cublas, "MANY_ROWS_M", 1 if path == "tall" else 1 << 40)
     monkeypatch.setitem(LAUNCH, "oneshot", path == "oneshot")
@@ -452,7 +452,7 @@ def test_gpu_ragged_replays_equal_padded_replays(full, rows, frames, streaming):
     1500-frame bucket sets the engine's graph budget, which fits 16 rows of 500) equals the
     padded replay of the same graph shape bit for bit (every kernel is row-local or reads only live rows, and
     cuBLAS sees the same capacity shapes), and its stale capacity is never read."""
-    from cosyvoice_fast.backends.cudagraph_flow import GraphEstimator
+    from cosyvoice_fast.flow.graph import GraphEstimator
 
     _, est16 = full
     runners = [GraphEstimator(FusedEstimator(est16), torch.device("cuda"), granularity=50,
@@ -472,12 +472,12 @@ def test_gpu_ragged_replays_equal_padded_replays(full, rows, frames, streaming):
 @_gpu
 def test_gpu_fused_flow_stage_equals_eager(no_tf32):
     """The ``fused`` flow stage over a streamed schedule (graph replays) equals the eager stage in fp32."""
-    from cosyvoice_fast.backends.eager import EagerFlow
-    from cosyvoice_fast.backends.fused_flow import FusedFlow
-    from cosyvoice_fast.config import StreamParams, tiny_config
-    from cosyvoice_fast.modelfiles import build_modules
-    from cosyvoice_fast.request import ModelInputs
-    from cosyvoice_fast.schedule import plan
+    from cosyvoice_fast.flow.eager import EagerFlow
+    from cosyvoice_fast.flow.fused import FusedFlow
+    from cosyvoice_fast.config.model import StreamParams, tiny_config
+    from cosyvoice_fast.modeldir.files import build_modules
+    from cosyvoice_fast.frontend.request import ModelInputs
+    from cosyvoice_fast.config.schedule import plan
 
     cfg = tiny_config()
     torch.manual_seed(0)
@@ -502,9 +502,10 @@ def test_gpu_fused_flow_stage_equals_eager(no_tf32):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 def test_fused_flow_is_offered_only_with_cuda_and_says_why(tiny_models):
-    from cosyvoice_fast.backends import build_stage_set
-    from cosyvoice_fast.backends.base import BackendUnavailable, available_backends
-    from cosyvoice_fast.config import BackendConfig
+    from cosyvoice_fast.engine.stages import build_stage_set
+    from cosyvoice_fast.config.backends import BackendUnavailable
+    from cosyvoice_fast.engine.stages import available_backends
+    from cosyvoice_fast.config.model import BackendConfig
 
     info = {(b.stage, b.name): b for b in available_backends("cpu")}
     assert not info[("flow", "fused")].available and "CUDA" in info[("flow", "fused")].reason
@@ -516,7 +517,7 @@ def test_fused_flow_is_offered_only_with_cuda_and_says_why(tiny_models):
 def test_estimator_flops_counts_every_frame_gemm(small, streaming):
     """The profile's FLOP count = the eager estimator's per-frame Linear/Conv1d work (from forward hooks) plus
     attention over the keys the chunk rule lets each query see."""
-    from cosyvoice_fast.kernels.estimator_profile import estimator_flops
+    from cosyvoice_fast.bench.estimator_profile import estimator_flops
 
     rows, frames = 2, 45
     total = []

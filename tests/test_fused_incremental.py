@@ -18,12 +18,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from cosyvoice_fast.backends.cudagraph_incremental import GraphIncrementalFlow  # noqa: E402
-from cosyvoice_fast.backends.eager import flow_chunk_mel  # noqa: E402
-from cosyvoice_fast.kernels.estimator_fused import FusedEstimator  # noqa: E402
-from cosyvoice_fast.kernels.estimator_window import attention_cached, update_conv_context  # noqa: E402
-from cosyvoice_fast.models.flow_incremental import static_mask  # noqa: E402
-from cosyvoice_fast.schedule import plan  # noqa: E402
+from cosyvoice_fast.flow.graph_incremental import GraphIncrementalFlow  # noqa: E402
+from cosyvoice_fast.flow.eager import flow_chunk_mel  # noqa: E402
+from cosyvoice_fast.flow.kernels.estimator_fused import FusedEstimator  # noqa: E402
+from cosyvoice_fast.flow.kernels.estimator_window import attention_cached, update_conv_context  # noqa: E402
+from cosyvoice_fast.flow.model.incremental import static_mask  # noqa: E402
+from cosyvoice_fast.config.schedule import plan  # noqa: E402
 
 from test_incremental_flow import SCHEDULES, TOL, _inputs, _max_err, _tokens  # noqa: E402
 from test_incremental_graphs import Recompute, _cuda, _stream  # noqa: E402

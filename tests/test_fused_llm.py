@@ -12,10 +12,11 @@ import dataclasses
 import pytest
 import torch
 
-from cosyvoice_fast.backends.base import BackendUnavailable, available_backends
-from cosyvoice_fast.config import BackendConfig, full_config, tiny_config
-from cosyvoice_fast.models.llm import Qwen2LM
-from cosyvoice_fast.request import ModelInputs
+from cosyvoice_fast.config.backends import BackendUnavailable
+from cosyvoice_fast.engine.stages import available_backends
+from cosyvoice_fast.config.model import BackendConfig, full_config, tiny_config
+from cosyvoice_fast.llm.model.speech_lm import Qwen2LM
+from cosyvoice_fast.frontend.request import ModelInputs
 
 HAS_CUDA = torch.cuda.is_available()
 _gpu = pytest.mark.gpu
@@ -32,7 +33,7 @@ def test_listed_unavailable_on_cpu_with_the_reason():
 
 
 def test_refuses_a_cpu_model_and_says_what_to_choose():
-    from cosyvoice_fast.backends.fused_llm import FusedLLM
+    from cosyvoice_fast.llm.fused import FusedLLM
 
     cfg = tiny_config()
     with pytest.raises(BackendUnavailable, match="needs a CUDA GPU, but the model is on cpu; choose 'eager'"):
@@ -43,8 +44,8 @@ def test_refuses_a_cpu_model_and_says_what_to_choose():
 
 
 def _random_full_size_lm(dtype: torch.dtype) -> Qwen2LM:
-    """CosyVoice2-0.5B shapes with seeded random weights (:func:`cosyvoice_fast.synthetic.random_full_size_lm`)."""
-    from cosyvoice_fast.synthetic import random_full_size_lm
+    """CosyVoice2-0.5B shapes with seeded random weights (:func:`cosyvoice_fast.modeldir.synthetic.random_full_size_lm`)."""
+    from cosyvoice_fast.modeldir.synthetic import random_full_size_lm
 
     return random_full_size_lm(dtype)
 
@@ -52,7 +53,7 @@ def _random_full_size_lm(dtype: torch.dtype) -> Qwen2LM:
 @pytest.fixture(params=[False, True], ids=["plain", "pdl"])
 def pdl(request, monkeypatch) -> bool:
     """Run a GPU test with and without programmatic dependent launch between the fused kernels."""
-    from cosyvoice_fast.kernels import qwen2_proj
+    from cosyvoice_fast.llm.kernels import qwen2_proj
 
     monkeypatch.setattr(qwen2_proj, "TILES", dataclasses.replace(qwen2_proj.TILES, pdl=request.param))
     return request.param
@@ -77,7 +78,7 @@ def _step_inputs(rows: int, context: int, max_len: int, dtype: torch.dtype, cfg)
 
 
 def _run(lm: Qwen2LM, fused: bool, x, kv, pos, kv_len: int) -> tuple[torch.Tensor, list[torch.Tensor]]:  # noqa: ANN001
-    from cosyvoice_fast.profile_llm import step_over_cache
+    from cosyvoice_fast.bench.profile_llm import step_over_cache
 
     h, cache = step_over_cache(lm, fused, x, kv, pos, kv_len)
     return h, cache.k + cache.v
@@ -112,9 +113,9 @@ def test_gpu_full_size_bf16_step_is_no_worse_than_eager_bf16(lm32, rows, pdl):
 
 @_gpu
 def test_gpu_fused_backend_tokens_equal_eager_fp32_alone_and_batched(lm32, pdl):
-    from cosyvoice_fast.backends.base import generate_alone
-    from cosyvoice_fast.backends.eager import EagerLLM
-    from cosyvoice_fast.backends.fused_llm import FusedLLM
+    from cosyvoice_fast.llm.stage import generate_alone
+    from cosyvoice_fast.llm.eager import EagerLLM
+    from cosyvoice_fast.llm.fused import FusedLLM
 
     cfg = full_config()
     text = torch.arange(100, 130, dtype=torch.int32)[None]

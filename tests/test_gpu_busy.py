@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from cosyvoice_fast.gpu_busy import GpuBusy
+from cosyvoice_fast.bench.gpu_busy import GpuBusy
 
 
 def test_samples_are_averaged_and_unreadable_lines_skipped(tmp_path, monkeypatch):

@@ -14,10 +14,10 @@ import dataclasses
 import pytest
 import torch
 
-from cosyvoice_fast.backends.eager import flow_chunk_mel, flow_chunk_mel_batch
-from cosyvoice_fast.backends.graph_encoder import GraphEncoder, token_buckets
-from cosyvoice_fast.config import StreamParams
-from cosyvoice_fast.schedule import plan
+from cosyvoice_fast.flow.eager import flow_chunk_mel, flow_chunk_mel_batch
+from cosyvoice_fast.flow.graph_encoder import GraphEncoder, token_buckets
+from cosyvoice_fast.config.model import StreamParams
+from cosyvoice_fast.config.schedule import plan
 
 from test_flow_batch import TOL, _inputs
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cosyvoice_fast.backends.cudagraph_flow import GraphEstimator
-from cosyvoice_fast.config import CFMConfig, DecoderConfig
-from cosyvoice_fast.kernels.estimator_fused import FusedEstimator
-from cosyvoice_fast.models.cfm import CausalCFM
-from cosyvoice_fast.models.flow_decoder import CausalConditionalDecoder
+from cosyvoice_fast.flow.graph import GraphEstimator
+from cosyvoice_fast.config.model import CFMConfig, DecoderConfig
+from cosyvoice_fast.flow.kernels.estimator_fused import FusedEstimator
+from cosyvoice_fast.flow.model.cfm import CausalCFM
+from cosyvoice_fast.flow.model.decoder import CausalConditionalDecoder
 
 _gpu = pytest.mark.gpu
 

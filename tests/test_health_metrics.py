@@ -13,15 +13,15 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from gradio_client import Client, handle_file  # noqa: E402
 from gradio_client.exceptions import AppError  # noqa: E402
 
-from cosyvoice_fast.metrics import EngineMetrics  # noqa: E402
-from cosyvoice_fast.telemetry import ChunkTiming, RequestTelemetry  # noqa: E402
+from cosyvoice_fast.serving.metrics import EngineMetrics  # noqa: E402
+from cosyvoice_fast.telemetry.record import ChunkTiming, RequestTelemetry  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    from cosyvoice_fast.service import load_service
-    from cosyvoice_fast.soak import test_prompt
-    from cosyvoice_fast.webui import build_demo, serve
+    from cosyvoice_fast.serving.service import load_service
+    from cosyvoice_fast.bench.soak import test_prompt
+    from cosyvoice_fast.app.page import build_demo, serve
     from tests.test_app import free_port
 
     d = tmp_path_factory.mktemp("hm")

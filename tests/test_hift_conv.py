@@ -16,9 +16,9 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from cosyvoice_fast.kernels import hift_conv  # noqa: E402
-from cosyvoice_fast.kernels.hift_conv import conv1d, conv_tiles, f0_fused, pack_weight, round_tf32  # noqa: E402
-from cosyvoice_fast.models.hift import Snake, time_major  # noqa: E402
+from cosyvoice_fast.vocoder.kernels import hift_conv  # noqa: E402
+from cosyvoice_fast.vocoder.kernels.hift_conv import conv1d, conv_tiles, f0_fused, pack_weight, round_tf32  # noqa: E402
+from cosyvoice_fast.vocoder.model.hift import Snake, time_major  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

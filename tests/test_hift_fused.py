@@ -17,11 +17,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from cosyvoice_fast.backends.base import BackendUnavailable, available_backends  # noqa: E402
-from cosyvoice_fast.config import BackendConfig  # noqa: E402
-from cosyvoice_fast.kernels.hift_snake import FusedSnakeResBlock, fuse_hift, snake_pass  # noqa: E402
-from cosyvoice_fast.models.hift import Snake, SnakeResBlock  # noqa: E402
-from cosyvoice_fast.models.hift_source import F0Predictor  # noqa: E402
+from cosyvoice_fast.config.backends import BackendUnavailable
+from cosyvoice_fast.engine.stages import available_backends  # noqa: E402
+from cosyvoice_fast.config.model import BackendConfig  # noqa: E402
+from cosyvoice_fast.vocoder.kernels.hift_snake import FusedSnakeResBlock, fuse_hift, snake_pass  # noqa: E402
+from cosyvoice_fast.vocoder.model.hift import Snake, SnakeResBlock  # noqa: E402
+from cosyvoice_fast.vocoder.model.source import F0Predictor  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 HAS_CUDA = torch.cuda.is_available()
@@ -64,7 +65,7 @@ def test_snake_pass_keeps_a_time_major_layout_and_its_values():
     """Time-major (B, C, T) tensors (strides (T·C, 1, C), what cuDNN's NHWC convolutions read and write) go
     through the same pass without a copy to channel-major: same values, same layout out; a residual in the
     other layout is read correctly too."""
-    from cosyvoice_fast.models.hift import time_major
+    from cosyvoice_fast.vocoder.model.hift import time_major
 
     g = torch.Generator().manual_seed(3)
     b, c, t = 2, 70, 90  # neither a tile multiple
@@ -86,7 +87,7 @@ def test_triton_convs_need_the_time_major_stack(tiny_models):
 
 def test_calls_of_more_rows_than_max_rows_keep_the_cudnn_convs(tiny_models, monkeypatch):
     """Above ``LAUNCH["max_rows"]`` the Triton-conv model runs exactly the cuDNN-conv model's operations."""
-    from cosyvoice_fast.kernels import hift_conv
+    from cosyvoice_fast.vocoder.kernels import hift_conv
 
     with_triton = tiny_models.hift.remove_weight_norm().eval().to(DEV)
     without = tiny_models.hift.remove_weight_norm().eval().to(DEV)
@@ -124,7 +125,7 @@ def test_fused_block_needs_folded_weights(tiny_models):
 def test_fused_hift_decode_is_as_close_to_float64_as_eager(tiny_models, time_major, triton_convs, monkeypatch):
     """Whole filter pass (every resblock and source resblock fused) on the fixture's HiFT weights, its conv
     stack on time-major activations or not, or every Conv1d a Triton kernel (for the two rows here too)."""
-    from cosyvoice_fast.kernels import hift_conv
+    from cosyvoice_fast.vocoder.kernels import hift_conv
 
     monkeypatch.setitem(hift_conv.LAUNCH, "max_rows", 2)
     hift = tiny_models.hift
@@ -163,7 +164,7 @@ def test_fused_vocoder_is_listed_and_refused_without_cuda(tiny_models):
     info = {(b.stage, b.name): b for b in available_backends("cpu")}
     assert not info[("vocoder", "fused")].available and "CUDA" in info[("vocoder", "fused")].reason
     if not HAS_CUDA:
-        from cosyvoice_fast.backends.fused_vocoder import FusedVocoder
+        from cosyvoice_fast.vocoder.fused import FusedVocoder
 
         with pytest.raises(BackendUnavailable, match="vocoder backend 'fused' needs a CUDA GPU"):
             FusedVocoder(tiny_models.hift)
@@ -179,9 +180,9 @@ def test_gpu_fused_vocoder_is_as_close_to_float64_as_the_cudagraph_one(tiny_mode
     With cuDNN's convolutions the excitation is the plain one's bit for bit; with the Triton convolutions f0 is
     summed in another order, so f0 agrees within float rounding and each output is held against float64 on
     its own excitation.  The Triton convolutions run the 4-row graph too (``max_rows`` lifted)."""
-    from cosyvoice_fast.backends.cudagraph_vocoder import CudaGraphVocoder
-    from cosyvoice_fast.backends.fused_vocoder import FusedVocoder
-    from cosyvoice_fast.kernels import hift_conv
+    from cosyvoice_fast.vocoder.graph import CudaGraphVocoder
+    from cosyvoice_fast.vocoder.fused import FusedVocoder
+    from cosyvoice_fast.vocoder.kernels import hift_conv
 
     monkeypatch.setitem(hift_conv.LAUNCH, "max_rows", 4)
 
@@ -223,7 +224,7 @@ def test_gpu_triton_convs_in_tf32_are_as_close_to_fp32_as_cudnns(tiny_models):
     """As served (TF32 on): the Triton convolutions round their operands to TF32 as cuDNN does, so their
     waveform is no further from full fp32 than cuDNN's TF32 one (tensor cores alone would truncate, several
     times the error)."""
-    from cosyvoice_fast.backends.fused_vocoder import FusedVocoder
+    from cosyvoice_fast.vocoder.fused import FusedVocoder
 
     hift = copy.deepcopy(tiny_models.hift).to("cuda")
     frames = 56

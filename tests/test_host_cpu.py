@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from cosyvoice_fast.host_cpu import HostCpu
+from cosyvoice_fast.bench.host_cpu import HostCpu
 
 
 def _spin(stop: threading.Event) -> None:

@@ -20,10 +20,10 @@ sf = pytest.importorskip("soundfile", reason="soundfile is not installed here (p
 openai = pytest.importorskip("openai", reason="openai is not installed here (pip install -r requirements.txt)")
 av = pytest.importorskip("av", reason="av is not installed here (pip install -r requirements.txt)")
 
-from cosyvoice_fast.audio_encode import to_pcm16  # noqa: E402
-from cosyvoice_fast.engine import EngineBusy, EngineClosed  # noqa: E402
-from cosyvoice_fast.request import SynthesisRequest  # noqa: E402
-from cosyvoice_fast.config import StreamParams  # noqa: E402
+from cosyvoice_fast.serving.audio_encode import to_pcm16  # noqa: E402
+from cosyvoice_fast.engine.engine import EngineBusy, EngineClosed  # noqa: E402
+from cosyvoice_fast.frontend.request import SynthesisRequest  # noqa: E402
+from cosyvoice_fast.config.model import StreamParams  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = REPO / "assets" / "zero_shot_prompt.wav"
@@ -43,8 +43,8 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """(base url, service) of the app with --auth, serving /v1 beside the page."""
-    from cosyvoice_fast.service import load_service
-    from cosyvoice_fast.webui import build_demo, serve
+    from cosyvoice_fast.serving.service import load_service
+    from cosyvoice_fast.app.page import build_demo, serve
 
     svc = load_service(None, synthetic="tiny", device="cpu", dtype="fp32",
                        speaker_cache_dir=tmp_path_factory.mktemp("speakers"), progress=False)

@@ -8,12 +8,13 @@ import types
 import pytest
 import torch
 
-from cosyvoice_fast.backends.eager import flow_chunk_mel
-from cosyvoice_fast.config import StreamParams, tiny_config
-from cosyvoice_fast.models.flow import CausalMaskedDiffWithXvec
-from cosyvoice_fast.backends.incremental_flow import (FlowState, IncrementalFlow, prompt_flow_state, prompt_state,
-                                               state_bytes_per_frame)
-from cosyvoice_fast.schedule import ChunkCall, plan
+from cosyvoice_fast.flow.eager import flow_chunk_mel
+from cosyvoice_fast.config.model import StreamParams, tiny_config
+from cosyvoice_fast.flow.model.flow import CausalMaskedDiffWithXvec
+from cosyvoice_fast.flow.incremental import (
+    FlowState, IncrementalFlow, prompt_flow_state, prompt_state, state_bytes_per_frame,
+)
+from cosyvoice_fast.config.schedule import ChunkCall, plan
 
 TOL = 1e-4
 VOCAB = 1000

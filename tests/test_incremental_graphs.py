@@ -8,12 +8,12 @@ import types
 import pytest
 import torch
 
-from cosyvoice_fast.backends.cudagraph_incremental import GraphIncrementalFlow, IncrementalEstimatorGraphs
-from cosyvoice_fast.backends.eager import flow_chunk_mel
-from cosyvoice_fast.config import StreamParams
-from cosyvoice_fast.models.flow_incremental import StaticDecoderCache
-from cosyvoice_fast.backends.incremental_flow import FlowState, IncrementalFlow, state_bytes_per_frame
-from cosyvoice_fast.schedule import plan
+from cosyvoice_fast.flow.graph_incremental import GraphIncrementalFlow, IncrementalEstimatorGraphs
+from cosyvoice_fast.flow.eager import flow_chunk_mel
+from cosyvoice_fast.config.model import StreamParams
+from cosyvoice_fast.flow.model.incremental import StaticDecoderCache
+from cosyvoice_fast.flow.incremental import FlowState, IncrementalFlow, state_bytes_per_frame
+from cosyvoice_fast.config.schedule import plan
 
 from test_incremental_flow import SCHEDULES, TOL, _inputs, _max_err, _tokens
 

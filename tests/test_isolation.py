@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from cosyvoice_fast.config import BackendConfig, StreamParams
-from cosyvoice_fast.engine import Engine
-from cosyvoice_fast.request import ModelInputs, SynthesisRequest
+from cosyvoice_fast.config.model import BackendConfig, StreamParams
+from cosyvoice_fast.engine.engine import Engine
+from cosyvoice_fast.frontend.request import ModelInputs, SynthesisRequest
 
 N = 16
 PARAMS = StreamParams(token_hop_len_first=5, token_hop_len=5, pre_lookahead_len=0)

@@ -7,10 +7,9 @@ import types
 import pytest
 import torch
 
-from cosyvoice_fast.config import QwenConfig
-from cosyvoice_fast.engine_config import (EngineConfig, kv_bytes_per_token, llm_slots_for_memory,
-                                          resolve_llm_slots)
-from cosyvoice_fast.yamlconf import ConfigError
+from cosyvoice_fast.config.model import QwenConfig
+from cosyvoice_fast.config.engine import EngineConfig, kv_bytes_per_token, llm_slots_for_memory, resolve_llm_slots
+from cosyvoice_fast.config.yamlfile import ConfigError
 
 QWEN_05B = QwenConfig()  # the defaults are Qwen2-0.5B's (CosyVoice-BlankEN): 24 layers, 2 KV heads of 64
 MiB, GiB = 2**20, 2**30
@@ -62,8 +61,8 @@ def test_resolve_explicit_cpu_and_gpu(monkeypatch):
 
 
 def test_stage_build_hands_slots_and_max_context_to_the_cudagraph_llm(monkeypatch):
-    import cosyvoice_fast.backends.cudagraph_llm as cg
-    from cosyvoice_fast import backends
+    import cosyvoice_fast.llm.graph as cg
+    from cosyvoice_fast.engine import stages as backends
 
     got = {}
 

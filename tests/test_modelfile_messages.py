@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosyvoice_fast.modelfiles import REQUIRED_FILES, ModelFileError, load_models, load_state_dict_file
-from cosyvoice_fast.synthetic import synthetic_model_dir
+from cosyvoice_fast.modeldir.files import REQUIRED_FILES, ModelFileError, load_models, load_state_dict_file
+from cosyvoice_fast.modeldir.synthetic import synthetic_model_dir
 
 FIX = ("To fix it, download CosyVoice2-0.5B again (python -m cosyvoice_fast download) or pass --synthetic tiny to "
        "try the app without weights.")

@@ -1,10 +1,10 @@
-"""The one-launch nucleus draw (:mod:`cosyvoice_fast.kernels.nucleus_topk`) against the sort-based torch path.
+"""The one-launch nucleus draw (:mod:`cosyvoice_fast.llm.kernels.nucleus_topk`) against the sort-based torch path.
 
 On CPU the kernel runs through Triton's interpreter and is compared token for token with a plain numpy
 reference of the torch path's rule: stable descending order, the first ``top_k``, sequential fp32 running sums
 for the cut, fp32 division by the variates, the first argmax.  (The torch path itself is not exact on CPU: its
 ``cumsum`` accumulates in fp64 there.)  The GPU tests compare the kernel with
-:func:`~cosyvoice_fast.backends.nucleus.nucleus_pick_rows` itself on thousands of rows, and replay it in a graph.
+:func:`~cosyvoice_fast.llm.nucleus.nucleus_pick_rows` itself on thousands of rows, and replay it in a graph.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from cosyvoice_fast.backends import nucleus  # noqa: E402
-from cosyvoice_fast.backends.nucleus import nucleus_pick_rows  # noqa: E402
-from cosyvoice_fast.kernels import nucleus_topk  # noqa: E402
-from cosyvoice_fast.kernels.nucleus_topk import (  # noqa: E402
-    CANDIDATES, MAX_TOP_K, MAX_VOCAB, candidate_count, nucleus_draw_rows)
+from cosyvoice_fast.llm import nucleus  # noqa: E402
+from cosyvoice_fast.llm.nucleus import nucleus_pick_rows  # noqa: E402
+from cosyvoice_fast.llm.kernels import nucleus_topk  # noqa: E402
+from cosyvoice_fast.llm.kernels.nucleus_topk import (
+    CANDIDATES, MAX_TOP_K, MAX_VOCAB, candidate_count, nucleus_draw_rows,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -16,11 +16,12 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 
-from cosyvoice_fast.kernels import estimator_linear, estimator_oneshot  # noqa: E402
-from cosyvoice_fast.kernels.estimator_common import LAUNCH  # noqa: E402
-from cosyvoice_fast.kernels.estimator_linear import (ACT_GELU, ACT_NONE, ACT_SILU, PRO_LN, PRO_MISH,  # noqa: E402
-                                                     PRO_NONE, PRO_SINUS, linear)
-from cosyvoice_fast.kernels.estimator_oneshot import FP32_ONESHOT, linear_oneshot, oneshot_tiles  # noqa: E402
+from cosyvoice_fast.flow.kernels import estimator_linear, estimator_oneshot  # noqa: E402
+from cosyvoice_fast.kernels.common import LAUNCH  # noqa: E402
+from cosyvoice_fast.flow.kernels.estimator_linear import (
+    ACT_GELU, ACT_NONE, ACT_SILU, PRO_LN, PRO_MISH, PRO_NONE, PRO_SINUS, linear,
+)
+from cosyvoice_fast.flow.kernels.estimator_oneshot import FP32_ONESHOT, linear_oneshot, oneshot_tiles  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 1e-4
@@ -138,8 +139,8 @@ def test_pair_rows_pick_the_pair_attention_and_conv_tiles(monkeypatch):
     """Over PAIR_ROWS rows (one request's CFG pair of 100-250 frames) attention and the convolutions take the tiles
     chosen with the pair GEMMs; more rows (a batched solve) and fewer keep the shared ones; fp32 and the
     interpreter keep theirs."""
-    from cosyvoice_fast.kernels import estimator_attention, estimator_conv, estimator_linear
-    from cosyvoice_fast.kernels.estimator_common import PAIR_ROWS
+    from cosyvoice_fast.flow.kernels import estimator_attention, estimator_conv, estimator_linear
+    from cosyvoice_fast.kernels.common import PAIR_ROWS
 
     assert LAUNCH["oneshot_max_rows"] == PAIR_ROWS["max"] == 512 and PAIR_ROWS["min"] == 129
     monkeypatch.setattr(estimator_attention, "interpreting", lambda: False)

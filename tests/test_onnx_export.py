@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cosyvoice_fast.backends.onnx_export import (INPUT_NAMES, OUTPUT_NAME, estimator_fingerprint, example_inputs,
-                                                 export_estimator_onnx, export_flow_estimators, run_onnx)
-from cosyvoice_fast.config import tiny_config
-from cosyvoice_fast.models.flow_decoder import CausalConditionalDecoder
+from cosyvoice_fast.flow.onnx_export import (
+    INPUT_NAMES, OUTPUT_NAME, estimator_fingerprint, example_inputs, export_estimator_onnx, export_flow_estimators,
+    run_onnx,
+)
+from cosyvoice_fast.config.model import tiny_config
+from cosyvoice_fast.flow.model.decoder import CausalConditionalDecoder
 
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")

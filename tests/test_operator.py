@@ -11,8 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from cosyvoice_fast import launch, request_log
-from cosyvoice_fast.telemetry import ChunkTiming, RequestTelemetry
+from cosyvoice_fast.app import launch
+from cosyvoice_fast.telemetry import request_log
+from cosyvoice_fast.telemetry.record import ChunkTiming, RequestTelemetry
 
 gr_client = pytest.importorskip("gradio_client", reason="gradio_client is not installed here (pip install -r "
                                 "requirements.txt)")
@@ -38,7 +39,7 @@ def test_taken_port_names_the_port_flag():
 
 def test_app_stops_on_a_taken_port_before_loading_the_model(monkeypatch, capsys):
     import app as app_module
-    import cosyvoice_fast.service as service
+    import cosyvoice_fast.serving.service as service
 
     monkeypatch.setattr(service, "load_service", lambda *a, **k: pytest.fail("the model was loaded"))
     with socket.socket() as held:
@@ -94,8 +95,8 @@ def test_request_line_format():
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from cosyvoice_fast.service import load_service
-    from cosyvoice_fast.webui import build_demo, serve
+    from cosyvoice_fast.serving.service import load_service
+    from cosyvoice_fast.app.page import build_demo, serve
 
     svc = load_service(None, synthetic="tiny", device="cpu", speaker_cache_dir=tmp_path_factory.mktemp("spk"),
                        progress=False)
@@ -197,9 +198,9 @@ def test_oversize_upload_answers_at_once(served, tmp_path):
 
 
 def test_shutdown_ends_every_open_stream_with_a_message(tmp_path):
-    from cosyvoice_fast.service import load_service
-    from cosyvoice_fast.webui import build_demo, serve
-    from cosyvoice_fast.webui_handlers import SHUTTING_DOWN
+    from cosyvoice_fast.serving.service import load_service
+    from cosyvoice_fast.app.page import build_demo, serve
+    from cosyvoice_fast.app.handlers import SHUTTING_DOWN
 
     svc = load_service(None, synthetic="tiny", device="cpu", speaker_cache_dir=tmp_path / "spk", progress=False)
     demo = build_demo(svc)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cosyvoice_fast.config import ModelConfig
-from cosyvoice_fast.models.flow_encoder import UpsampleConformerEncoder
-from cosyvoice_fast.models.flow_encoder_layers import relative_position_table, shift_relative_scores
+from cosyvoice_fast.config.model import ModelConfig
+from cosyvoice_fast.flow.model.encoder import UpsampleConformerEncoder
+from cosyvoice_fast.flow.model.encoder_layers import relative_position_table, shift_relative_scores
 
 TOL = 1e-4
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cosyvoice_fast.models.cfm import euler_schedule, fixed_noise, time_grid
+from cosyvoice_fast.flow.model.cfm import euler_schedule, fixed_noise, time_grid
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_zero_padding_after_valid_frames_is_exact(cfm, load_case):
 def test_fused_qkv_keeps_values_and_state_dict(tiny_models):
     import copy
 
-    from cosyvoice_fast.backends.onnx_export import example_inputs
+    from cosyvoice_fast.flow.onnx_export import example_inputs
 
     est = copy.deepcopy(tiny_models.flow.decoder.estimator)
     before = {k: v.clone() for k, v in est.state_dict().items()}

@@ -10,7 +10,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from cosyvoice_fast.kernels.estimator_fused import FusedEstimator  # noqa: E402
+from cosyvoice_fast.flow.kernels.estimator_fused import FusedEstimator  # noqa: E402
 
 TOL = 1e-4
 

@@ -17,13 +17,13 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from cosyvoice_fast.backends import cudagraph_llm, fused_llm  # noqa: E402
-from cosyvoice_fast.backends.base import generate_alone  # noqa: E402
-from cosyvoice_fast.backends.eager import EagerLLM  # noqa: E402
-from cosyvoice_fast.config import ModelConfig  # noqa: E402
-from cosyvoice_fast.request import ModelInputs  # noqa: E402
-from cosyvoice_fast.kernels.qwen2_decode import FusedDecoder  # noqa: E402
-from cosyvoice_fast.models.llm import Qwen2LM  # noqa: E402
+from cosyvoice_fast.llm import graph as cudagraph_llm, fused as fused_llm  # noqa: E402
+from cosyvoice_fast.llm.stage import generate_alone  # noqa: E402
+from cosyvoice_fast.llm.eager import EagerLLM  # noqa: E402
+from cosyvoice_fast.config.model import ModelConfig  # noqa: E402
+from cosyvoice_fast.frontend.request import ModelInputs  # noqa: E402
+from cosyvoice_fast.llm.kernels.qwen2_decode import FusedDecoder  # noqa: E402
+from cosyvoice_fast.llm.model.speech_lm import Qwen2LM  # noqa: E402
 
 TOL = 1e-4
 STEPS = 5  # decode steps per test on the interpreter

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from cosyvoice_fast.config import ModelConfig
-from cosyvoice_fast.crossfade import fade_in_out, hamming_fade_window
-from cosyvoice_fast.models.hift import HiFTGenerator, istft
-from cosyvoice_fast.models.weightnorm import convert_legacy_weight_norm
+from cosyvoice_fast.config.model import ModelConfig
+from cosyvoice_fast.vocoder.crossfade import fade_in_out, hamming_fade_window
+from cosyvoice_fast.vocoder.model.hift import HiFTGenerator, istft
+from cosyvoice_fast.vocoder.model.weightnorm import convert_legacy_weight_norm
 
 TOL = 1e-4
 

@@ -9,10 +9,10 @@ from itertools import islice
 import pytest
 import torch
 
-from cosyvoice_fast.config import ModelConfig
-from cosyvoice_fast.models.llm import Qwen2LM
-from cosyvoice_fast.models.qwen2 import KVCacheFullError
-from cosyvoice_fast.models.sampling import greedy_sample, nucleus_sample, random_sample, ras_sample
+from cosyvoice_fast.config.model import ModelConfig
+from cosyvoice_fast.llm.model.speech_lm import Qwen2LM
+from cosyvoice_fast.llm.model.qwen2 import KVCacheFullError
+from cosyvoice_fast.llm.model.sampling import greedy_sample, nucleus_sample, random_sample, ras_sample
 
 TOL = 1e-4
 

@@ -9,8 +9,8 @@ from itertools import islice
 import pytest
 import torch
 
-from cosyvoice_fast.backends.bistream_eager import EagerBistream, decide, masked
-from cosyvoice_fast.models.bistream import PHASE_TEXT, BistreamSpec, BistreamState
+from cosyvoice_fast.llm.bistream_eager import EagerBistream, decide, masked
+from cosyvoice_fast.llm.model.bistream import PHASE_TEXT, BistreamSpec, BistreamState
 
 TOL = 1e-4
 
@@ -184,7 +184,7 @@ def test_pushing_all_text_first_changes_nothing(lm, bistream_case):
 
 def test_cache_grows_keeping_its_contents(lm):
     """A bi-streamed request's length is unknown up front: the eager cache is regrown with its rows copied."""
-    from cosyvoice_fast.backends.bistream_eager import ensure_room
+    from cosyvoice_fast.llm.bistream_eager import ensure_room
 
     small = lm.new_cache(8)
     x = torch.randn(1, 8, lm.cfg.llm_input_size, generator=torch.Generator().manual_seed(0))
@@ -214,7 +214,7 @@ def _run_batched(lm, cases: list[tuple[str, dict, dict]], runner=None) -> dict[s
     """Every sub-case at once, the way an engine round works: text pushed to every request that waits, then
     one ``step_batch`` over every request that can step (in :class:`GraphBistream`, feeds of 1, 5, 9, 10 or 54
     rows share one padded forward), then each request's own decision."""
-    from cosyvoice_fast.backends.bistream_graph import GraphBistream
+    from cosyvoice_fast.llm.bistream_graph import GraphBistream
 
     runner = runner or GraphBistream(lm, slots=len(cases), max_len=256, kv_buckets=(128, 256), use_graphs=True)
     live = []
@@ -271,7 +271,7 @@ def test_eager_slots_driven_like_an_engine_round(lm, fixture_dir):
 def test_graph_runner_without_graphs_runs_the_same_math_eagerly(lm, fixture_dir):
     """On a CPU (no CUDA graphs) the padded batched forward runs as is, with the same ids; asking for graphs
     there is refused with a message."""
-    from cosyvoice_fast.backends.bistream_graph import GraphBistream
+    from cosyvoice_fast.llm.bistream_graph import GraphBistream
 
     cases = _sets(fixture_dir)
     runner = GraphBistream(lm, slots=len(cases), max_len=256)

@@ -19,13 +19,13 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from cosyvoice_fast.config import QwenConfig  # noqa: E402
-from cosyvoice_fast.kernels import qwen2_attention as attn_k  # noqa: E402
-from cosyvoice_fast.kernels import qwen2_gemv as gemv_k  # noqa: E402
-from cosyvoice_fast.kernels import qwen2_head as head_k  # noqa: E402
-from cosyvoice_fast.kernels import qwen2_proj as proj_k  # noqa: E402
-from cosyvoice_fast.kernels.qwen2_decode import FusedDecoder, decode_step, kernels_per_step, step_logits  # noqa: E402
-from cosyvoice_fast.models.qwen2 import KVCache, Qwen2Decoder  # noqa: E402
+from cosyvoice_fast.config.model import QwenConfig  # noqa: E402
+from cosyvoice_fast.llm.kernels import qwen2_attention as attn_k  # noqa: E402
+from cosyvoice_fast.llm.kernels import qwen2_gemv as gemv_k  # noqa: E402
+from cosyvoice_fast.llm.kernels import qwen2_head as head_k  # noqa: E402
+from cosyvoice_fast.llm.kernels import qwen2_proj as proj_k  # noqa: E402
+from cosyvoice_fast.llm.kernels.qwen2_decode import FusedDecoder, decode_step, kernels_per_step, step_logits  # noqa: E402
+from cosyvoice_fast.llm.model.qwen2 import KVCache, Qwen2Decoder  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 1e-5
@@ -415,7 +415,7 @@ def test_prefill_rows_equal_the_decoder_per_prompt_and_fill_only_their_slot_rows
     """Two prompts of 20 positions through the fused prefill (small attention tiles, so queries span several
     blocks and keys several tiles; 16 rows per program, so the RoPE and SiLU kernels have a ragged last block)
     against the decoder's own cached prefill of each prompt alone."""
-    from cosyvoice_fast.kernels import qwen2_hybrid
+    from cosyvoice_fast.llm.kernels import qwen2_hybrid
 
     monkeypatch.setattr(qwen2_hybrid, "BLOCK_M", 16)
     monkeypatch.setattr(qwen2_hybrid, "BLOCK_N", 16)

@@ -1,5 +1,5 @@
-"""The decode graph's sampling tail as kernels (:mod:`cosyvoice_fast.kernels.ras_rule`) and its input merge and
-advance (:mod:`cosyvoice_fast.kernels.step_feed`), each against the torch operations it replaces.
+"""The decode graph's sampling tail as kernels (:mod:`cosyvoice_fast.llm.kernels.ras_rule`) and its input merge and
+advance (:mod:`cosyvoice_fast.llm.kernels.step_feed`), each against the torch operations it replaces.
 
 On CPU the kernels run through Triton's interpreter; the GPU tests repeat the comparison at the speech
 vocabulary's width on thousands of rows, where torch's own CUDA softmax and division are the reference.
@@ -19,10 +19,10 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from cosyvoice_fast.backends import decode_feed, nucleus  # noqa: E402
-from cosyvoice_fast.backends.decode_feed import StepFeed  # noqa: E402
-from cosyvoice_fast.backends.nucleus import nucleus_pick_rows, ras_pick_into, ras_pick_rows  # noqa: E402
-from cosyvoice_fast.kernels import nucleus_topk, ras_rule, step_feed  # noqa: E402
+from cosyvoice_fast.llm import decode_feed, nucleus  # noqa: E402
+from cosyvoice_fast.llm.decode_feed import StepFeed  # noqa: E402
+from cosyvoice_fast.llm.nucleus import nucleus_pick_rows, ras_pick_into, ras_pick_rows  # noqa: E402
+from cosyvoice_fast.llm.kernels import nucleus_topk, ras_rule, step_feed  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 NEG = -float("inf")
@@ -86,7 +86,7 @@ def test_variates_from_generator_states_equal_the_philox_draws(vocab, k, w, rule
     Philox kernel computes from those states (the nucleus draw's, and the fallback's one draw later): the same
     tokens, flags and masked log-probs, and ``q`` holds the nucleus variates.  With ``RULE_VARIATES`` off the
     two Philox launches fill ``q`` and ``q_again`` first; on, the rule kernels compute them."""
-    from cosyvoice_fast.kernels.philox import DRAW_OFFSET, exponential_rows
+    from cosyvoice_fast.llm.kernels.philox import DRAW_OFFSET, exponential_rows
 
     monkeypatch.setattr(nucleus, "RULE_VARIATES", rule_variates)
     rows = 8

@@ -22,13 +22,13 @@ import pytest
 
 httpx = pytest.importorskip("httpx", reason="httpx is not installed here (pip install -r requirements.txt)")
 
-from cosyvoice_fast.engine import EngineBusy
-from cosyvoice_fast.engine_config import EngineConfig
-from cosyvoice_fast.metrics import EngineMetrics
-from cosyvoice_fast.request import SynthesisRequest
-from cosyvoice_fast.yamlconf import ConfigError
+from cosyvoice_fast.engine.engine import EngineBusy
+from cosyvoice_fast.config.engine import EngineConfig
+from cosyvoice_fast.serving.metrics import EngineMetrics
+from cosyvoice_fast.frontend.request import SynthesisRequest
+from cosyvoice_fast.config.yamlfile import ConfigError
 
-serve_ray = pytest.importorskip("cosyvoice_fast.serve_ray")  # needs ray[serve]
+serve_ray = pytest.importorskip("cosyvoice_fast.serving.ray_serve")  # needs ray[serve]
 
 SAMPLE_RATE = 24000
 
@@ -46,7 +46,7 @@ def test_options_name_the_bad_field():
 def test_serve_command_line_becomes_options():
     import argparse
 
-    from cosyvoice_fast.serve_cli import add_arguments, options_from_args
+    from cosyvoice_fast.cli.serve import add_arguments, options_from_args
 
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -76,8 +76,8 @@ def test_deployment_limits_follow_the_engine_config():
 
 
 def test_registry_mirror_copies_every_sample_with_its_labels():
-    from cosyvoice_fast.serve_metrics import RegistryMirror
-    from cosyvoice_fast.telemetry import RequestTelemetry
+    from cosyvoice_fast.serving.ray_metrics import RegistryMirror
+    from cosyvoice_fast.telemetry.record import RequestTelemetry
 
     m = EngineMetrics()
     m.count_rejected("InputError")
@@ -107,7 +107,7 @@ def test_registry_mirror_copies_every_sample_with_its_labels():
 
 
 def _remote(handler) -> "object":  # noqa: ANN001
-    from cosyvoice_fast.remote_service import RemoteEngine
+    from cosyvoice_fast.serving.remote import RemoteEngine
 
     return RemoteEngine(httpx.Client(base_url="http://cluster", transport=httpx.MockTransport(handler)),
                         SAMPLE_RATE, "m")
@@ -120,7 +120,7 @@ class _DyingStream(httpx.SyncByteStream):
 
 
 def test_remote_stream_whose_replica_died_ends_with_a_clear_error():
-    from cosyvoice_fast.remote_service import RemoteStreamError
+    from cosyvoice_fast.serving.remote import RemoteStreamError
 
     eng = _remote(lambda req: httpx.Response(200, stream=_DyingStream(), headers={"x-replica": "abc"}))
     chunks = eng.stream(SynthesisRequest(text="hi", mode="speaker", speaker="alice"))
@@ -144,7 +144,7 @@ def test_remote_refusals_keep_the_clusters_message():
 def test_remote_request_bodies_carry_the_voice_or_the_prompt():
     import base64
 
-    from cosyvoice_fast.remote_service import request_body
+    from cosyvoice_fast.serving.remote import request_body
 
     b = request_body(SynthesisRequest(text="hi", mode="speaker", speaker="alice", seed=5, max_tokens=9), "m")
     assert (b["voice"], b["mode"], b["seed"], b["max_tokens"], b["response_format"]) == ("alice", "speaker", 5, 9,
@@ -165,7 +165,7 @@ def _free_port() -> int:
 def _save_voice(speaker_dir, name: str, seed: int) -> None:
     """Save a voice into the shared directory the way the app does (random noise prompt: the model is random)."""
     from cosyvoice_fast.frontend.pipeline import Frontend
-    from cosyvoice_fast.synthetic import synthetic_model_dir
+    from cosyvoice_fast.modeldir.synthetic import synthetic_model_dir
 
     fe = Frontend.from_model_dir(synthetic_model_dir("tiny"), speaker_cache_dir=speaker_dir,
                                  sample_rate=SAMPLE_RATE)
@@ -358,7 +358,7 @@ def test_full_deployment_answers_503_with_a_message(cluster):
 
 @pytest.mark.ray
 def test_remote_front_end_streams_from_the_cluster(cluster):
-    from cosyvoice_fast.remote_service import connect
+    from cosyvoice_fast.serving.remote import connect
 
     svc = connect(cluster.url)
     try:
@@ -370,7 +370,7 @@ def test_remote_front_end_streams_from_the_cluster(cluster):
         ref = _speak(cluster.url, 3, "alice", 10)["audio"]
         assert _same_audio(np.round(got * 32767).astype(np.int16), ref)
         # the app's handlers on the remote service: the same request from the page, and a clear refusal
-        from cosyvoice_fast.webui_handlers import CONFIG_FIELDS, VOICE_FIELDS, Handlers
+        from cosyvoice_fast.app.handlers import CONFIG_FIELDS, VOICE_FIELDS, Handlers
 
         voice = {"text": req.text, "mode": "speaker", "prompt_upload": None, "prompt_mic": None, "prompt_text": "",
                  "instruct_text": "", "speaker": "alice", "seed": 103, "stream": True, "speed": 1.0}
@@ -395,7 +395,7 @@ def test_remote_front_end_streams_from_the_cluster(cluster):
 
 
 def _params(first: int):  # noqa: ANN202
-    from cosyvoice_fast.config import StreamParams
+    from cosyvoice_fast.config.model import StreamParams
 
     return StreamParams(token_hop_len_first=first)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cosyvoice_fast.config import ConfigError, StreamParams
-from cosyvoice_fast.schedule import ChunkCursor, first_hop, hop_for, plan
+from cosyvoice_fast.config.model import ConfigError, StreamParams
+from cosyvoice_fast.config.schedule import ChunkCursor, first_hop, hop_for, plan
 
 
 def test_default_schedule_matches_upstream_recorded_calls(load_case):
@@ -85,7 +85,7 @@ def test_invalid_params_name_the_field(kw, field):
 def test_vocoder_frames_are_the_mel_lengths_every_non_final_chunk_takes():
     """Upstream's default schedule: a first chunk of 2 x (25..49) frames depending on the prompt length, then
     8 cached + 2 x 50 and 8 + 2 x 100; a fixed first hop gives one first length."""
-    from cosyvoice_fast.schedule import vocoder_frames
+    from cosyvoice_fast.config.schedule import vocoder_frames
 
     assert vocoder_frames(StreamParams()) == tuple(range(50, 100, 2)) + (108, 208)
     assert vocoder_frames(StreamParams(token_hop_len_first=10)) == (20, 108, 208)
@@ -101,7 +101,7 @@ def test_vocoder_frames_are_the_mel_lengths_every_non_final_chunk_takes():
                                     StreamParams(token_hop_len_first=10, pre_lookahead_len=1)])
 def test_final_vocoder_frames_are_exactly_the_lengths_final_calls_take(params):
     """Every (prompt, utterance length) pair's final call has one of these lengths, and each length occurs."""
-    from cosyvoice_fast.schedule import final_vocoder_frames
+    from cosyvoice_fast.config.schedule import final_vocoder_frames
 
     seen = set()
     for prompt in range(0, 50, 3):
@@ -113,7 +113,7 @@ def test_final_vocoder_frames_are_exactly_the_lengths_final_calls_take(params):
 
 
 def test_final_vocoder_frames_of_the_default_schedule():
-    from cosyvoice_fast.schedule import final_vocoder_frames
+    from cosyvoice_fast.config.schedule import final_vocoder_frames
 
     # alone: 2 x (1..51) tokens (first hop up to 49, look-ahead 3); after a chunk: 8 + 2 x (1..102) (hop 100)
     assert final_vocoder_frames(StreamParams()) == tuple(range(2, 213, 2))
@@ -129,7 +129,7 @@ def test_tokens_short_counts_down_to_the_next_call():
 
 
 def test_first_chunk_wait_waits_only_for_a_chunk_within_reach_and_only_so_long():
-    from cosyvoice_fast.schedule import GATHER_TOKENS, first_chunk_wait
+    from cosyvoice_fast.config.schedule import GATHER_TOKENS, first_chunk_wait
 
     assert first_chunk_wait(10.0, 10.002, [GATHER_TOKENS], 0.012) == pytest.approx(0.010)
     assert first_chunk_wait(10.0, 10.002, [GATHER_TOKENS + 1], 0.012) == 0.0  # too far: run now
@@ -150,7 +150,7 @@ def test_tokens_to_next_call_counts_down_to_a_hop_or_the_length_limit():
 
 
 def test_later_chunk_wait_waits_like_a_first_chunk_while_the_listener_has_audio_left():
-    from cosyvoice_fast.schedule import LATER_SLACK_S, later_chunk_wait
+    from cosyvoice_fast.config.schedule import LATER_SLACK_S, later_chunk_wait
 
     far = 10.0 + LATER_SLACK_S + 1.0  # the most urgent listener runs out of audio a second past the slack
     assert later_chunk_wait(10.0, 10.002, far, [2], 0.012) == pytest.approx(0.010)

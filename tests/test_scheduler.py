@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from cosyvoice_fast.backends.eager import EagerVocoder
-from cosyvoice_fast.engine import Engine
-from cosyvoice_fast.engine_config import EngineConfig
-from cosyvoice_fast.config import StreamParams
-from cosyvoice_fast.request import ModelInputs, SynthesisRequest
-from cosyvoice_fast.schedule import ChunkCursor
-from cosyvoice_fast.runtime.vocoder_stream import VocodeJob, vocode_chunk, vocode_chunks
+from cosyvoice_fast.vocoder.eager import EagerVocoder
+from cosyvoice_fast.engine.engine import Engine
+from cosyvoice_fast.config.engine import EngineConfig
+from cosyvoice_fast.config.model import StreamParams
+from cosyvoice_fast.frontend.request import ModelInputs, SynthesisRequest
+from cosyvoice_fast.config.schedule import ChunkCursor
+from cosyvoice_fast.vocoder.stream import VocodeJob, vocode_chunk, vocode_chunks
 
 
 @pytest.fixture(scope="module")
@@ -323,7 +323,7 @@ def test_final_chunks_a_few_tokens_apart_share_one_solve_when_gathered(tiny_mode
     are ready together, their final chunks 4 tokens apart.  With ``later_chunk_wait_ms`` the earlier final waits
     for the later one (the listener's audio is no limit here: the slack rule is switched off, a CI machine may
     be slow); with 0 it is solved at once.  The audio is the same either way."""
-    monkeypatch.setattr("cosyvoice_fast.schedule.LATER_SLACK_S", -float("inf"))
+    monkeypatch.setattr("cosyvoice_fast.config.schedule.LATER_SLACK_S", -float("inf"))
     reqs = [_request(case, 0, max_tokens=60), _request(case, 3, max_tokens=64)]  # 8-token prompts, both
     eng = Engine(tiny_models, config=EngineConfig(cuda_streams=2, later_chunk_wait_ms=wait_ms))
     try:
@@ -340,7 +340,7 @@ def test_final_chunks_a_few_tokens_apart_share_one_solve_when_gathered(tiny_mode
 
 
 def test_chunk_audio_reaches_the_host_in_one_copy_split_per_chunk_and_failures_stay_their_own():
-    from cosyvoice_fast.runtime.chunks import ChunkRunner
+    from cosyvoice_fast.engine.chunks import ChunkRunner
 
     wavs = [torch.arange(5.0).view(1, 5), torch.zeros(1, 0), torch.full((1, 3), 2.5, dtype=torch.float64)]
     out = ChunkRunner._to_host(wavs)

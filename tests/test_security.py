@@ -32,8 +32,8 @@ USER, PASSWORD = "alice", "s3cret-pass"
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    from cosyvoice_fast.service import load_service
-    from cosyvoice_fast.webui import build_demo, serve
+    from cosyvoice_fast.serving.service import load_service
+    from cosyvoice_fast.app.page import build_demo, serve
     from tests.test_app import free_port
 
     spk = tmp_path_factory.mktemp("speakers")
@@ -250,7 +250,7 @@ def test_bad_upload_errors_show_no_server_paths(app, client, tmp_path):
 
 
 def test_redact_paths():
-    from cosyvoice_fast.webui_handlers import redact_paths
+    from cosyvoice_fast.app.handlers import redact_paths
 
     assert redact_paths("Error opening '/tmp/gradio/ab12/x.wav': bad") == "Error opening 'x.wav': bad"
     assert redact_paths("missing /home/u/models/CosyVoice2-0.5B/llm.pt") == "missing llm.pt"

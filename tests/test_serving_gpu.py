@@ -11,11 +11,11 @@ import threading
 import pytest
 import torch
 
-from cosyvoice_fast.backends import graphs
-from cosyvoice_fast.config import BackendConfig, StreamParams
-from cosyvoice_fast.engine import Engine
-from cosyvoice_fast.engine_config import EngineConfig
-from cosyvoice_fast.request import ModelInputs, SynthesisRequest
+from cosyvoice_fast.kernels import graphs
+from cosyvoice_fast.config.model import BackendConfig, StreamParams
+from cosyvoice_fast.engine.engine import Engine
+from cosyvoice_fast.config.engine import EngineConfig
+from cosyvoice_fast.frontend.request import ModelInputs, SynthesisRequest
 
 PARAMS = (StreamParams(), StreamParams(token_hop_len_first=7, token_hop_len=13, pre_lookahead_len=0),
           StreamParams(token_hop_len_first=10, pre_lookahead_len=1))
@@ -57,7 +57,7 @@ def _serve(eng: Engine, reqs: list[SynthesisRequest], timings: list | None = Non
 
 @pytest.mark.gpu
 def test_gpu_more_requests_than_slots_wait_and_nothing_is_captured_while_serving(fixture_dir, load_case):
-    from cosyvoice_fast.modelfiles import load_models
+    from cosyvoice_fast.modeldir.files import load_models
 
     case = load_case("case_flow_stream")
     models = load_models(fixture_dir, device="cuda")
@@ -107,8 +107,8 @@ def test_gpu_captured_vocoder_shares_an_eager_pass_for_many_rows_and_equals_solo
     """From ``min_batch`` rows the captured HiFT vocodes chunks of one shape in one eager filter pass (no new graph);
     under it each row replays its length's graph.  Either way every row equals its solo call: the excitation
     exactly (row by row from its own generator), the waveform within float rounding (another conv batch size)."""
-    from cosyvoice_fast.backends.cudagraph_vocoder import CudaGraphVocoder
-    from cosyvoice_fast.modelfiles import load_models
+    from cosyvoice_fast.vocoder.graph import CudaGraphVocoder
+    from cosyvoice_fast.modeldir.files import load_models
 
     case = load_case("case_flow_stream")
     models = load_models(fixture_dir, device="cuda")
@@ -128,8 +128,8 @@ def test_gpu_vocoder_batch_graphs_captured_at_start_serve_padded_rows_and_equal_
     nothing captured while serving.  Each row's excitation is the one its generator gives the chunk alone (the
     noise draw exactly; f0 on another batch size within float rounding) and its waveform equals the solo call's
     within float rounding; the cache overlap is spliced in exactly; a length with no graph takes the eager pass."""
-    from cosyvoice_fast.backends.cudagraph_vocoder import CudaGraphVocoder
-    from cosyvoice_fast.modelfiles import load_models
+    from cosyvoice_fast.vocoder.graph import CudaGraphVocoder
+    from cosyvoice_fast.modeldir.files import load_models
 
     case = load_case("case_flow_stream")
     frames = int(case["prompt_feat"].shape[1])
@@ -173,8 +173,8 @@ def test_gpu_final_chunk_lengths_replay_one_row_graphs_captured_at_start(fixture
     """``final_lengths`` are captured for one row only: a final chunk (with the previous chunk's excitation
     spliced in) replays its start-up graph, captures nothing, and equals the path without start-up graphs (eager
     excitation, then the filter graph) within float rounding; two final chunks of such a length go row by row."""
-    from cosyvoice_fast.backends.cudagraph_vocoder import CudaGraphVocoder
-    from cosyvoice_fast.modelfiles import load_models
+    from cosyvoice_fast.vocoder.graph import CudaGraphVocoder
+    from cosyvoice_fast.modeldir.files import load_models
 
     case = load_case("case_flow_stream")
     frames = int(case["prompt_feat"].shape[1])

@@ -13,15 +13,15 @@ import dataclasses
 
 import pytest
 
-from cosyvoice_fast.config import StreamParams
-from cosyvoice_fast.soak import run_soak
+from cosyvoice_fast.config.model import StreamParams
+from cosyvoice_fast.bench.soak import run_soak
 
 pytest.importorskip("psutil")
 
 
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory):
-    from cosyvoice_fast.service import load_service
+    from cosyvoice_fast.serving.service import load_service
 
     s = load_service(None, synthetic="tiny", device="cpu", speaker_cache_dir=tmp_path_factory.mktemp("spk"),
                      progress=False)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from cosyvoice_fast.config import BackendConfig, ConfigError
-from cosyvoice_fast.request import SynthesisRequest
-from cosyvoice_fast.service import load_service
+from cosyvoice_fast.config.model import BackendConfig, ConfigError
+from cosyvoice_fast.frontend.request import SynthesisRequest
+from cosyvoice_fast.serving.service import load_service
 
 PROMPT = Path(__file__).resolve().parents[2] / "shared" / "prompts" / "zero_shot_prompt.wav"
 

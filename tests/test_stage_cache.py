@@ -9,10 +9,10 @@ import weakref
 import pytest
 import torch
 
-from cosyvoice_fast import backends
-from cosyvoice_fast.backends import StageCache, stage_keys
-from cosyvoice_fast.config import BackendConfig
-from cosyvoice_fast.engine_config import EngineConfig
+from cosyvoice_fast.engine import stages as backends
+from cosyvoice_fast.engine.stages import StageCache, stage_keys
+from cosyvoice_fast.config.model import BackendConfig
+from cosyvoice_fast.config.engine import EngineConfig
 
 
 class Built:
@@ -118,9 +118,9 @@ def test_cpu_refuses_half_precision_stages(counting):
 
 def test_engine_stages_share_real_stages_and_report_them():
     """The real eager stages of the synthetic tiny model, through Engine.stages and Engine.stats."""
-    from cosyvoice_fast.engine import Engine
-    from cosyvoice_fast.modelfiles import load_models
-    from cosyvoice_fast.synthetic import synthetic_model_dir
+    from cosyvoice_fast.engine.engine import Engine
+    from cosyvoice_fast.modeldir.files import load_models
+    from cosyvoice_fast.modeldir.synthetic import synthetic_model_dir
 
     models = load_models(synthetic_model_dir("tiny"), device="cpu", progress=False)
     with Engine(models, config=EngineConfig(stage_variants=2)) as eng:

@@ -8,8 +8,8 @@ import types
 
 import pytest
 
-from cosyvoice_fast.metrics import EngineMetrics, health, queue_wait
-from cosyvoice_fast.telemetry import RequestTelemetry
+from cosyvoice_fast.serving.metrics import EngineMetrics, health, queue_wait
+from cosyvoice_fast.telemetry.record import RequestTelemetry
 
 
 class StatsOnly:
@@ -85,7 +85,7 @@ def test_health_reads_stats():
 
 def test_soak_samples_stats():
     pytest.importorskip("psutil")
-    from cosyvoice_fast.soak import Resources
+    from cosyvoice_fast.bench.soak import Resources
 
     eng = StatsOnly(active=2, queued=4, stage_sets=["a", "b"])
     eng.add_observer(print)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from cosyvoice_fast.telemetry import STAGES, ChunkTiming, RequestTelemetry, aggregate, percentile
+from cosyvoice_fast.telemetry.record import STAGES, ChunkTiming, RequestTelemetry, aggregate, percentile
 
 
 def _req(offset: float = 0.0, slow_second: bool = False) -> RequestTelemetry:
@@ -70,7 +70,7 @@ def test_aggregate_percentiles():
 
 
 def test_bench_splits_the_queue_stage_into_its_llm_and_chunk_parts():
-    from cosyvoice_fast.bench import queue_parts
+    from cosyvoice_fast.bench.engine_bench import queue_parts
 
     reqs = [_req(), _req(offset=5.0)]
     reqs[1].admitted = reqs[1].frontend_done + 0.001  # waited 1 ms for admission: not part of the queue

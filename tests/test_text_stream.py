@@ -215,8 +215,8 @@ def test_prompt_side_is_prepared_once_and_matches_prepare(tmp_path):
     import torch
 
     from cosyvoice_fast.frontend.pipeline import Frontend
-    from cosyvoice_fast.request import SynthesisRequest
-    from cosyvoice_fast.synthetic import synthetic_model_dir
+    from cosyvoice_fast.frontend.request import SynthesisRequest
+    from cosyvoice_fast.modeldir.synthetic import synthetic_model_dir
 
     wav = Path(__file__).resolve().parents[2] / "shared" / "prompts" / "zero_shot_prompt.wav"
     if not wav.is_file():
@@ -239,8 +239,8 @@ def test_prompt_side_is_prepared_once_and_matches_prepare(tmp_path):
 def test_text_feed_hands_released_ids_to_the_schedule_and_times_them(tok):
     """Released ids reach the LM's text stream in chunks of 5 (the rest at the end); arrival times are kept per piece, and
     the moment the 5th text token reached the schedule is recorded (first audio is measured from it)."""
-    from cosyvoice_fast.models.bistream import BistreamSpec, BistreamState
-    from cosyvoice_fast.runtime.bistream import TextFeed
+    from cosyvoice_fast.llm.model.bistream import BistreamSpec, BistreamState
+    from cosyvoice_fast.engine.bistream import TextFeed
 
     clock = FakeClock(1.0)
     feed = TextFeed(IncrementalText(tok), BistreamState(BistreamSpec(), [], []), clock=clock)

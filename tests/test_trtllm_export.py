@@ -9,14 +9,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cosyvoice_fast.backends.trtllm_export import export_qwen2_checkpoint
-from cosyvoice_fast.models.qwen2 import Qwen2Decoder
+from cosyvoice_fast.llm.trtllm_export import export_qwen2_checkpoint
+from cosyvoice_fast.llm.model.qwen2 import Qwen2Decoder
 
 
 @pytest.fixture(scope="module")
 def tiny_llm(fixture_dir):
-    from cosyvoice_fast.models.llm import Qwen2LM
-    from cosyvoice_fast.modelfiles import load_state_dict_file, load_strict, read_config, validate_model_dir
+    from cosyvoice_fast.llm.model.speech_lm import Qwen2LM
+    from cosyvoice_fast.modeldir.files import load_state_dict_file, load_strict, read_config, validate_model_dir
 
     config = read_config(validate_model_dir(fixture_dir))
     llm = Qwen2LM(config.llm)

@@ -13,8 +13,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.upstream_ttfb import main, model_yaml  # noqa: E402
-from cosyvoice_fast.config import ModelConfig, full_config, tiny_config  # noqa: E402
-from cosyvoice_fast.synthetic import _qwen_json, _yaml_text  # noqa: E402
+from cosyvoice_fast.config.model import ModelConfig, full_config, tiny_config  # noqa: E402
+from cosyvoice_fast.modeldir.synthetic import _qwen_json, _yaml_text  # noqa: E402
 
 
 def _top_keys(text: str) -> list[str]:

@@ -28,13 +28,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..request import ModelInputs, SynthesisRequest
-from .audio import DEFAULT_LIMITS, AudioSource, PromptAudioError, PromptLimits
-from .speaker import (OnnxSpeakerEmbedder, OnnxSpeechTokenizer, PromptFeatures, SpeakerCache, SpeakerCacheError,
-                      extract_prompt, validate_speaker_name)
-from .text import DEFAULT_MAX_CHARS, TextTokenizer, normalize, normalize_and_split
-from .text_normalize import WetextTN
-from .text_stream import IncrementalText
+from cosyvoice_fast.frontend.request import ModelInputs, SynthesisRequest
+from cosyvoice_fast.frontend.audio import DEFAULT_LIMITS, AudioSource, PromptAudioError, PromptLimits
+from cosyvoice_fast.frontend.speaker import (
+    OnnxSpeakerEmbedder, OnnxSpeechTokenizer, PromptFeatures, SpeakerCache, SpeakerCacheError, extract_prompt,
+    validate_speaker_name,
+)
+from cosyvoice_fast.frontend.text import DEFAULT_MAX_CHARS, TextTokenizer, normalize, normalize_and_split
+from cosyvoice_fast.frontend.text_normalize import WetextTN
+from cosyvoice_fast.frontend.text_stream import IncrementalText
 
 END_OF_PROMPT = "<|endofprompt|>"
 PROMPT_SAMPLE_RATE = 24000  # the prompt mel's rate; CosyVoice2's flow and HiFT run at 24 kHz

@@ -23,8 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .audio import DEFAULT_LIMITS, AudioSource, PromptAudioError, PromptLimits, load_audio, prepare_prompt
-from .features import kaldi_fbank, prompt_mel_24k, whisper_log_mel
+from cosyvoice_fast.frontend.audio import (
+    DEFAULT_LIMITS, AudioSource, PromptAudioError, PromptLimits, load_audio, prepare_prompt,
+)
+from cosyvoice_fast.frontend.features import kaldi_fbank, prompt_mel_24k, whisper_log_mel
 
 FORMAT_VERSION = 1
 

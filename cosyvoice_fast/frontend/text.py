@@ -17,8 +17,10 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-from .text_normalize import (DEFAULT_MAX_CHARS, NOTHING_TO_SAY, SPECIAL_TOKENS, EmptyTextError, TextTooLongError,
-                             clean_text, has_speech, is_chinese, normalize)
+from cosyvoice_fast.frontend.text_normalize import (
+    DEFAULT_MAX_CHARS, NOTHING_TO_SAY, SPECIAL_TOKENS, EmptyTextError, TextTooLongError, clean_text, has_speech,
+    is_chinese, normalize,
+)
 
 __all__ = ["DEFAULT_MAX_CHARS", "SPECIAL_TOKENS", "EOS_TOKEN", "EmptyTextError", "TextTooLongError", "TextTokenizer",
            "clean_text", "is_chinese", "normalize", "normalize_and_split", "split_text"]

@@ -23,9 +23,10 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Callable
 
-from .text import TextTokenizer
-from .text_normalize import (_FULLWIDTH, DEFAULT_MAX_CHARS, EmptyTextError, TextTooLongError, clean_text,
-                             is_chinese, normalize)
+from cosyvoice_fast.frontend.text import TextTokenizer
+from cosyvoice_fast.frontend.text_normalize import (
+    _FULLWIDTH, DEFAULT_MAX_CHARS, EmptyTextError, TextTooLongError, clean_text, is_chinese, normalize,
+)
 
 log = logging.getLogger(__name__)
 

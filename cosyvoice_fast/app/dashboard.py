@@ -1,0 +1,449 @@
+"""Plotly figures and tables of latency, built only from telemetry.
+
+Every function here takes a :class:`~cosyvoice_fast.telemetry.record.RequestTelemetry` or its ``to_dict()`` form (times
+in seconds relative to receipt) and nothing else, so what the app shows is exactly what the engine measured and
+the same numbers the CLI and the benchmark print.  A request still streaming is fine: fields not yet written are
+``None``/NaN and are simply not drawn.  Figures use milliseconds since the request was received.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from typing import Any, Mapping, Sequence
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from cosyvoice_fast.telemetry.record import STAGES, RequestTelemetry
+
+TeleLike = RequestTelemetry | Mapping[str, Any]
+
+STAGE_COLORS = {"app_queue": "#e0e0e0", "frontend": "#8c8c8c", "admission": "#bdbdbd", "queue": "#cfcfcf", "llm_prefill": "#54278f", "llm_decode": "#9e9ac8",
+                "flow": "#2b8cbe", "vocoder": "#31a354", "handoff": "#fd8d3c"}
+STAGE_HELP = {"app_queue": "waiting in the server front end's queue (Gradio's, the HTTP API's) before the engine saw it",
+              "frontend": "text normalisation, tokenisation, prompt features / speaker cache",
+              "admission": "waiting in the engine's admission queue for a free slot",
+              "queue": "waiting for the model worker (before prefill and before the first flow call)",
+              "llm_prefill": "LM forward pass over prompt + text", "llm_decode": "LM sampling the first chunk's tokens",
+              "flow": "flow matching: tokens to mel", "vocoder": "HiFT: mel to waveform",
+              "handoff": "engine to caller (queue hand-over)"}
+TIMELINE_PARTS = (("LLM tokens", "llm_decode"), ("queue", "queue"), ("flow", "flow"), ("vocoder", "vocoder"),
+                  ("emission", "handoff"))
+HEARD_COLOR = "#e7298a"
+HEARD_HELP = ("click -> first sample played, measured by the page (network, the page's decoding and the audio "
+              "output's latency on top of the server's TTFB)")
+RUN_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
+SUMMARY_HEADERS = ["metric", "value", "unit"]
+AB_HEADERS = ["metric", "A", "B", "B − A", "B / A"]
+_LAYOUT = dict(template="plotly_white", margin=dict(l=60, r=20, t=48, b=40), font=dict(size=12),
+               legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="left", x=0, traceorder="normal"))
+
+
+def as_dict(t: TeleLike | None) -> dict[str, Any] | None:
+    """The JSON form of a telemetry record (``to_dict()`` of an object, a plain copy of a mapping)."""
+    if t is None:
+        return None
+    return t.to_dict() if isinstance(t, RequestTelemetry) else dict(t)
+
+
+def _num(x: Any) -> float:
+    """A float, with None and non-numbers as NaN (unfinished fields of a live request)."""
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return math.nan
+    return v
+
+
+def _fin(x: Any) -> bool:
+    return math.isfinite(_num(x))
+
+
+def _fmt(x: Any, digits: int = 1) -> str:
+    return f"{_num(x):.{digits}f}" if _fin(x) else "–"
+
+
+def empty_figure(message: str, height: int = 260) -> go.Figure:
+    """A blank figure that says why it is blank (no run yet, run failed)."""
+    fig = go.Figure()
+    fig.add_annotation(text=html.escape(message), showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper",
+                       font=dict(size=14, color="#777"))
+    fig.update_layout(**_LAYOUT, height=height, xaxis=dict(visible=False), yaxis=dict(visible=False))
+    return fig
+
+
+def breakdown_ms(t: TeleLike) -> dict[str, float]:
+    """Stage -> ms of the TTFB split (NaN while the first chunk is not out yet)."""
+    d = as_dict(t) or {}
+    bd = (d.get("derived") or {}).get("ttfb_breakdown_ms") or {}
+    return {s: _num(bd.get(s)) for s in STAGES}
+
+
+def ttfb_figure(runs: TeleLike | Sequence[TeleLike] | None, labels: Sequence[str] | None = None,
+                title: str = "Time to first audio, by stage", x_range: Sequence[float] | None = None) -> go.Figure:
+    """Horizontal stacked bar per run: one trace per stage (trace name = stage), values in ms, total at the end;
+    under it, where the page played the run, a "heard at" bar (click -> first sample played)."""
+    if runs is None:
+        return empty_figure("Run a synthesis to see where the time to first audio goes.")
+    runs = [runs] if isinstance(runs, (RequestTelemetry, Mapping)) else list(runs)
+    dicts = [as_dict(r) or {} for r in runs]
+    names = list(labels) if labels else [f"run {i + 1}" for i in range(len(dicts))] if len(dicts) > 1 else ["last"]
+    bds = [breakdown_ms(d) for d in dicts]
+    if not any(_fin(v) for bd in bds for v in bd.values()):
+        return empty_figure("Waiting for the first audio chunk…")
+    fig = go.Figure()
+    for s in STAGES:
+        vals = [bd[s] if _fin(bd[s]) else 0.0 for bd in bds]
+        fig.add_trace(go.Bar(name=s, y=names, x=vals, orientation="h", marker_color=STAGE_COLORS[s],
+                             customdata=[STAGE_HELP[s]] * len(vals),
+                             hovertemplate=f"<b>{s}</b> %{{x:.1f}} ms<br>%{{customdata}}<extra>%{{y}}</extra>"))
+    totals = [_num((d.get("derived") or {}).get("ttfb_ms")) for d in dicts]
+    rest = [t - sum(v for v in bd.values() if _fin(v)) if _fin(t) and not all(map(_fin, bd.values())) else 0.0
+            for t, bd in zip(totals, bds)]
+    if any(rest):  # a live record without the engine's early timestamps: show the unsplit remainder honestly
+        fig.add_trace(go.Bar(name="not yet split", y=names, x=rest, orientation="h", marker_color="#eeeeee",
+                             hovertemplate="<b>not yet split</b> %{x:.1f} ms<extra>%{y}</extra>"))
+    for name, total, bd, r in zip(names, totals, bds, rest):
+        if _fin(total):
+            fig.add_annotation(x=sum(v for v in bd.values() if _fin(v)) + r, y=name, text=f" {total:.0f} ms",
+                               showarrow=False, xanchor="left", font=dict(size=12))
+    heard = [(f"{n} · heard", heard_ms(d)) for n, d in zip(names, dicts) if _fin(heard_ms(d))]
+    if heard:  # the listener's figure, measured by the page: its own bar under the server's stages
+        fig.add_trace(go.Bar(name="heard at", y=[h[0] for h in heard], x=[h[1] for h in heard], orientation="h",
+                             marker_color=HEARD_COLOR, customdata=[HEARD_HELP] * len(heard),
+                             hovertemplate="<b>heard at</b> %{x:.1f} ms<br>%{customdata}<extra>%{y}</extra>"))
+        for y, ms in heard:
+            fig.add_annotation(x=ms, y=y, text=f" {ms:.0f} ms", showarrow=False, xanchor="left", font=dict(size=12))
+    heard_rows = {h[0] for h in heard}
+    order = [y for n in names for y in (n, f"{n} · heard") if y == n or y in heard_rows]
+    fig.update_layout(**_top_legend(_LAYOUT), barmode="stack", height=190 + 40 * len(order),
+                      title=dict(text=title, y=1.0, yref="container", yanchor="top", pad=dict(t=10)),
+                      xaxis_title="ms: server stages since the request was received; heard at since the click",
+                      yaxis=dict(autorange="reversed", categoryorder="array", categoryarray=order))
+    if x_range is not None:
+        fig.update_xaxes(range=list(x_range))
+    return fig
+
+
+def heard_ms(t: TeleLike) -> float:
+    """Click -> first sample played, as the page measured it (NaN when no page played this run)."""
+    d = as_dict(t) or {}
+    return _num((d.get("client") or {}).get("heard_ms"))
+
+
+def _top_legend(layout: Mapping[str, Any]) -> dict[str, Any]:
+    """A horizontal legend between the title and the plot, with room for it (it wraps in half-width plots)."""
+    return {**layout, "margin": dict(l=60, r=20, t=110, b=40),
+            "legend": dict(orientation="h", yanchor="bottom", y=1.02, xanchor="left", x=0, traceorder="normal")}
+
+
+def _chunk_spans(d: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Per chunk: start/end (ms) of its LLM token window, queue wait, flow, vocoder and hand-over."""
+    chunks = d.get("chunks") or []
+    report = {r["index"]: r for r in (d.get("derived") or {}).get("chunks") or []}
+    prev = _num(d.get("prefill_start"))
+    out = []
+
+    def ms(a: float, b: float) -> tuple[float, float] | None:
+        return (a * 1e3, b * 1e3) if _fin(a) and _fin(b) else None
+
+    for c in chunks:
+        ready, fs, fe, ve, dl = (_num(c.get(k)) for k in ("tokens_ready", "flow_start", "flow_end",
+                                                            "vocoder_end", "delivered"))
+        r = report.get(c.get("index"), {})
+        out.append({"label": f"chunk {c.get('index')}" + (f" (seg {c['segment']})" if c.get("segment") else ""),
+                    "tokens": c.get("n_tokens"), "audio_s": _num(c.get("n_samples")) / (c.get("sample_rate") or 1),
+                    "LLM tokens": ms(prev, ready), "queue": ms(ready, fs), "flow": ms(fs, fe), "vocoder": ms(fe, ve),
+                    "emission": ms(ve, dl), "deadline_ms": _num(r.get("deadline_s")) * 1e3,
+                    "ready_ms": dl * 1e3, "underrun": bool(r.get("underrun")), "slack_ms": _num(r.get("slack_ms")),
+                    "flow_mode": c.get("flow_mode") or "", "flow_frames": int(c.get("flow_frames") or 0),
+                    "flow_state_bytes": int(c.get("flow_state_bytes") or 0)})
+        prev = ready if _fin(ready) else prev
+    return out
+
+
+def _flow_note(span: Mapping[str, Any]) -> str:
+    """Hover text of a flow bar: how the chunk's mel was made and how many frames the estimator ran."""
+    if not span.get("flow_mode"):
+        return ""
+    frames = span.get("flow_frames") or 0
+    note = f"{span['flow_mode']}: {frames} mel frames through the estimator"
+    state = span.get("flow_state_bytes") or 0
+    return note + (f"; state kept: {state / 2 ** 20:.1f} MiB" if state else "")
+
+
+def chunk_timeline_figure(t: TeleLike | None, title: str = "Chunk timeline",
+                          x_range: Sequence[float] | None = None) -> go.Figure:
+    """One row per audio chunk: when its tokens were generated, waited, ran through flow and vocoder, and reached
+    the caller, against the moment playback needs it (the deadline); late chunks (underruns) are marked red."""
+    d = as_dict(t)
+    if not d or not d.get("chunks"):
+        return empty_figure("The chunk timeline appears with the first audio chunk." if d is None
+                            else "Waiting for the first audio chunk…")
+    spans = _chunk_spans(d)
+    labels = [s["label"] for s in spans]
+    fig = go.Figure()
+    for part, stage in TIMELINE_PARTS:
+        idx = [i for i, s in enumerate(spans) if s[part] is not None]
+        if not idx:
+            continue
+        extra = ""
+        if part == "flow":  # what the flow computed: the flat per-chunk cost of the incremental flow shows here
+            extra = "<br>%{customdata[2]}"
+        fig.add_trace(go.Bar(
+            name=part, orientation="h", y=[labels[i] for i in idx], base=[spans[i][part][0] for i in idx],
+            x=[spans[i][part][1] - spans[i][part][0] for i in idx], marker_color=STAGE_COLORS[stage],
+            customdata=[[spans[i]["tokens"], spans[i][part][0], _flow_note(spans[i])] for i in idx],
+            text=[f"{spans[i][part][1] - spans[i][part][0]:.0f}" for i in idx] if part == "flow" else None,
+            textposition="inside" if part == "flow" else None,
+            hovertemplate=(f"<b>{part}</b> %{{x:.1f}} ms (from %{{customdata[1]:.0f}} ms)"
+                           f"<br>%{{customdata[0]}} tokens{extra}<extra>%{{y}}</extra>")))
+    dl = [i for i, s in enumerate(spans) if _fin(s["deadline_ms"])]
+    fig.add_trace(go.Scatter(
+        name="playback deadline", mode="markers", y=[labels[i] for i in dl], x=[spans[i]["deadline_ms"] for i in dl],
+        marker=dict(symbol="line-ns", size=22, line=dict(width=3, color="#222")),
+        customdata=[[spans[i]["slack_ms"], spans[i]["audio_s"]] for i in dl],
+        hovertemplate=("<b>playback needs it at</b> %{x:.0f} ms<br>slack %{customdata[0]:.0f} ms, "
+                       "plays %{customdata[1]:.2f} s<extra>%{y}</extra>")))
+    late = [i for i in dl if spans[i]["underrun"]]
+    fig.add_trace(go.Scatter(
+        name="underrun", mode="markers", y=[labels[i] for i in late], x=[spans[i]["ready_ms"] for i in late],
+        marker=dict(symbol="x", size=14, color="#d62728", line=dict(width=2, color="#d62728")),
+        customdata=[-spans[i]["slack_ms"] for i in late],
+        hovertemplate="<b>underrun</b>: %{customdata:.0f} ms late (audible gap)<extra>%{y}</extra>"))
+    labels = _text_marks(fig, d) + labels
+    n_late = len(late)
+    sub = f" · {n_late} underrun{'s' if n_late != 1 else ''}" if n_late else " · no underruns"
+    flows = [s["flow"][1] - s["flow"][0] for s in spans if s["flow"] is not None]
+    if flows:
+        modes = sorted({s["flow_mode"] for s in spans if s["flow_mode"]})
+        sub += f" · flow {min(flows):.0f}–{max(flows):.0f} ms/chunk" + (f" ({', '.join(modes)})" if modes else "")
+    # the legend wraps onto several rows in a half-width plot (A/B tab): room for it between title and plot;
+    # rows keep chunk order whichever stage first drew a chunk
+    fig.update_layout(**_top_legend(_LAYOUT), barmode="overlay", height=230 + 34 * len(labels),
+                      title=dict(text=title + sub, y=1.0, yref="container", yanchor="top", pad=dict(t=10)),
+                      xaxis_title="ms since the request was received",
+                      yaxis=dict(autorange="reversed", categoryorder="array", categoryarray=labels))
+    if x_range is not None:
+        fig.update_xaxes(range=list(x_range))
+    return fig
+
+
+TEXT_ROW = "text in"
+
+
+def text_arrivals_ms(d: Mapping[str, Any]) -> list[float]:
+    """Bi-streaming: when each text piece arrived (ms since the request was received)."""
+    return [a * 1e3 for a in d.get("text_arrivals") or [] if _fin(a)]
+
+
+def _text_marks(fig: go.Figure, d: Mapping[str, Any]) -> list[str]:
+    """Bi-streaming: a row above the chunks marking each text piece's arrival and the 5th text token; returns
+    the row's label (none for an ordinary request)."""
+    arrivals = text_arrivals_ms(d)
+    if not arrivals:
+        return []
+    fig.add_trace(go.Scatter(
+        name="text piece arrived", mode="markers", y=[TEXT_ROW] * len(arrivals), x=arrivals,
+        marker=dict(symbol="triangle-down", size=10, color="#9467bd"), customdata=list(range(1, len(arrivals) + 1)),
+        hovertemplate="<b>text piece %{customdata}</b> arrived at %{x:.0f} ms<extra></extra>"))
+    t5 = _num(d.get("text_token5"))
+    if _fin(t5):
+        fig.add_trace(go.Scatter(
+            name="5th text token", mode="markers", y=[TEXT_ROW], x=[t5 * 1e3],
+            marker=dict(symbol="star", size=13, color="#ff7f0e"),
+            hovertemplate="<b>5th text token</b> reached the LM at %{x:.0f} ms<extra></extra>"))
+    return [TEXT_ROW]
+
+
+def timeline_extent(*runs: TeleLike | None) -> tuple[float, float]:
+    """One x range (ms) covering every chunk of ``runs``: A/B timelines drawn on it compare by eye."""
+    end = 0.0
+    for t in runs:
+        d = as_dict(t)
+        for s in _chunk_spans(d) if d else []:
+            for part, _ in TIMELINE_PARTS:
+                if s[part] is not None:
+                    end = max(end, s[part][1])
+            if _fin(s["deadline_ms"]):
+                end = max(end, s["deadline_ms"])
+        end = max([end] + (text_arrivals_ms(d) if d else []))
+    return 0.0, end * 1.05 + 1.0
+
+
+def status_line(t: TeleLike, outcome: str) -> str:
+    """The status under the player at the end of a run: done, or stopped with what was made before Stop."""
+    d = as_dict(t) or {}
+    der = d.get("derived") or {}
+    chunks = d.get("chunks") or []
+    audio = sum(_num(c.get("n_samples")) / (c.get("sample_rate") or 1) for c in chunks)
+    under = sum(bool(c.get("underrun")) for c in der.get("chunks") or [])
+    heard = heard_ms(d)
+    tail = f", heard at {heard:.0f} ms" if _fin(heard) else ""
+    if outcome == "cancelled":
+        return (f"stopped: {len(chunks)} chunks, {audio:.2f} s of audio before Stop, TTFB {_fmt(der.get('ttfb_ms'), 0)}"
+                f" ms{tail}")
+    return (f"done: {len(chunks)} chunks, {audio:.2f} s of audio, TTFB {_fmt(der.get('ttfb_ms'), 0)} ms, "
+            f"RTF {_fmt(der.get('rtf'), 3)}, {under} underruns{tail}")
+
+
+def run_label(params: Mapping[str, Any]) -> str:
+    """'eager/eager/eager fp32': the backend triple and dtype a run used (colour key of the history chart)."""
+    return f"{params.get('backend', '?')} {params.get('dtype', '')}".strip()
+
+
+def history_record(t: TeleLike, run: int) -> dict[str, Any]:
+    """A small JSON-ready record of one finished run, for the per-session history (gr.State)."""
+    d = as_dict(t) or {}
+    der = d.get("derived") or {}
+    params = dict(d.get("params") or {})
+    return {"run": run, "request_id": d.get("request_id"), "ttfb_ms": der.get("ttfb_ms"), "rtf": der.get("rtf"),
+            "tokens_per_s": der.get("tokens_per_s"), "chunks": len(d.get("chunks") or []),
+            "underruns": sum(bool(r.get("underrun")) for r in der.get("chunks") or []),
+            "label": run_label(params), "params": params}
+
+
+def history_figure(history: Sequence[Mapping[str, Any]]) -> go.Figure:
+    """TTFB (top) and RTF (bottom) per run, one colour per backend/dtype; hover shows the run's parameters."""
+    if not history:
+        return empty_figure("Each run of this session is added here.", height=320)
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
+                        subplot_titles=("TTFB (ms)", "RTF (wall / audio; below 1 is faster than real time)"))
+    labels = list(dict.fromkeys(h["label"] for h in history))
+    for k, label in enumerate(labels):
+        rows = [h for h in history if h["label"] == label]
+        hover = ["<br>".join(f"{p}={v}" for p, v in h["params"].items() if p != "backend") for h in rows]
+        color = RUN_COLORS[k % len(RUN_COLORS)]
+        for row, key, unit in ((1, "ttfb_ms", "ms"), (2, "rtf", "")):
+            fig.add_trace(go.Scatter(
+                name=label, legendgroup=label, showlegend=row == 1, mode="markers+lines",
+                x=[h["run"] for h in rows], y=[_num(h[key]) for h in rows], customdata=hover,
+                marker=dict(size=9, color=color), line=dict(color=color, width=1, dash="dot"),
+                hovertemplate=f"run %{{x}}: %{{y:.3g}} {unit}<br>%{{customdata}}<extra>{html.escape(label)}</extra>"),
+                row=row, col=1)
+    fig.update_layout(**{**_LAYOUT, "margin": dict(l=60, r=20, t=84, b=40)}, height=400,
+                      title="Run history (this session)")
+    fig.update_xaxes(title_text="run", dtick=1, row=2, col=1)
+    return fig
+
+
+def summary_rows(t: TeleLike | None) -> list[list[Any]]:
+    """[metric, value, unit] rows: TTFB, RTF, chunks, tokens/s, audio length, underruns, speaker cache."""
+    d = as_dict(t)
+    if not d:
+        return []
+    der = d.get("derived") or {}
+
+    def r(x: Any, n: int) -> Any:
+        return round(_num(x), n) if _fin(x) else None
+
+    rows = [["TTFB", r(der.get("ttfb_ms"), 1), "ms"], ["RTF", r(der.get("rtf"), 3), "wall s / audio s"],
+            ["chunks", len(d.get("chunks") or []), ""], ["tokens/s", r(der.get("tokens_per_s"), 1), "LM"],
+            ["speech tokens", len(d.get("token_times") or []), ""],
+            ["audio", r(sum(_num(c.get("n_samples")) / (c.get("sample_rate") or 1) for c in d.get("chunks") or []),
+                        2), "s"],
+            ["underruns", sum(bool(c.get("underrun")) for c in der.get("chunks") or []), "late chunks"],
+            ["speaker cache", "hit" if d.get("speaker_cache_hit") else "miss", ""]]
+    if _fin(heard_ms(d)):
+        rows.insert(1, ["heard at", r(heard_ms(d), 1), "ms click → first sample played"])
+    if d.get("error"):
+        rows.append(["error", d["error"], ""])
+    return rows
+
+
+def _ab_metrics(d: Mapping[str, Any]) -> dict[str, float]:
+    der = d.get("derived") or {}
+    chunks = der.get("chunks") or []
+
+    def mean(key: str) -> float:
+        v = [_num(c.get(key)) for c in chunks if _fin(c.get(key))]
+        return sum(v) / len(v) if v else math.nan
+
+    m = {"TTFB (ms)": _num(der.get("ttfb_ms"))}
+    m.update({f"  {s} (ms)": v for s, v in breakdown_ms(d).items()})
+    m["heard at (ms)"] = heard_ms(d)
+    m.update({"RTF": _num(der.get("rtf")), "tokens/s": _num(der.get("tokens_per_s")),
+              "chunks": float(len(chunks)), "underruns": float(sum(bool(c.get("underrun")) for c in chunks)),
+              "flow ms / chunk": mean("flow_ms"), "vocoder ms / chunk": mean("vocoder_ms"),
+              "audio (s)": sum(_num(c.get("audio_s")) for c in chunks if _fin(c.get("audio_s"))),
+              "prompt from cache (1 = yes)": float(bool(d.get("speaker_cache_hit")))})
+    return m
+
+
+def ab_difference_rows(a: TeleLike, b: TeleLike) -> list[list[Any]]:
+    """[metric, A, B, B−A, B/A] rows comparing two runs of the same text, voice and seed."""
+    ma, mb = _ab_metrics(as_dict(a) or {}), _ab_metrics(as_dict(b) or {})
+    rows = []
+    for k in ma:
+        x, y = ma[k], mb[k]
+        diff = round(y - x, 3) if _fin(x) and _fin(y) else None
+        ratio = round(y / x, 3) if _fin(x) and _fin(y) and x != 0 else None
+        rows.append([k, round(x, 3) if _fin(x) else None, round(y, 3) if _fin(y) else None, diff, ratio])
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ benchmark report
+def _p(run: Mapping[str, Any], key: str, q: str = "p50") -> float:
+    v = run.get(key)
+    return _num(v.get(q)) if isinstance(v, Mapping) else _num(v)
+
+
+def benchmark_figures(results: Mapping[str, Any]) -> list[go.Figure]:
+    """Figures of a ``bench.py`` results dict: TTFB split per configuration, throughput and RTF vs concurrency,
+    and per-step costs (LLM ms/token, flow and vocoder ms/chunk)."""
+    runs = [r for r in results.get("runs", []) if "skipped" not in r]
+    if not runs:
+        return [empty_figure("No benchmark runs (every backend was skipped).")]
+    names = [f"{r['backend']} ×{r['concurrency']}" for r in runs]
+    split = go.Figure()
+    for s in STAGES:
+        split.add_trace(go.Bar(name=s, x=names, y=[_p(r, f"ttfb.{s}_ms") for r in runs], marker_color=STAGE_COLORS[s]))
+    split.add_trace(go.Scatter(name="TTFB p95", x=names, y=[_p(r, "ttfb_ms", "p95") for r in runs], mode="markers",
+                               marker=dict(symbol="diamond", size=10, color="#d62728")))
+    split.update_layout(**_LAYOUT, barmode="stack", height=420, yaxis_title="ms",
+                        title="TTFB by stage (median of each stage) and TTFB p95, per backend × concurrency")
+    scale = make_subplots(rows=1, cols=2, subplot_titles=("audio seconds per wall second", "RTF p50"))
+    for k, b in enumerate(dict.fromkeys(r["backend"] for r in runs)):
+        rs = sorted((r for r in runs if r["backend"] == b), key=lambda r: r["concurrency"])
+        color = RUN_COLORS[k % len(RUN_COLORS)]
+        for col, key in ((1, "audio_s_per_s"), (2, "rtf")):
+            scale.add_trace(go.Scatter(name=b, legendgroup=b, showlegend=col == 1, x=[r["concurrency"] for r in rs],
+                                       y=[_p(r, key) for r in rs], mode="lines+markers", line=dict(color=color)),
+                            row=1, col=col)
+    scale.update_layout(**_LAYOUT, height=380, title="Scaling with concurrent requests")
+    scale.update_xaxes(type="log", title_text="concurrent requests")
+    steps = go.Figure()
+    for key, label, color in (("llm_ms_per_token", "LLM ms / token", STAGE_COLORS["llm_decode"]),
+                              ("flow_ms_per_chunk", "flow ms / chunk", STAGE_COLORS["flow"]),
+                              ("vocoder_ms_per_chunk", "vocoder ms / chunk", STAGE_COLORS["vocoder"])):
+        steps.add_trace(go.Bar(name=label, x=names, y=[_p(r, key) for r in runs], marker_color=color))
+    steps.update_layout(**_LAYOUT, barmode="group", height=380, yaxis_title="ms (p50)", title="Cost per step")
+    return [split, scale, steps]
+
+
+def benchmark_report_html(results: Mapping[str, Any], include_plotlyjs: bool | str = True) -> str:
+    """A self-contained HTML page (Plotly inlined unless ``include_plotlyjs='cdn'``) of a benchmark run."""
+    head = ", ".join(f"{k}: {html.escape(str(results.get(k)))}" for k in ("gpu", "dtype", "model", "torch"))
+    rows = []
+    for r in results.get("runs", []):
+        if "skipped" in r:
+            rows.append(f"<tr><td>{html.escape(str(r['backend']))}</td><td colspan=10>skipped: "
+                        f"{html.escape(str(r['skipped']))}</td></tr>")
+            continue
+        cells = [r["backend"], r["concurrency"], _fmt(_p(r, "ttfb_ms")), _fmt(_p(r, "ttfb_ms", "p95")),
+                 _fmt(_p(r, "llm_ms_per_token"), 2), _fmt(_p(r, "flow_ms_per_chunk")),
+                 _fmt(_p(r, "vocoder_ms_per_chunk")), _fmt(_p(r, "rtf"), 3), _fmt(_p(r, "audio_s_per_s"), 2),
+                 r.get("underruns", "–"), _fmt(_p(r, "gpu_mem_peak_gib"), 2)]
+        rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
+    table = ("<table><tr><th>backend</th><th>concurrency</th><th>TTFB p50 ms</th><th>TTFB p95 ms</th>"
+             "<th>LLM ms/token</th><th>flow ms/chunk</th><th>vocoder ms/chunk</th><th>RTF p50</th>"
+             "<th>audio s/s</th><th>underruns</th><th>GPU mem peak GiB</th></tr>" + "".join(rows) + "</table>")
+    figs = []
+    for i, fig in enumerate(benchmark_figures(results)):
+        figs.append(fig.to_html(full_html=False, include_plotlyjs=include_plotlyjs if i == 0 else False))
+    args = html.escape(str(results.get("args", {})))
+    return ("<!doctype html><html><head><meta charset='utf-8'><title>cosyvoice_fast benchmark</title><style>"
+            "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
+            "padding:4px 8px;text-align:right}</style></head><body><h1>cosyvoice_fast benchmark</h1>"
+            f"<p>{head}</p><p><small>{args}</small></p>{table}{''.join(figs)}</body></html>")

@@ -1,0 +1,175 @@
+"""The price of the proxy: TTFB of one engine in-process against the same engine as one Ray Serve replica.
+
+    python -m cosyvoice_fast.bench.serve --synthetic full --concurrency 1,16 --requests 20 --gen-tokens 150 \
+        --out bench_serve.json
+
+Both sides get the very same requests (text, saved voice, seed, token cap) on the same GPU, one after the other:
+first the engine in this process (loaded exactly as a replica loads it), then that engine behind Serve's HTTP
+proxy (``--replicas 1``).  TTFB is what a caller sees: from the call (in-process) or from sending the HTTP request
+to holding the first audio bytes.  Each concurrency level is warmed up before it is timed.  Random-weight models
+practically never stop on their own, so ``--gen-tokens`` fixes every request's length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from cosyvoice_fast.telemetry.record import percentile
+
+log = logging.getLogger(__name__)
+
+VOICE = "bench"
+
+
+def _save_voice(svc: Any) -> None:
+    """A 3 s noise prompt saved as ``bench`` (no audio file needed: the GPU box has no audio decoders)."""
+    sr = svc.models.config.sample_rate
+    wav = np.random.default_rng(0).standard_normal(3 * sr).astype(np.float32) * 0.1
+    svc.frontend.add_speaker(VOICE, wav, sr, "a short transcript")
+
+
+def _body(i: int, gen_tokens: int, hop_first: int) -> dict:
+    return {"input": f"benchmark sentence number {i}, long enough to be a typical request.", "voice": VOICE,
+            "seed": i, "max_tokens": gen_tokens, "token_hop_len_first": hop_first, "response_format": "pcm"}
+
+
+def _run(fn: Callable[[int], float], n: int, concurrency: int, first: int) -> list[float]:
+    """``fn(i)`` for i in first..first+n-1, ``concurrency`` at a time; their TTFBs (seconds)."""
+    out: list[float] = []
+    lock = threading.Lock()
+    todo = iter(range(first, first + n))
+
+    def worker() -> None:
+        while True:
+            with lock:
+                i = next(todo, None)
+            if i is None:
+                return
+            t = fn(i)
+            with lock:
+                out.append(t)
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def in_process(svc: Any, gen_tokens: int, hop_first: int) -> Callable[[int], float]:
+    from cosyvoice_fast.config.model import StreamParams
+    from cosyvoice_fast.frontend.request import SynthesisRequest
+
+    def one(i: int) -> float:
+        b = _body(i, gen_tokens, hop_first)
+        req = SynthesisRequest(text=b["input"], mode="speaker", speaker=VOICE, seed=i, max_tokens=gen_tokens,
+                               stream_params=StreamParams(token_hop_len_first=hop_first))
+        t0 = time.perf_counter()
+        ttfb = float("nan")
+        for chunk in svc.engine.stream(req):
+            if ttfb != ttfb:
+                ttfb = time.perf_counter() - t0
+        return ttfb
+
+    return one
+
+
+def over_http(url: str, gen_tokens: int, hop_first: int) -> Callable[[int], float]:
+    import httpx
+
+    client = httpx.Client(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=256))
+
+    def one(i: int) -> float:
+        t0 = time.perf_counter()
+        ttfb = float("nan")
+        with client.stream("POST", f"{url}/v1/audio/speech", json=_body(i, gen_tokens, hop_first)) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()[:200]}")
+            for data in r.iter_raw():
+                if data and ttfb != ttfb:
+                    ttfb = time.perf_counter() - t0
+        return ttfb
+
+    return one
+
+
+def measure(fn: Callable[[int], float], levels: list[int], requests: int) -> dict[int, dict[str, float]]:
+    res = {}
+    for c in levels:
+        _run(fn, c, c, first=10_000)  # warm-up at this concurrency (graphs, batch shapes)
+        ttfbs = _run(fn, requests, c, first=0)
+        res[c] = {"p50_ms": percentile(ttfbs, 50) * 1e3, "p95_ms": percentile(ttfbs, 95) * 1e3, "n": len(ttfbs)}
+        log.info("concurrency %d: TTFB p50 %.1f ms, p95 %.1f ms", c, res[c]["p50_ms"], res[c]["p95_ms"])
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
+    ap = argparse.ArgumentParser(prog="python -m cosyvoice_fast.bench.serve", description=__doc__.splitlines()[0])
+    ap.add_argument("--model-dir")
+    ap.add_argument("--synthetic", choices=["tiny", "full"])
+    ap.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="default: bf16 on GPU, fp32 on CPU")
+    ap.add_argument("--backend", help="preset or llm:flow:vocoder (default: cudagraph on GPU, eager on CPU)")
+    ap.add_argument("--concurrency", default="1,16")
+    ap.add_argument("--requests", type=int, default=20)
+    ap.add_argument("--gen-tokens", type=int, default=150)
+    ap.add_argument("--token-hop-len-first", type=int, default=25)
+    ap.add_argument("--max-streams", type=int, default=16)
+    ap.add_argument("--queue-limit", type=int, default=16)
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--out", default="bench_serve.json")
+    a = ap.parse_args(argv)
+    levels = [int(c) for c in a.concurrency.split(",")]
+
+    import torch
+
+    from cosyvoice_fast.config.engine import EngineConfig
+    from cosyvoice_fast.serving.ray_serve import RayServeOptions, load_replica_service, start, stop
+
+    gpu = torch.cuda.is_available()
+    speakers = tempfile.mkdtemp(prefix="bench_serve_speakers_")
+    opts = RayServeOptions(engine=EngineConfig(max_streams=a.max_streams, queue_limit=a.queue_limit),
+                           model_dir=a.model_dir, synthetic=a.synthetic, dtype=a.dtype, backend=a.backend,
+                           speaker_dir=speakers, replicas=1, port=a.port)
+    device = "cuda" if gpu else "cpu"
+    svc = load_replica_service(opts, device)
+    _save_voice(svc)
+    local = measure(in_process(svc, a.gen_tokens, a.token_hop_len_first), levels, a.requests)
+    svc.close()
+    del svc
+    gc.collect()
+    if gpu:
+        torch.cuda.empty_cache()  # the replica needs the memory this process held
+
+    started = start(opts)
+    try:
+        served = measure(over_http(f"http://127.0.0.1:{a.port}", a.gen_tokens, a.token_hop_len_first), levels,
+                         a.requests)
+    finally:
+        stop(started)
+    name = torch.cuda.get_device_name() if gpu else "cpu"
+    rows = [{"concurrency": c, "in_process": local[c], "serve": served[c],
+             "p50_ratio": served[c]["p50_ms"] / local[c]["p50_ms"]} for c in levels]
+    Path(a.out).write_text(json.dumps({"device": name, "args": vars(a), "rows": rows}, indent=1))
+    print(f"device {name}; {a.requests} requests per level, {a.gen_tokens} tokens each")
+    print(f"{'conc':>5} {'in-process p50/p95 ms':>24} {'Serve p50/p95 ms':>20} {'p50 ratio':>10}")
+    for r in rows:
+        print(f"{r['concurrency']:>5} {r['in_process']['p50_ms']:>12.1f} /{r['in_process']['p95_ms']:>9.1f} "
+              f"{r['serve']['p50_ms']:>9.1f} /{r['serve']['p95_ms']:>8.1f} {r['p50_ratio']:>10.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""`python -m cosyvoice_fast ...` subcommands."""

@@ -1,0 +1,1 @@
+"""Settings read once and passed down: model hyperparameters (from the model directory's yaml), stream parameters, engine capacity, backend choices and frozen kernel tunings. A leaf: imports nothing else of the package."""

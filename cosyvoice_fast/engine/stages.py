@@ -1,0 +1,332 @@
+"""Stage backends: eager (the reference), cudagraph, fused (Triton kernels inside
+the graphs), tensorrt (flow estimator), trtllm (speech LM).
+
+Stage implementations are built once per (stage, backend, dtype) and shared by every stage set that names them:
+switching only the vocoder (the app's A/B tab) reuses the LLM and flow already built, instead of a second LLM
+with its own KV cache and graphs.  :class:`StageCache` keeps a bounded number per stage.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import gc
+import logging
+import threading
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from cosyvoice_fast.config.model import BackendConfig
+from cosyvoice_fast.config.engine import EngineConfig, resolve_llm_slots
+from cosyvoice_fast.config.backends import TRITON_MISSING, BackendInfo, BackendUnavailable
+from cosyvoice_fast.flow.stage import FlowStage
+from cosyvoice_fast.llm.stage import LLMStage
+from cosyvoice_fast.vocoder.stage import VocoderStage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StageSet:
+    """The three stage implementations one request runs on."""
+
+    config: BackendConfig
+    llm: LLMStage
+    flow: FlowStage
+    vocoder: VocoderStage
+
+StageKey = tuple[str, str, str]  # (stage, implementation, dtype); the vocoder's dtype is always fp32 (HiFT)
+
+
+def stage_keys(config: BackendConfig) -> dict[str, StageKey]:
+    """The key of each stage ``config`` needs: configs that build the same object get the same key (the flow's
+    ``incremental`` flag picks another runner; ``incremental`` as a flow name is the eager flow with it on;
+    the tensorrt flow ignores it; HiFT always runs in fp32)."""
+    flow = config.flow
+    if flow in ("eager", "incremental"):
+        flow = "incremental" if (config.incremental or flow == "incremental") else "eager"
+    elif flow in ("cudagraph", "fused") and config.incremental:
+        flow += "-incremental"
+    return {"llm": ("llm", config.llm, config.dtype), "flow": ("flow", flow, config.dtype),
+            "vocoder": ("vocoder", config.vocoder, "fp32")}
+
+
+def _build_llm(models: Any, name: str, llm: torch.nn.Module, dtype: torch.dtype, engine: EngineConfig) -> Any:
+    from cosyvoice_fast.llm.eager import EagerLLM
+
+    if name == "eager":
+        return EagerLLM(llm, models.config)
+    if name == "cudagraph":
+        from cosyvoice_fast.llm.graph import CudaGraphLLM
+
+        slots = resolve_llm_slots(engine, models.config.llm.qwen, dtype, models.device)
+        return CudaGraphLLM(llm, models.config, slots=slots, max_len=engine.max_context)
+    if name == "fused":
+        from cosyvoice_fast.llm.fused import FusedLLM
+
+        slots = resolve_llm_slots(engine, models.config.llm.qwen, dtype, models.device)
+        return FusedLLM(llm, models.config, slots=slots, max_len=engine.max_context)
+    from cosyvoice_fast.llm.trtllm import TrtLlmLLM
+
+    return TrtLlmLLM(llm, models.config)
+
+
+def _build_flow(models: Any, name: str, flow: torch.nn.Module, engine: EngineConfig) -> Any:
+    from cosyvoice_fast.flow import eager
+
+    if name == "eager":
+        return eager.EagerFlow(flow, models.config)
+    if name == "incremental":
+        from cosyvoice_fast.flow.incremental import IncrementalFlow
+
+        return IncrementalFlow(flow, models.config)
+    if name in ("cudagraph", "cudagraph-incremental"):
+        from cosyvoice_fast.flow.graph import CudaGraphFlow
+
+        return CudaGraphFlow(flow, models.config, incremental=name == "cudagraph-incremental",
+                             buckets=engine.flow_buckets, rows=engine.flow_rows,
+                             capture_at_start=engine.capture_at_start)
+    if name in ("fused", "fused-incremental"):
+        from cosyvoice_fast.flow.fused import FusedFlow
+
+        return FusedFlow(flow, models.config, incremental=name == "fused-incremental", buckets=engine.flow_buckets,
+                         rows=engine.flow_rows, capture_at_start=engine.capture_at_start)
+    from cosyvoice_fast.flow.tensorrt import TensorRTFlow
+
+    return TensorRTFlow(flow, models.config)
+
+
+def _build_vocoder(models: Any, name: str, engine: EngineConfig) -> Any:
+    from cosyvoice_fast.vocoder.eager import EagerVocoder
+
+    if name == "eager":
+        return EagerVocoder(models.hift)
+    from cosyvoice_fast.config.model import StreamParams
+    from cosyvoice_fast.config.schedule import final_vocoder_frames, vocoder_frames
+    from cosyvoice_fast.vocoder.graph import CudaGraphVocoder
+    from cosyvoice_fast.vocoder.fused import FusedVocoder
+
+    # whole-chunk graphs for the default schedule's chunk lengths (every prompt length), captured now: the
+    # non-final ones for every row count, the final ones for one row
+    shape = (StreamParams(), models.config.chunk_size, models.config.token_mel_ratio)
+    rows = engine.vocoder_rows if engine.capture_at_start else ()
+    cls = FusedVocoder if name == "fused" else CudaGraphVocoder
+    return cls(models.hift, max_batch=max(engine.vocoder_rows), rows=rows, lengths=vocoder_frames(*shape),
+               final_lengths=final_vocoder_frames(*shape))
+
+
+def out_of_memory_advice(stage: str, engine: EngineConfig, error: BaseException) -> str:
+    """What to lower when building ``stage`` (its start-up graph captures, its KV cache) ran out of GPU memory:
+    the settings that size it, with their values, then the first line of torch's own message."""
+    knobs = {"llm": (("llm_slots", "--llm-slots"), ("max_context", "--max-context")),
+             "flow": (("flow_buckets", "--flow-buckets"), ("flow_rows", "--flow-rows")),
+             "vocoder": (("vocoder_rows", "--vocoder-rows"),)}.get(stage, ())
+    named = ", ".join(f"{field}={getattr(engine, field)!r} ({flag})" for field, flag in knobs)
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return (f"building the {stage} stage ran out of GPU memory: the capacity settings ask for more than this GPU "
+            f"has free ({named}); lower them, or free the GPU of other work. torch said: {first}")
+
+
+class StageCache:
+    """Built stage implementations of one engine, at most ``engine_config.stage_variants`` per stage.
+
+    ``get(config)`` returns a :class:`StageSet` whose three members are shared with every other set naming the
+    same (stage, backend, dtype).  Past the bound the least recently used implementation is dropped, with every
+    cached set that holds it (requests still running on it keep it alive until they finish).  Weights cast to
+    another dtype are shared by all implementations of that dtype and freed with the last of them.
+    Thread-safe: builds are serialised (two first requests for one config build it once), and the views
+    (``configs``, ``stage_names``: health checks and metrics scrapes) never wait for a build, which may capture
+    graphs for seconds.
+    """
+
+    def __init__(self, models: Any, engine_config: EngineConfig | None = None):
+        self.models = models
+        self.engine_config = engine_config or EngineConfig()
+        self._stages: OrderedDict[StageKey, Any] = OrderedDict()
+        self._sets: OrderedDict[BackendConfig, StageSet] = OrderedDict()
+        self._casts: weakref.WeakValueDictionary[tuple[str, torch.dtype], torch.nn.Module] = \
+            weakref.WeakValueDictionary()
+        self._failed: dict[StageKey, str] = {}  # stages whose build raised (not retried: see _stage)
+        self._lock = threading.Lock()  # guards the dicts; held only briefly
+        self._build_lock = threading.Lock()  # one build at a time
+
+    def _hit(self, config: BackendConfig) -> StageSet | None:
+        with self._lock:
+            hit = self._sets.get(config)
+            if hit is not None:
+                self._sets.move_to_end(config)
+                for key in stage_keys(config).values():
+                    self._stages.move_to_end(key)
+            return hit
+
+    def get(self, config: BackendConfig) -> StageSet:
+        hit = self._hit(config)
+        if hit is not None:
+            return hit
+        with self._build_lock:
+            hit = self._hit(config)  # built by another thread while this one waited
+            if hit is not None:
+                return hit
+            keys = stage_keys(config)
+            dtype = config.torch_dtype
+            if dtype != self.models.dtype and self.models.device.type == "cpu" and dtype != torch.float32:
+                raise ValueError(f"dtype {config.dtype} is for GPUs; on CPU use fp32")
+            try:
+                llm = self._stage(keys["llm"], lambda: _build_llm(self.models, config.llm,
+                                                                  self._cast("llm", dtype), dtype, self.engine_config))
+                flow = self._stage(keys["flow"], lambda: _build_flow(self.models, keys["flow"][1],
+                                                                     self._cast("flow", dtype), self.engine_config))
+                voc = self._stage(keys["vocoder"],
+                                  lambda: _build_vocoder(self.models, config.vocoder, self.engine_config))
+                built = StageSet(config=config, llm=llm, flow=flow, vocoder=voc)
+                with self._lock:
+                    self._sets[config] = built
+            finally:  # also when a later stage failed to build: the bound holds either way
+                with self._lock:
+                    self._evict()
+            return built
+
+    def _stage(self, key: StageKey, build: Callable[[], Any]) -> Any:
+        with self._lock:
+            stage = self._stages.get(key)
+            if stage is not None:
+                self._stages.move_to_end(key)
+                return stage
+            failed = self._failed.get(key)
+        if failed is not None:
+            raise BackendUnavailable(f"the {key[0]} stage ({key[1]} backend, {key[2]}) failed to build earlier in "
+                                     f"this process ({failed}); choose another backend, or restart to retry")
+        log.info("building the %s stage: %s backend, %s", *key)
+        try:
+            stage = build()  # outside the view lock: captures may take seconds
+        except BackendUnavailable:
+            raise  # a refusal before anything was built: cheap to ask again, and the message says why
+        except Exception as e:
+            if isinstance(e, torch.OutOfMemoryError):  # the capacity settings, not the backend, are at fault
+                e = torch.OutOfMemoryError(out_of_memory_advice(key[0], self.engine_config, e))
+            # A build that fails half-way (a kernel out of shared memory during capture, out of memory) is not
+            # retried by every later request: each retry took seconds and leaked what the failed build had
+            # allocated (its frames live on in the traceback).  Drop those frames and give the memory back.
+            with self._lock:
+                self._failed[key] = f"{type(e).__name__}: {e}"[:300]
+            log.error("building the %s stage (%s backend, %s) failed: %s", *key, self._failed[key])
+            e = e.with_traceback(None)
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            raise e
+        with self._lock:
+            self._stages[key] = stage
+        return stage
+
+    def _cast(self, part: str, dtype: torch.dtype) -> torch.nn.Module:
+        module = getattr(self.models, part)
+        if dtype == self.models.dtype:
+            return module
+        cast = self._casts.get((part, dtype))
+        if cast is None:
+            cast = copy.deepcopy(module).to(dtype)
+            self._casts[(part, dtype)] = cast
+        return cast
+
+    def _evict(self) -> None:
+        limit = self.engine_config.stage_variants
+        for stage in ("llm", "flow", "vocoder"):
+            keys = [k for k in self._stages if k[0] == stage]  # least recently used first
+            for key in keys[:max(0, len(keys) - limit)]:
+                gone = self._stages.pop(key)
+                log.info("dropping the %s stage (%s backend, %s): more than %d built", *key, limit)
+                for cfg in [c for c, s in self._sets.items() if getattr(s, stage) is gone]:
+                    del self._sets[cfg]
+
+    # ---- views for stats() and health -----------------------------------------------------------------------
+    def configs(self) -> list[BackendConfig]:
+        """The backend configs whose stage sets are cached, least recently used first."""
+        with self._lock:
+            return list(self._sets)
+
+    def llm_stages(self) -> list[Any]:
+        """The built LLM implementations (their slot counts feed ``Engine.stats``)."""
+        with self._lock:
+            return [s for k, s in self._stages.items() if k[0] == "llm"]
+
+    def stage_names(self) -> list[str]:
+        """Built implementations as ``stage/backend/dtype`` strings, least recently used first."""
+        with self._lock:
+            return ["/".join(k) for k in self._stages]
+
+    def __iter__(self) -> Iterator[BackendConfig]:
+        return iter(self.configs())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sets)
+
+    def __contains__(self, config: object) -> bool:
+        with self._lock:
+            return config in self._sets
+
+
+def build_stage_set(models: Any, config: BackendConfig, engine_config: EngineConfig | None = None) -> StageSet:
+    """A stand-alone stage set for ``config`` over ``models`` (cast copies where the dtype differs).  An engine
+    uses its :class:`StageCache` instead, so that sets share their stages."""
+    return StageCache(models, engine_config).get(config)
+
+
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def available_backends(device: torch.device | str, engines_dir: str | Path = "engines") -> list[BackendInfo]:
+    """Every (stage, backend) pair with whether it can run on ``device`` and, if not, the reason."""
+    dev = torch.device(device)
+    cuda = dev.type == "cuda" and torch.cuda.is_available()
+    no_cuda = "needs a CUDA GPU (this engine runs on %s)" % dev.type
+    engines = Path(engines_dir)
+    out = [BackendInfo(s, "eager", True) for s in ("llm", "flow", "vocoder")]
+    out.append(BackendInfo("flow", "incremental", True))  # eager math, any device
+    for s in ("llm", "flow", "vocoder"):
+        out.append(BackendInfo(s, "cudagraph", cuda, "" if cuda else no_cuda))
+    fused_off = no_cuda if not cuda else ("" if _has("triton") else TRITON_MISSING)
+    out += [BackendInfo(s, "fused", not fused_off, fused_off) for s in ("llm", "vocoder")]
+    if not cuda:
+        out.append(BackendInfo("flow", "tensorrt", False, no_cuda))
+    elif not _has("tensorrt"):
+        out.append(BackendInfo("flow", "tensorrt", False, "package tensorrt is not installed "
+                                                          "(pip install -r requirements-trt.txt)"))
+    elif not any(engines.glob("flow_estimator*.plan")):
+        out.append(BackendInfo("flow", "tensorrt", False, "no engine built yet: run python -m cosyvoice_fast "
+                                                          "build-engines --model-dir DIR"))
+    else:
+        out.append(BackendInfo("flow", "tensorrt", True))
+    from cosyvoice_fast.flow.fused import why_unavailable as fused_flow_unavailable
+
+    fused_flow_off = fused_flow_unavailable() if cuda else no_cuda
+    out.append(BackendInfo("flow", "fused", fused_flow_off is None, fused_flow_off or ""))
+    if not cuda:
+        out.append(BackendInfo("llm", "trtllm", False, no_cuda))
+    elif not _has("tensorrt_llm"):
+        out.append(BackendInfo("llm", "trtllm", False, "package tensorrt_llm is not installed "
+                                                       "(pip install -r requirements-trt.txt)"))
+    elif not any(engines.glob("llm_trtllm*/")):
+        out.append(BackendInfo("llm", "trtllm", False, "no TensorRT-LLM engine built yet: run python -m "
+                                                       "cosyvoice_fast build-engines --model-dir DIR"))
+    else:
+        out.append(BackendInfo("llm", "trtllm", True))
+    return out
+
+
+def check_available(config: BackendConfig, device: torch.device | str) -> None:
+    """Raise :class:`BackendUnavailable` naming the first stage whose chosen backend cannot run here."""
+    infos = {(b.stage, b.name): b for b in available_backends(device)}
+    for stage in ("llm", "flow", "vocoder"):
+        name = getattr(config, stage)
+        info = infos.get((stage, name))
+        if info is None or not info.available:
+            why = info.reason if info else "not implemented for this stage"
+            raise BackendUnavailable(f"{stage} backend {name!r} is unavailable: {why}. Choose 'eager' instead.")

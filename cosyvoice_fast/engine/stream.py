@@ -1,0 +1,89 @@
+"""The consumer side of one request (:class:`RequestStream`): what ``Engine.stream`` hands back.
+
+Kept apart from the scheduler: it only reads the request's output queue, marks the request cancelled and tells
+the engine's observers how the request ended.  ``engine`` is duck-typed (its ``_cv`` condition and ``_notify``).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from cosyvoice_fast.frontend.request import AudioChunk
+from cosyvoice_fast.telemetry.record import RequestTelemetry, now
+from cosyvoice_fast.engine.state import RequestState
+
+#: the end-of-stream marker a request's output queue receives last
+DONE = object()
+
+
+class RequestStream:
+    """The consumer side of one request: iterate for :class:`AudioChunk`s.
+
+    ``close()`` (also on ``with`` exit and when the object is garbage-collected, even before the first chunk)
+    cancels the request if it is still running.  Unlike a generator it may be closed from another thread while a
+    ``next`` is blocked waiting: that ``next`` then ends the iteration.
+    """
+
+    def __init__(self, engine: Any, state: RequestState):
+        self._engine = engine
+        self._state = state
+        self._got_last = False
+        self._ended = False
+        self._lock = threading.Lock()
+
+    @property
+    def request_id(self) -> str:
+        return self._state.id
+
+    @property
+    def telemetry(self) -> RequestTelemetry:
+        """The request's live record (front ends set ``app_queue_s`` on it and draw it while it streams)."""
+        return self._state.telemetry
+
+    def __iter__(self) -> "RequestStream":
+        return self
+
+    def __next__(self) -> AudioChunk:
+        if self._ended:
+            raise StopIteration
+        item = self._state.out.get()
+        if item is DONE:
+            self._end("ok" if self._got_last else "cancelled")
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._end("error")
+            raise item
+        item.timing.delivered = now()
+        if item.is_last:
+            self._got_last = True
+            self._state.telemetry.finished = item.timing.delivered
+            item.telemetry = self._state.telemetry
+        return item
+
+    def close(self) -> None:
+        self._end("ok" if self._got_last else "cancelled")
+
+    def _end(self, outcome: str) -> None:
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = True
+        st = self._state
+        if not st.done:
+            st.cancelled.set()
+            with self._engine._cv:
+                self._engine._cv.notify_all()
+        self._engine._notify(st.telemetry, outcome)
+
+    def __enter__(self) -> "RequestStream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass

@@ -1,0 +1,1 @@
+"""Triton kernels of the fused flow backend (estimator and encoder)."""

@@ -1,0 +1,1 @@
+"""The speech LM as pure PyTorch math (Qwen2 decoder, input rule, sampling, bi-streaming schedule)."""

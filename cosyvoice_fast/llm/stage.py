@@ -1,0 +1,129 @@
+"""The LLM stage's contract with the engine: per-request :class:`LLMState` and the batch calls of :class:`LLMStage`.
+
+The engine is the only scheduler: it decides which requests run, when, and which of them share a call.  An LLM
+backend offers ``new_state(inputs, text, generator, max_tokens, ignore_eos) -> LLMState`` (plain data, no device
+work), ``prefill(states)`` and ``decode(states)`` (one token per state), ``release(state)`` and ``capacity``
+(slots; ``None`` = unbounded).  The slot index, cache position, token history, generator and length limits live
+on the :class:`LLMState`, which the request's segment owns, so a backend keeps no per-request state of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Protocol, Sequence, Union
+
+import torch
+
+
+@dataclass(eq=False)
+class LLMState:
+    """One text segment's speech-token generation: everything a backend needs to step it, owned by the segment.
+
+    ``history`` holds the tokens drawn so far (the repetition check reads it; the last one is fed next),
+    ``pos`` the cache position the next fed token is written at, ``slot`` the backend slot it holds (``None``:
+    none), ``cache`` a backend's per-state cache (the eager LM's own KV cache), ``extra`` anything else a
+    backend keeps per request (e.g. an external runner's stream).  ``done`` turns true when a stop id was drawn
+    or ``max_len`` tokens exist; a done state holds no slot.  ``no_ahead`` is the engine's word, set before each
+    decode call, that it will not ask for this state's next step right away (the step's token completes the
+    request's first chunk, whose solve should find the GPU free): a backend that launches steps ahead of the
+    call that asks for them (``decode_ahead``) does not for this state this time."""
+
+    text: torch.Tensor
+    prompt_text: torch.Tensor | None
+    prompt_speech: torch.Tensor | None
+    generator: torch.Generator
+    min_len: int
+    max_len: int
+    ignore_eos: bool
+    history: list[int] = field(default_factory=list)
+    pos: int = 0
+    slot: int | None = None
+    cache: Any = None
+    extra: Any = None
+    done: bool = False
+    no_ahead: bool = False
+
+    @property
+    def ready(self) -> bool:
+        """Whether the state can be stepped now.  Always on plain states; a bi-streaming state is not while it
+        waits for more text (the engine then neither steps nor fails it, and is woken by ``Engine.wake``)."""
+        return True
+
+    @property
+    def step(self) -> int:
+        """Index of the token the next draw produces (selects the eos mask)."""
+        return len(self.history)
+
+
+#: a row's outcome of ``prefill``/``decode``: a token, ``None`` (a stop id was drawn: no token) or the row's error
+StepResult = Union[int, None, BaseException]
+
+
+def new_llm_state(model: torch.nn.Module, inputs: Any, text: torch.Tensor, generator: torch.Generator,
+                  max_tokens: int | None, ignore_eos: bool) -> LLMState:
+    """An :class:`LLMState` with the model's length limits (upstream's 2x/20x text rules, ``max_tokens``)."""
+    min_len, max_len = model.length_limits(int(text.shape[-1]), max_tokens, ignore_eos)
+    return LLMState(text=text, prompt_text=inputs.prompt_text, prompt_speech=inputs.llm_prompt_speech_token,
+                    generator=generator, min_len=min_len, max_len=max_len, ignore_eos=ignore_eos,
+                    done=max_len <= 0)
+
+
+def accept_token(state: LLMState, token: int, stop: int) -> int | None:
+    """Record a drawn token on ``state``: a stop id ends it (``None``), else it joins the history and the state
+    is done once it holds ``max_len`` tokens.  Returns what the caller gets for this draw."""
+    if token >= stop:
+        state.done = True
+        return None
+    state.history.append(token)
+    if len(state.history) >= state.max_len:
+        state.done = True
+    return token
+
+
+class LLMStage(Protocol):
+    """Speech-token generation as batch calls over states (see the module docstring).
+
+    ``prefill(states)`` takes a slot per state (the engine never passes more than ``free_slots()``), runs
+    the prompt and draws each state's first token; ``decode(states)`` feeds each state's last token and draws
+    the next (states must not be done).  Both return one :data:`StepResult` per state, in order; a state that
+    became done has given its slot back.  ``release(state)`` frees a state's slot and cache (idempotent: the
+    engine calls it on cancellation and errors)."""
+
+    capacity: int | None
+
+    def new_state(self, inputs: Any, text: torch.Tensor, generator: torch.Generator, max_tokens: int | None,
+                  ignore_eos: bool) -> LLMState: ...
+
+    def free_slots(self) -> int | None: ...
+
+    def prefill(self, states: Sequence[LLMState]) -> list[StepResult]: ...
+
+    def decode(self, states: Sequence[LLMState]) -> list[StepResult]: ...
+
+    def release(self, state: LLMState) -> None: ...
+
+
+def iter_alone(stage: LLMStage, inputs: Any, text: torch.Tensor, generator: torch.Generator,
+               max_tokens: int | None = None, ignore_eos: bool = False) -> Iterator[int]:
+    """One request's tokens, run alone through ``stage``'s batch calls, one per ``next`` (tests, profiling).
+
+    Not how the engine drives a backend (it batches every running state into one call); closing the
+    iterator releases the slot."""
+    state = stage.new_state(inputs, text, generator, max_tokens, ignore_eos)
+    try:
+        call = stage.prefill
+        while not state.done:
+            (res,) = call([state])
+            call = stage.decode
+            if isinstance(res, BaseException):
+                raise res
+            if res is not None:
+                yield res
+    finally:
+        stage.release(state)
+
+
+def generate_alone(stage: LLMStage, inputs: Any, text: torch.Tensor, generator: torch.Generator,
+                   max_tokens: int | None = None, ignore_eos: bool = False) -> list[int]:
+    """Every token of one request run alone (see :func:`iter_alone`)."""
+    return list(iter_alone(stage, inputs, text, generator, max_tokens, ignore_eos))

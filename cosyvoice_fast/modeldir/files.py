@@ -1,0 +1,218 @@
+"""Find, validate and load a CosyVoice2 model directory.
+
+The same code path loads the official CosyVoice2-0.5B directory, the tiny parity fixture and the synthetic
+directories written by :mod:`cosyvoice_fast.modeldir.synthetic`, so a parity test of this loader is a test of what users run.
+Weights are read with ``torch.load(weights_only=True)`` (no pickle code execution) and matched strictly: every
+missing, unexpected or mis-shaped key is an error that names the file, the key and what to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from cosyvoice_fast.config.model import ConfigError, ModelConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_DIR = Path("pretrained_models") / "CosyVoice2-0.5B"
+REQUIRED_FILES = ("cosyvoice2.yaml", "llm.pt", "flow.pt", "hift.pt", "CosyVoice-BlankEN/config.json")
+FRONTEND_FILES = ("campplus.onnx", "speech_tokenizer_v2.onnx", "CosyVoice-BlankEN/vocab.json",
+                  "CosyVoice-BlankEN/merges.txt")
+_HINT_DOWNLOAD = ("download CosyVoice2-0.5B again (python -m cosyvoice_fast download) or pass --synthetic tiny "
+                  "to try the app without weights")
+
+
+class ModelFileError(ValueError):
+    """A model file is missing, unreadable, unsafe or does not match CosyVoice2; the message says which and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFiles:
+    """Paths of a validated model directory."""
+
+    root: Path
+
+    def path(self, rel: str) -> Path:
+        return self.root / rel
+
+    @property
+    def has_frontend(self) -> bool:
+        """True when the ONNX speech tokenizer, speaker model and BPE files are present (prompt voices work)."""
+        return all(self.path(f).is_file() for f in FRONTEND_FILES)
+
+    def missing_frontend_files(self) -> list[str]:
+        return [f for f in FRONTEND_FILES if not self.path(f).is_file()]
+
+
+def find_model_dir(model_dir: str | Path | None) -> Path | None:
+    """The directory to load: the one given, else ``pretrained_models/CosyVoice2-0.5B`` if it exists, else None."""
+    if model_dir is not None:
+        return Path(model_dir)
+    return DEFAULT_MODEL_DIR if DEFAULT_MODEL_DIR.is_dir() else None
+
+
+def _shown(path: Path) -> str:
+    """A path as the operator can find it: absolute (several model folders may hold an ``llm.pt``).  These
+    messages go to the terminal of whoever starts the server; web users never see them."""
+    return str(Path(path).absolute())
+
+
+def validate_model_dir(model_dir: str | Path) -> ModelFiles:
+    """Check that every required file exists; the error lists all that are missing."""
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise ModelFileError(f"Model directory {_shown(root)} does not exist or is not a directory. Pass "
+                             f"--model-dir pointing at CosyVoice2-0.5B, or {_HINT_DOWNLOAD}.")
+    missing = [f for f in REQUIRED_FILES if not (root / f).is_file()]
+    if "cosyvoice2.yaml" in missing:  # say so when it is another generation's directory, not a broken one
+        for other, family in (("cosyvoice.yaml", "CosyVoice1"), ("cosyvoice3.yaml", "CosyVoice3")):
+            if (root / other).is_file():
+                raise ModelFileError(f"Model directory {_shown(root)} holds {other}: it looks like a {family} "
+                                     "model; cosyvoice_fast runs CosyVoice2 only. Point --model-dir at a "
+                                     "CosyVoice2-0.5B directory.")
+    if missing:
+        raise ModelFileError(f"Model directory {_shown(root)} is missing {', '.join(missing)}. To fix it, "
+                             f"{_HINT_DOWNLOAD}.")
+    return ModelFiles(root)
+
+
+def read_config(files: ModelFiles) -> ModelConfig:
+    return ModelConfig.from_files(files.path("cosyvoice2.yaml"), files.path("CosyVoice-BlankEN/config.json"))
+
+
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6: a zip archive
+_PICKLE_MAGIC = b"\x80"  # the legacy torch.save format and plain pickle files start with a protocol opcode
+
+
+def load_state_dict_file(path: Path) -> dict[str, torch.Tensor]:
+    """``torch.load(weights_only=True)`` with errors that say, in whole sentences, what is wrong with which file
+    (its absolute path) and what to do.  The file's first bytes decide the diagnosis: torch's own exceptions for a
+    random or cut-off file are arbitrary (IndexError, KeyError, "invalid load key"), so they are not shown."""
+    shown = _shown(path)
+    redownload = f"To fix it, {_HINT_DOWNLOAD}."
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        raise ModelFileError(f"{shown} cannot be opened ({e.strerror or type(e).__name__}). Check that the file "
+                             "exists and that this user may read it.") from e
+    if size == 0:
+        raise ModelFileError(f"{shown} is empty (0 bytes): the download or copy did not finish. {redownload}")
+    if head == _ZIP_MAGIC and not zipfile.is_zipfile(path):
+        raise ModelFileError(f"{shown} is truncated: it starts like a PyTorch checkpoint but its end is missing "
+                             f"({size} bytes). {redownload}")
+    if head != _ZIP_MAGIC and not head.startswith(_PICKLE_MAGIC):
+        raise ModelFileError(f"{shown} is not a PyTorch checkpoint (a file written by torch.save starts with a zip "
+                             f"header; this one starts with bytes {head.hex(' ')}). {redownload}")
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "weights only load failed" not in str(e).lower():
+            raise ModelFileError(f"{shown} is damaged or not a PyTorch checkpoint (the safe loader could not read "
+                                 f"it). {redownload}") from e
+        raise ModelFileError(
+            f"{shown} was refused by the safe loader (torch.load weights_only=True): it contains pickled Python "
+            "objects, not just tensors. Only load checkpoints you trust, and re-save it with "
+            "torch.save(model.state_dict())."
+        ) from e
+    except Exception as e:  # noqa: BLE001 - torch raises anything from a damaged archive; all mean the same here
+        raise ModelFileError(f"{shown} is damaged: PyTorch could not read it ({type(e).__name__}). "
+                             f"{redownload}") from e
+    if not isinstance(sd, dict):
+        raise ModelFileError(f"{shown} holds a {type(sd).__name__}, not a state dict (names → tensors). Save the "
+                             "weights with torch.save(model.state_dict()).")
+    bad = next(((k, v) for k, v in sd.items() if not (isinstance(k, str) and isinstance(v, torch.Tensor))), None)
+    if bad is not None:
+        raise ModelFileError(f"{shown} is not a plain state dict: its entry {bad[0]!r} is of type "
+                             f"{type(bad[1]).__name__}, not a tensor. Save the weights with "
+                             "torch.save(model.state_dict()).")
+    return sd
+
+
+def load_strict(module: nn.Module, sd: dict[str, torch.Tensor], fname: str, family_hint: str) -> None:
+    """Load ``sd`` into ``module`` requiring identical keys and shapes; report the first offenders."""
+    own = module.state_dict()
+    missing = [k for k in own if k not in sd]
+    unexpected = [k for k in sd if k not in own]
+    shapes = [f"{k} {tuple(sd[k].shape)} vs expected {tuple(v.shape)}" for k, v in own.items()
+              if k in sd and sd[k].shape != v.shape]
+    problems = []
+    if missing:
+        problems.append(f"missing key {missing[0]}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
+    if unexpected:
+        problems.append(f"unexpected key {unexpected[0]}"
+                        + (f" (+{len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+    if shapes:
+        problems.append(f"wrong shape {shapes[0]}" + (f" (+{len(shapes) - 1} more)" if len(shapes) > 1 else ""))
+    if problems:
+        raise ModelFileError(f"{fname}: {'; '.join(problems)}. {family_hint}")
+    module.load_state_dict(sd, strict=True)
+
+
+@dataclass
+class LoadedModels:
+    """The three networks of one model directory, ready for inference."""
+
+    config: ModelConfig
+    files: ModelFiles
+    llm: nn.Module
+    flow: nn.Module
+    hift: nn.Module
+    device: torch.device
+    dtype: torch.dtype
+
+
+_FAMILY = ("Is this a CosyVoice2 (not CosyVoice1/3) model, and do cosyvoice2.yaml and "
+           "CosyVoice-BlankEN/config.json belong to the same download?")
+
+
+def build_modules(config: ModelConfig) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """Instantiate the three networks (random init) for ``config``."""
+    from cosyvoice_fast.flow.model.flow import CausalMaskedDiffWithXvec
+    from cosyvoice_fast.vocoder.model.hift import HiFTGenerator
+    from cosyvoice_fast.llm.model.speech_lm import Qwen2LM
+
+    return Qwen2LM(config.llm), CausalMaskedDiffWithXvec(config.flow), HiFTGenerator(config.hift)
+
+
+def load_models(model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                progress: bool = True) -> LoadedModels:
+    """Validate, read the config, build the modules and strictly load ``llm.pt``, ``flow.pt``, ``hift.pt``.
+
+    The LLM and flow are cast to ``dtype``; HiFT stays fp32 (its iSTFT and f0 path lose accuracy in half
+    precision and it is a small share of the time).
+    """
+    from tqdm.auto import tqdm
+
+    from cosyvoice_fast.vocoder.model.weightnorm import convert_legacy_weight_norm
+
+    files = validate_model_dir(model_dir)
+    try:
+        config = read_config(files)
+    except ConfigError as e:
+        raise ModelFileError(str(e)) from e
+    llm, flow, hift = build_modules(config)
+    steps = [("llm.pt", llm, None), ("flow.pt", flow, None), ("hift.pt", hift, convert_legacy_weight_norm)]
+    bar = tqdm(steps, desc=f"loading {files.root.name}", unit="file", disable=not progress, leave=False)
+    for fname, module, fix in bar:
+        bar.set_postfix_str(fname)
+        sd = load_state_dict_file(files.path(fname))
+        if fix is not None:
+            sd = fix(sd)
+        load_strict(module, sd, _shown(files.path(fname)), _FAMILY)
+        log.info("loaded %s (%d tensors)", fname, len(sd))
+    dev = torch.device(device)
+    llm = llm.to(dev, dtype).eval()
+    flow = flow.to(dev, dtype).eval()
+    hift = hift.to(dev).eval()
+    for m in (llm, flow, hift):
+        m.requires_grad_(False)
+    return LoadedModels(config=config, files=files, llm=llm, flow=flow, hift=hift, device=dev, dtype=dtype)
