@@ -1,4 +1,4 @@
-"""The error a served bf16 pipeline adds, in mel and in waveform, against the fp32 reference (issue 17's table).
+"""The error a served bf16 pipeline adds, in mel and in waveform, against the fp32 reference (docs/RESULTS.md).
 
     PYTHONUNBUFFERED=1 python benchmarks/bf16_error.py --out $OUT/bf16_error.json
 
@@ -14,6 +14,7 @@ p99.9 and mean |error| and the SNR in dB, per chunk and over the whole utterance
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -22,15 +23,27 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.hift_profile import err_stats  # noqa: E402
 from benchmarks.steps import StepRunner, require_cuda  # noqa: E402
 from cosyvoice_fast.engine.stages import build_stage_set  # noqa: E402
 from cosyvoice_fast.bench.engine_bench import synthetic_inputs  # noqa: E402
-from cosyvoice_fast.config.model import TORCH_DTYPES, BackendConfig, StreamParams  # noqa: E402
+from cosyvoice_fast.config.backends import TORCH_DTYPES, BackendConfig
+from cosyvoice_fast.config.stream import StreamParams  # noqa: E402
 from cosyvoice_fast.config.engine import EngineConfig  # noqa: E402
 from cosyvoice_fast.modeldir.files import load_models  # noqa: E402
 from cosyvoice_fast.config.schedule import plan  # noqa: E402
 from cosyvoice_fast.modeldir.synthetic import synthetic_model_dir  # noqa: E402
+
+
+def err_stats(wav: torch.Tensor, ref: torch.Tensor) -> dict[str, float | bool | None]:
+    """Waveform error against the reference: max / p99.9 / mean |error| and SNR in dB (None when identical)."""
+    d = (wav.double() - ref.double()).flatten()
+    a = d.abs()
+    k = max(1, int(round(0.999 * a.numel())))
+    noise = d.pow(2).sum().item()
+    signal = ref.double().pow(2).sum().item()
+    return {"max_abs": a.max().item(), "p99.9_abs": a.kthvalue(k).values.item(), "mean_abs": a.mean().item(),
+            "snr_db": round(10 * math.log10(signal / noise), 2) if noise > 0 else None,
+            "finite": bool(torch.isfinite(wav).all())}
 
 FLOWS = (("eager", "fp32"), ("eager", "bf16"), ("cudagraph", "bf16"), ("fused", "bf16"), ("fused", "fp32"))
 

@@ -1,6 +1,5 @@
 """The service and requests of the bench's concurrency-1 workload, for the scripts that time single streams
-(``ttfb_trace.py``, ``host_path_check.py``, ``first_chunk_pause_ab.py``, ``host_staging_ab.py``), and the
-alternating same-process A/B the last two run (:func:`ab_rounds`).
+(``ttfb_trace.py``).
 
 They take the bench's model, device and engine flags plus its workload flags after ``--`` and build requests
 exactly as ``python -m cosyvoice_fast.bench.engine_bench`` does (seeded synthetic token ids, a new voice per request, EOS
@@ -22,10 +21,11 @@ WORKLOAD = (("--prompt-tokens", 75), ("--text-tokens", 30), ("--gen-tokens", 150
 def script_args(argv: Sequence[str], doc: str | None, prog: str,
                 add: Callable[[argparse.ArgumentParser], None]) -> tuple[argparse.Namespace, list[str], Path]:
     """Split ``argv`` at ``--``: the script's own flags before it (``--out``, plus what ``add`` declares), the
-    bench's after it.  Without ``--`` the script exits with its docstring.  Creates ``--out``."""
+    bench's after it.  Without ``--`` the script exits with its docstring: status 0 for ``-h``/``--help``, else 1.
+    Creates ``--out``."""
     argv = list(argv)
     if "--" not in argv:
-        raise SystemExit(doc)
+        exit_with_doc(doc, argv)
     split = argv.index("--")
     ap = argparse.ArgumentParser(prog=prog)
     ap.add_argument("--out", required=True)
@@ -34,6 +34,14 @@ def script_args(argv: Sequence[str], doc: str | None, prog: str,
     out = Path(mine.out)
     out.mkdir(parents=True, exist_ok=True)
     return mine, argv[split + 1:], out
+
+
+def exit_with_doc(doc: str | None, argv: Sequence[str]) -> None:
+    """Print ``doc`` and exit: 0 when ``argv`` asks for help (``-h``/``--help``), 1 otherwise (a usage error)."""
+    if "-h" in argv or "--help" in argv:
+        print(doc)
+        raise SystemExit(0)
+    raise SystemExit(doc)
 
 
 @dataclass
@@ -50,7 +58,7 @@ def load(bench_argv: Sequence[str], prog: str) -> OneStream:
     """Load the service the bench flags describe (``--backends`` names one preset, default ``fused``)."""
     from cosyvoice_fast.bench import engine_bench as bench
     from cosyvoice_fast.config.flags import add_cli_args, from_cli_args
-    from cosyvoice_fast.config.model import StreamParams
+    from cosyvoice_fast.config.stream import StreamParams
     from cosyvoice_fast.frontend.request import SynthesisRequest
     from cosyvoice_fast.serving.service import load_service
 
@@ -75,80 +83,7 @@ def load(bench_argv: Sequence[str], prog: str) -> OneStream:
     return OneStream(svc, a, backend, make)
 
 
-def ab_flags(ap: argparse.ArgumentParser) -> None:
-    """The A/B scripts' own flags: how many alternating rounds, and requests per measurement."""
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--requests", type=int, default=32)
+if __name__ == "__main__":
+    import sys
 
-
-def stage_ab(argv: Sequence[str], doc: str | None, prog: str, stage: str, backend: str,
-             add: Callable[[argparse.ArgumentParser], None] | None = None
-             ) -> tuple[argparse.Namespace, Path, OneStream, Any, Any]:
-    """The start of a same-process A/B of one stage's implementations (``decode_tail_ab``, ``vocoder_ab``): the
-    script's flags (:func:`ab_flags`, plus what ``add`` declares), its output folder, the loaded service, the
-    engine's stage cache, and the stage set the requests run on (built now).  Refuses a preset whose ``stage``
-    is not ``backend``."""
-    def flags(ap: argparse.ArgumentParser) -> None:
-        ab_flags(ap)
-        if add is not None:
-            add(ap)
-
-    mine, bench_argv, out = script_args(argv, doc, prog, flags)
-    one = load(bench_argv, prog)
-    got = getattr(one.backend, stage)
-    if got != backend:
-        raise SystemExit(f"{prog} compares {backend!r} {stage} stages; --backends gave {stage} {got!r}")
-    return mine, out, one, one.svc.engine._stage_sets, one.svc.engine.stages(one.backend)
-
-
-def swap_rounds(one: OneStream, target: Any, attr: str, variants: dict[str, Any], rounds: int, requests: int,
-                out_file: Path, argv: Sequence[str]) -> dict[str, Any]:
-    """:func:`ab_rounds` over variants that differ in one attribute of ``target`` (a stage set's ``llm`` or
-    ``vocoder``): each variant sets ``target.<attr>`` to its value."""
-    def use(value: Any) -> Callable[[], None]:
-        return lambda: setattr(target, attr, value)
-
-    return ab_rounds(one, {name: use(value) for name, value in variants.items()}, rounds, requests, out_file, argv)
-
-
-def ab_rounds(one: OneStream, variants: dict[str, Callable[[], None]], rounds: int, requests: int, out_file: Path,
-              argv: Sequence[str]) -> dict[str, Any]:
-    """Alternate ``variants`` (name -> a function that patches that variant in; the last one should be the
-    shipped code) over ``rounds`` rounds of the bench's c1 measurement (``bench.bench_config``: a warm-up wave,
-    then ``requests`` requests one after another), the order reversed every other round.  Writes
-    ``out_file`` after each round; returns the results, with each variant's median TTFB p50.  Closes the
-    service and leaves the last variant patched in."""
-    import json
-    import statistics
-
-    import torch
-
-    from cosyvoice_fast.bench import engine_bench as bench
-
-    svc, a, backend = one.svc, one.args, one.backend
-    dev = svc.models.device
-    results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-                               "torch": torch.__version__, "args": list(argv), "rounds": []}
-    names = list(variants)
-    try:
-        for r in range(rounds):
-            row: dict[str, Any] = {}
-            for name in names if r % 2 == 0 else names[::-1]:
-                variants[name]()
-                agg = bench.bench_config(svc.engine, backend, 1, requests, a)
-                row[name] = {k: v for k, v in agg.items() if k.startswith("ttfb") or k in (
-                    "llm_ms_per_token", "audio_s_per_s", "underruns", "n", "queue_chunk_ms")}
-                print(f"round {r} {name}: TTFB p50 {agg['ttfb_ms']['p50']:.2f} p95 {agg['ttfb_ms']['p95']:.2f}; "
-                      + ", ".join(f"{k[5:-3]} {v['p50']:.2f}" for k, v in agg.items()
-                                  if k.startswith("ttfb.") and isinstance(v, dict)), flush=True)
-            results["rounds"].append(row)
-            out_file.write_text(json.dumps(results, indent=1, default=str))
-    finally:
-        variants[names[-1]]()
-        svc.close()
-    for name in names:
-        p50 = [row[name]["ttfb_ms"]["p50"] for row in results["rounds"]]
-        results[f"{name}_ttfb_p50_median"] = statistics.median(p50)
-        print(f"{name}: TTFB p50 per round {', '.join(f'{x:.2f}' for x in p50)}")
-    out_file.write_text(json.dumps(results, indent=1, default=str))
-    return results
+    exit_with_doc(__doc__, sys.argv[1:])

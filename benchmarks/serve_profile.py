@@ -55,7 +55,9 @@ def kernel_stages() -> dict[str, str]:
 
 def main(argv: list[str]) -> None:
     if "--" not in argv:
-        raise SystemExit(__doc__)
+        from benchmarks.one_stream import exit_with_doc
+
+        exit_with_doc(__doc__, argv)
     split = argv.index("--")
     mine, bench_args = argv[:split], argv[split + 1:]
     out = Path(mine[mine.index("--out") + 1])

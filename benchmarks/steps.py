@@ -1,4 +1,4 @@
-"""The step runner the one-shot GPU benchmark scripts share.
+"""The step runner the GPU benchmark scripts share (``bf16_error.py``).
 
 These scripts run as a single call on a remote GPU machine under a hard wall-clock limit, and only what they
 have written under ``$OUT`` comes back.  So each measurement is a named *step*: it runs under its own time limit
@@ -22,15 +22,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import statistics
 import sys
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
-__all__ = ["StepRunner", "StepTimeout", "alternating_rounds", "gpu_runner", "require_cuda", "step_args",
-           "time_call"]
+__all__ = ["StepRunner", "StepTimeout", "require_cuda"]
 
 
 class StepTimeout(BaseException):
@@ -140,56 +138,5 @@ def require_cuda(script: str) -> None:
         raise SystemExit(2)
 
 
-def step_args(default_steps: str) -> tuple[str, set[str]]:
-    """``--out FILE --steps a,b`` of a step script: the results file and the set of steps to run."""
-    import argparse
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--steps", default=default_steps, help="comma-separated steps to run")
-    args = ap.parse_args()
-    return args.out, set(args.steps.split(","))
-
-
-def gpu_runner(script: str, out: str | Path, step_timeout: float = 150.0) -> StepRunner:
-    """The usual start of a GPU script: :func:`require_cuda`, then a :class:`StepRunner` on ``out`` whose results
-    begin with the device name and the torch version."""
-    import torch
-
-    require_cuda(script)
-    return StepRunner(out, {"device": torch.cuda.get_device_name(), "torch": torch.__version__},
-                      step_timeout=step_timeout)
-
-
-def time_call(call: Callable[[], object], warmup: int, iters: int) -> dict[str, float]:
-    """Median / p95 / min GPU ms of ``call()`` between CUDA events, each call started from an idle GPU (so the
-    launch overhead of an eager call counts, as it does for one vocoder pass in the engine)."""
-    import torch  # lazy, like require_cuda: the runner itself must import without torch
-
-    for _ in range(warmup):
-        call()
-    torch.cuda.synchronize()
-    ms = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        ms.append(start.elapsed_time(end))
-    p95 = statistics.quantiles(ms, n=20, method="inclusive")[18]
-    return {"median_ms": round(statistics.median(ms), 3), "p95_ms": round(p95, 3), "min_ms": round(min(ms), 3)}
-
-
-def alternating_rounds(cases: dict[str, Any], modes: Sequence[str], time_one: Callable[[Any, str], float],
-                       rounds: int = 3) -> dict[str, dict]:
-    """``time_one(case, mode)`` (ms) for every case and mode, ``rounds`` times over, the modes alternating inside
-    each round (so a drift of the machine's speed during the run reaches every mode alike).  Returns ``{"ms":
-    {label: {mode: [ms per round]}}, "median_ms": {label: {mode: median}}}``, ``cases`` keyed by label."""
-    ms: dict[str, dict[str, list[float]]] = {}
-    for _ in range(rounds):
-        for label, case in cases.items():
-            for mode in modes:
-                ms.setdefault(label, {}).setdefault(mode, []).append(round(time_one(case, mode), 4))
-    return {"ms": ms, "median_ms": {label: {m: round(statistics.median(v), 4) for m, v in d.items()}
-                                    for label, d in ms.items()}}
+if __name__ == "__main__":  # a library, not a script: ``--help`` says what it is
+    print(__doc__)

@@ -1,4 +1,4 @@
-"""Time to first audio of upstream's own ``CosyVoice2Model`` on this machine, for issue 17's "× upstream" figure.
+"""Time to first audio of upstream's own ``CosyVoice2Model`` on this machine (the "× upstream" row of RESULTS.md).
 
     python benchmarks/upstream_ttfb.py --upstream-dir DIR --synthetic full --out upstream.json
 

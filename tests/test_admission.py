@@ -15,7 +15,8 @@ import torch
 
 from cosyvoice_fast.llm.eager import EagerLLM
 from cosyvoice_fast.llm.kv_pool import SlotPool
-from cosyvoice_fast.config.model import BackendConfig, StreamParams
+from cosyvoice_fast.config.backends import BackendConfig
+from cosyvoice_fast.config.stream import StreamParams
 from cosyvoice_fast.engine.engine import Engine, EngineBusy
 from cosyvoice_fast.config.engine import EngineConfig
 from cosyvoice_fast.frontend.request import ModelInputs, SynthesisRequest

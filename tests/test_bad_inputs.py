@@ -20,7 +20,9 @@ import torch
 gr = pytest.importorskip("gradio", reason="gradio is not installed here (pip install -r requirements.txt)")
 sf = pytest.importorskip("soundfile", reason="soundfile is not installed here (pip install -r requirements.txt)")
 
-from cosyvoice_fast.config.model import BackendConfig, ConfigError, StreamParams  # noqa: E402
+from cosyvoice_fast.config.backends import BackendConfig
+from cosyvoice_fast.config.yamlfile import ConfigError
+from cosyvoice_fast.config.stream import StreamParams  # noqa: E402
 from cosyvoice_fast.modeldir.files import ModelFileError, load_models, validate_model_dir  # noqa: E402
 from cosyvoice_fast.frontend.request import SynthesisRequest  # noqa: E402
 

@@ -18,9 +18,11 @@ from cosyvoice_fast.llm import graph as cudagraph_llm
 from cosyvoice_fast.llm.graph import CudaGraphLLM
 from cosyvoice_fast.llm.nucleus import nucleus_keep, nucleus_keep_rows, nucleus_pick, nucleus_pick_rows
 from cosyvoice_fast.llm.eager import EagerLLM
-from cosyvoice_fast.llm.stage import generate_alone
+from cosyvoice_fast.bench.llm_tools import generate_alone
+from helpers import teacher_forced_logp
 from cosyvoice_fast.config.model import QwenConfig
-from cosyvoice_fast.llm.model.qwen2 import KVCache, Qwen2Decoder
+from cosyvoice_fast.llm.model.kv_cache import KVCache
+from cosyvoice_fast.llm.model.qwen2 import Qwen2Decoder
 from cosyvoice_fast.llm.model.sampling import _nucleus_size
 from cosyvoice_fast.frontend.request import ModelInputs
 
@@ -302,7 +304,7 @@ def test_cpu_backend_release_mid_way_and_teacher_forcing(cpu_stage, tiny_models,
         x = tiny_models.llm.build_lm_input(case["text"], case["prompt_text"], case["prompt_speech_token"])
     busy = stage.new_state(inputs, text, _gen(1), 40, True)
     stage.prefill([busy])  # another request holds a row while teacher forcing replays the batched step
-    rows = stage.teacher_forced_logp(x, case["forced_tokens"].tolist())
+    rows = teacher_forced_logp(stage, x, case["forced_tokens"].tolist())
     ref = torch.cat([case["logp_first"][None], case["forced_logp"]])
     assert (rows - ref).abs().max().item() <= 1e-4
     assert stage.decode([busy]) == _alone(eager, inputs, text, 1, 40, True)[1:2]
@@ -419,7 +421,7 @@ def test_gpu_batched_teacher_forcing_with_a_busy_neighbour(batched, llm_cuda, ca
     first = list(busy.history)
     with torch.inference_mode():
         x = llm_cuda.build_lm_input(case["text"], case["prompt_text"], case["prompt_speech_token"])
-    rows = batched.teacher_forced_logp(x, case["forced_tokens"].tolist()).cpu()
+    rows = teacher_forced_logp(batched, x, case["forced_tokens"].tolist()).cpu()
     ref = torch.cat([case["logp_first"][None], case["forced_logp"]])
     assert (rows - ref).abs().max().item() <= 1e-4
     while not busy.done:  # the neighbour's idle replays did not disturb it

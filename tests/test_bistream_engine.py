@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from cosyvoice_fast.config.model import ConfigError
+from cosyvoice_fast.config.yamlfile import ConfigError
 from cosyvoice_fast.frontend.text_source import SourceLimits
 from cosyvoice_fast.frontend.request import SynthesisRequest
 

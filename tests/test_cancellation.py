@@ -13,10 +13,10 @@ import weakref
 import pytest
 import torch
 
-from cosyvoice_fast.config.model import StreamParams
+from cosyvoice_fast.config.stream import StreamParams
 from cosyvoice_fast.engine.engine import Engine
 from cosyvoice_fast.frontend.request import ModelInputs, SynthesisRequest
-from cosyvoice_fast.flow.incremental import FlowState
+from cosyvoice_fast.flow.incremental_state import FlowState
 
 FAST = StreamParams(token_hop_len_first=3, token_hop_len=3, pre_lookahead_len=0)
 

@@ -35,7 +35,7 @@ def test_backends_lists_every_stage(capsys):
     assert main(["backends", "--device", "cpu"]) == 0
     rows = capsys.readouterr().out.splitlines()
     assert any(r.split()[:3] == ["flow", "cudagraph", "no"] and "needs a CUDA GPU" in r for r in rows)
-    assert any(r.split() == ["flow", "incremental", "yes"] for r in rows)
+    assert any(r.split() == ["flow", "eager", "yes"] for r in rows)  # flow="incremental" is incremental=True now
 
 
 def test_gpu_only_tools_say_so_without_a_gpu():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cosyvoice_fast.config.flags import ENGINE_HELP, CliError, add_cli_args, flag, from_cli_args, pick_device
-from cosyvoice_fast.config.model import BackendConfig, default_dtype
+from cosyvoice_fast.config.backends import BackendConfig, default_dtype
 from cosyvoice_fast.config.engine import EngineConfig
 
 

@@ -6,7 +6,8 @@ import shutil
 
 import pytest
 
-from cosyvoice_fast.config.model import ConfigError, ModelConfig, read_hyperpyyaml, tiny_config
+from cosyvoice_fast.config.yamlfile import ConfigError, read_hyperpyyaml
+from cosyvoice_fast.config.model import ModelConfig, tiny_config
 
 
 def test_fixture_yaml_reads_to_tiny_sizes(fixture_dir):

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from cosyvoice_fast.config.backends import BackendUnavailable
-from cosyvoice_fast.llm.stage import generate_alone, iter_alone
+from cosyvoice_fast.bench.llm_tools import generate_alone, iter_alone
+from helpers import teacher_forced_logp
 from cosyvoice_fast.llm.graph import CudaGraphLLM
 from cosyvoice_fast.llm.buckets import bucket_for, choose_kv_buckets, prefill_row_counts, token_budget
 from cosyvoice_fast.llm.nucleus import nucleus_keep, nucleus_pick
@@ -22,7 +23,7 @@ from cosyvoice_fast.llm.eager import EagerLLM
 from cosyvoice_fast.llm.kv_pool import PoolExhausted, SlotPool
 from cosyvoice_fast.config.model import full_config, tiny_config
 from cosyvoice_fast.llm.model.speech_lm import Qwen2LM
-from cosyvoice_fast.llm.model.qwen2 import KVCacheFullError
+from cosyvoice_fast.llm.model.kv_cache import KVCacheFullError
 from cosyvoice_fast.llm.model.sampling import _nucleus_size
 from cosyvoice_fast.frontend.request import ModelInputs
 
@@ -190,7 +191,7 @@ def test_gpu_teacher_forced_logp_matches_upstream(backend, llm_cuda, case):
     with torch.inference_mode():
         x = llm_cuda.build_lm_input(case["text"], case["prompt_text"], case["prompt_speech_token"])
     forced = case["forced_tokens"].tolist()
-    rows = backend.teacher_forced_logp(x, forced).cpu()
+    rows = teacher_forced_logp(backend, x, forced).cpu()
     ref = torch.cat([case["logp_first"][None], case["forced_logp"]])
     assert (rows - ref).abs().max().item() <= 1e-4
     assert backend.slots_in_use == 0
@@ -218,7 +219,7 @@ def test_gpu_eager_prefill_path_for_long_inputs(llm_cuda, tiny_models, case):
     assert _run(stage, inputs, case, 5, 100, True) == _run(eager, inputs, case, 5, 100, True)
     with torch.inference_mode():
         x = llm_cuda.build_lm_input(case["text"], case["prompt_text"], case["prompt_speech_token"])
-    rows = stage.teacher_forced_logp(x, case["forced_tokens"].tolist()).cpu()
+    rows = teacher_forced_logp(stage, x, case["forced_tokens"].tolist()).cpu()
     ref = torch.cat([case["logp_first"][None], case["forced_logp"]])
     assert (rows - ref).abs().max().item() <= 1e-4
 
@@ -291,7 +292,7 @@ def test_gpu_half_precision_runs_and_stays_close(llm_cuda, tiny_models, case, dt
     assert len(toks) == 120 and 0 <= min(toks) and max(toks) < tiny_models.config.llm.speech_token_size
     with torch.inference_mode():
         x = half.build_lm_input(case["text"], case["prompt_text"], case["prompt_speech_token"])
-    rows = stage.teacher_forced_logp(x, case["forced_tokens"].tolist()).cpu()
+    rows = teacher_forced_logp(stage, x, case["forced_tokens"].tolist()).cpu()
     assert rows.dtype == torch.float32
     ref = torch.cat([case["logp_first"][None], case["forced_logp"]])
     # logits stay fp32; the error is the half-precision network's (tiny random model, per-element log-probs)

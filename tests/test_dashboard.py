@@ -12,6 +12,7 @@ plotly = pytest.importorskip("plotly", reason="plotly is not installed here (pip
 import plotly.graph_objects as go  # noqa: E402
 
 from cosyvoice_fast.app import dashboard as db  # noqa: E402
+from cosyvoice_fast.app import report  # noqa: E402
 from cosyvoice_fast.telemetry.record import STAGES, ChunkTiming, RequestTelemetry  # noqa: E402
 
 
@@ -156,9 +157,9 @@ def test_benchmark_report_html_lists_runs_and_skips():
     results = {"gpu": "H100", "dtype": "bf16", "model": "synthetic-full", "torch": "x", "args": {},
                "runs": [{"backend": "eager", "concurrency": 1, **agg}, {"backend": "eager", "concurrency": 4, **agg},
                         {"backend": "tensorrt", "skipped": "flow:tensorrt (needs a CUDA GPU)"}]}
-    page = db.benchmark_report_html(results, include_plotlyjs="cdn")
+    page = report.benchmark_report_html(results, include_plotlyjs="cdn")
     assert "skipped: flow:tensorrt" in page and "<td>120.0</td>" in page
-    figs = db.benchmark_figures(results)
+    figs = report.benchmark_figures(results)
     assert [tr.name for tr in figs[0].data][:len(STAGES)] == list(STAGES)
     assert list(figs[0].data[-1].y) == [180.0, 180.0]
 
@@ -183,7 +184,7 @@ def _bench_results() -> dict:
 
 def test_benchmark_report_html_renders_bench_results():
     results = _bench_results()
-    page = db.benchmark_report_html(results, include_plotlyjs="cdn")
+    page = report.benchmark_report_html(results, include_plotlyjs="cdn")
     assert page.startswith("<!doctype html>") and page.count("Plotly.newPlot") == 3
     for name in (*STAGES, "TTFB p95", "eager", "cudagraph", "LLM ms / token", "flow ms / chunk",
                  "vocoder ms / chunk"):
@@ -191,7 +192,7 @@ def test_benchmark_report_html_renders_bench_results():
         assert '"name":"%s"' % name.replace("/", "\\u002f") in page, name
     assert "skipped: flow:tensorrt (needs a CUDA GPU)" in page
     assert "<td>415.0</td>" in page  # TTFB p50 of the fabricated runs
-    figs = db.benchmark_figures(results)
+    figs = report.benchmark_figures(results)
     split = {tr.name: tr for tr in figs[0].data}
     assert list(split["flow"].x) == ["eager ×1", "eager ×4", "cudagraph ×1", "cudagraph ×4"]
     assert list(split["flow"].y) == pytest.approx([40.0] * 4)
@@ -199,14 +200,14 @@ def test_benchmark_report_html_renders_bench_results():
     assert list(scale.y) == pytest.approx([1.5, 6.0])
     json.loads(figs[2].to_json())
     # the inlined default is self-contained (no network needed to open the report)
-    inlined = db.benchmark_report_html(results)
+    inlined = report.benchmark_report_html(results)
     assert '<script src="https://cdn.plot.ly' not in inlined and len(inlined) > 1_000_000
 
 
 def test_benchmark_report_html_survives_json_round_trip_and_all_skipped():
     results = json.loads(json.dumps(_bench_results()).replace("NaN", "null"))  # results.json form
-    assert "eager" in db.benchmark_report_html(results, include_plotlyjs="cdn")
-    page = db.benchmark_report_html({"runs": [{"backend": "tensorrt", "skipped": "no GPU"}]}, include_plotlyjs="cdn")
+    assert "eager" in report.benchmark_report_html(results, include_plotlyjs="cdn")
+    page = report.benchmark_report_html({"runs": [{"backend": "tensorrt", "skipped": "no GPU"}]}, include_plotlyjs="cdn")
     assert "skipped: no GPU" in page and "every backend was skipped" in page
 
 

@@ -22,8 +22,8 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from cosyvoice_fast.llm import graph as cudagraph_llm  # noqa: E402
-from cosyvoice_fast.llm.stage import generate_alone  # noqa: E402
+from cosyvoice_fast.llm import graph as cudagraph_llm, graph_slots  # noqa: E402
+from cosyvoice_fast.bench.llm_tools import generate_alone  # noqa: E402
 from cosyvoice_fast.llm.decode_feed import int64  # noqa: E402
 from cosyvoice_fast.llm.nucleus import nucleus_pick_rows, ras_pick_rows  # noqa: E402
 from cosyvoice_fast.llm.kernels.philox import DRAW_OFFSET, MAX_ELEMENTS, exponential_rows  # noqa: E402
@@ -383,7 +383,7 @@ def test_cpu_prefill_starts_no_decode_step_when_the_rule_could_redraw_its_token(
     llm = copy.deepcopy(tiny_models.llm)
     llm.cfg = dataclasses.replace(llm.cfg, tau_r=0.0)
     # the host's fallback draw for the prefill's token, with the stand-in generator (as PhiloxRas draws it)
-    monkeypatch.setattr(cudagraph_llm, "random_sample",
+    monkeypatch.setattr(graph_slots, "random_sample",
                         lambda logp, gen: int((logp.float().softmax(0) / _draw(gen, logp.numel())).argmax()))
     stage = _ras_stage(tiny_models, monkeypatch, 2, llm)
     assert stage.prefiller.starts_decode and stage._repeats == 0

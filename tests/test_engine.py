@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from cosyvoice_fast.llm.stage import LLMState, accept_token
-from cosyvoice_fast.config.model import BackendConfig, ConfigError, StreamParams
+from cosyvoice_fast.config.backends import BackendConfig
+from cosyvoice_fast.config.yamlfile import ConfigError
+from cosyvoice_fast.config.stream import StreamParams
 from cosyvoice_fast.engine.engine import Engine
 from cosyvoice_fast.frontend.request import ModelInputs, SynthesisRequest
 from cosyvoice_fast.telemetry.record import STAGES
@@ -20,6 +22,7 @@ class ScriptedLLM:
     """Draws a fixed token sequence (to replay upstream's recorded tokens through the real flow/vocoder)."""
 
     capacity = None
+    prefill_synced = True  # host-side tokens: nothing to wait for
 
     def __init__(self, tokens: list[int]):
         self.tokens = tokens
@@ -40,9 +43,14 @@ class ScriptedLLM:
 
 
 class SpyFlow:
+    max_batch = 1  # every call through ``chunk``, so each is recorded alone
+
     def __init__(self, inner):  # noqa: ANN001
         self.inner = inner
         self.calls: list[tuple] = []
+
+    def solve(self, items):  # noqa: ANN001
+        return [self.chunk(*item) for item in items]
 
     def chunk(self, seg, inputs, tokens, call):  # noqa: ANN001
         mel = self.inner.chunk(seg, inputs, tokens, call)
@@ -241,12 +249,12 @@ def test_scheduler_failure_fails_requests_instead_of_hanging(tiny_models, stream
         eng.close()
 
 
-def test_incremental_flow_backend_streams_the_same_audio(engine, stream_case):
-    """The opt-in ``incremental`` flow keeps per-request encoder/estimator state yet yields upstream's chunks."""
+def test_incremental_flow_streams_the_same_audio(engine, stream_case):
+    """The ``incremental`` flow keeps per-request encoder/estimator state yet yields upstream's chunks."""
     out = {}
-    for flow in ("eager", "incremental"):
+    for flow, incremental in (("eager", False), ("incremental", True)):
         req = SynthesisRequest(inputs=_inputs(stream_case), seed=4, max_tokens=90, ignore_eos=True,
-                               backend=BackendConfig(flow=flow))
+                               backend=BackendConfig(flow="eager", incremental=incremental))
         out[flow] = [c.samples for c in engine.stream(req)]
     assert [len(c) for c in out["eager"]] == [len(c) for c in out["incremental"]]
     assert len(out["eager"]) >= 3

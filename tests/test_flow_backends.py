@@ -24,7 +24,8 @@ from cosyvoice_fast.flow.tensorrt_build import (
     parse_engine_name, profile_from_schedule,
 )
 from cosyvoice_fast.flow.tensorrt import TensorRTFlow, select_engine
-from cosyvoice_fast.config.model import StreamParams, tiny_config
+from cosyvoice_fast.config.stream import StreamParams
+from cosyvoice_fast.config.model import tiny_config
 from cosyvoice_fast.frontend.request import ModelInputs
 from cosyvoice_fast.config.schedule import bucket_frames, call_frames, plan, schedule_frames
 
@@ -233,6 +234,41 @@ def test_weight_probe_survives_a_cast_but_not_other_weights(flow):
     assert not probe_matches(weight_probe(other), probe)
 
 
+# ------------------------------------------------------------------------------------- the stage contract (CPU)
+
+
+@pytest.mark.parametrize("cls_name", ["CudaGraphFlow", "FusedFlow", "TensorRTFlow"])
+def test_gpu_runners_declare_the_whole_stage_contract(cls_name):
+    """The engine calls ``chunk``, ``solve``, ``max_batch`` and ``incremental`` on any flow stage without
+    probing (:class:`~cosyvoice_fast.flow.stage.FlowStage`); the GPU runners' classes carry all four."""
+    from cosyvoice_fast.flow import fused, graph, tensorrt
+
+    cls = {"CudaGraphFlow": graph.CudaGraphFlow, "FusedFlow": fused.FusedFlow,
+           "TensorRTFlow": tensorrt.TensorRTFlow}[cls_name]
+    assert callable(cls.chunk) and callable(cls.solve)
+    assert cls.max_batch >= 1 and cls.incremental is None  # the graph runners set theirs per instance
+    assert (cls.max_batch > 1) == (cls is not tensorrt.TensorRTFlow)  # a TensorRT plan takes one request
+
+
+def test_cpu_runners_keep_the_stage_contract(flow, case):
+    """Eager and incremental runners: ``solve`` gives each item its own ``chunk``'s mel, in order; only the
+    incremental one keeps flow state (``incremental`` is itself) and it never batches."""
+    import types
+
+    from cosyvoice_fast.flow.incremental import IncrementalFlow
+
+    inputs = _inputs(case)
+    calls = plan(case["prompt_token"].shape[1], case["token"].shape[1], StreamParams())
+    eager, inc = EagerFlow(flow, tiny_config()), IncrementalFlow(flow, tiny_config())
+    assert eager.incremental is None and inc.incremental is inc and inc.max_batch == 1
+    items = [(types.SimpleNamespace(flow_state=None), inputs, case["token"][:, :c.n_tokens], c) for c in calls[:2]]
+    for stage in (eager, inc):
+        out = stage.solve(items)
+        ref = [eager.chunk(*it) for it in items]
+        assert [o.shape for o in out] == [r.shape for r in ref]
+        assert max((o - r).abs().max().item() for o, r in zip(out, ref)) <= 1e-4
+
+
 # ---------------------------------------------------------------------------------- refusals without GPU (CPU)
 
 
@@ -247,7 +283,7 @@ def test_build_stage_set_raises_the_backend_reason(tiny_models):
     if HAS_CUDA:
         pytest.skip("checks the CPU-only refusal")
     from cosyvoice_fast.engine.stages import build_stage_set
-    from cosyvoice_fast.config.model import BackendConfig
+    from cosyvoice_fast.config.backends import BackendConfig
 
     for name in ("cudagraph", "tensorrt"):
         with pytest.raises(BackendUnavailable, match="flow backend"):

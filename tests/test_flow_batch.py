@@ -18,7 +18,9 @@ import torch
 from cosyvoice_fast.flow.graph import GraphEncoder, CudaGraphFlow, GraphEstimator, bucket_rows
 from cosyvoice_fast.flow.eager import EagerFlow, flow_chunk_mel, flow_chunk_mel_batch, plan_solves
 from cosyvoice_fast.flow.onnx_export import example_inputs
-from cosyvoice_fast.config.model import BackendConfig, StreamParams, tiny_config
+from cosyvoice_fast.config.backends import BackendConfig
+from cosyvoice_fast.config.stream import StreamParams
+from cosyvoice_fast.config.model import tiny_config
 from cosyvoice_fast.engine.engine import Engine, RequestStream
 from cosyvoice_fast.config.engine import EngineConfig
 from cosyvoice_fast.frontend.request import ModelInputs, SynthesisRequest
@@ -100,13 +102,12 @@ def test_eager_solve_policies(flow, case):
     stage = EagerFlow(flow, tiny_config())
     assert stage.max_batch == 1  # CPU: the reference stays a plain loop
     assert all(torch.equal(a, b) for a, b in zip(stage.solve(items), ref))  # a loop of chunk(): exact
-    stage.max_batch, stage.share_padded = 4, True
+    stage.max_batch = 4
     assert all((a - b).abs().max().item() <= TOL for a, b in zip(stage.solve(items), ref))
     # same-length items (same prompt, same call, different text and speaker) share an unpadded solve; equal to
     # float rounding (bit-exact on some CPUs, not on all: BLAS may block a batch of 4 differently)
     same = [(None, _inputs(case, 20, i), case["token"][:, i:i + 40], plan(20, 90, StreamParams())[0])
             for i in range(4)]
-    stage.share_padded = False
     solo = [stage.chunk(*it) for it in same]
     assert all((a - b).abs().max().item() <= 1e-5 for a, b in zip(stage.solve(same), solo))
 
@@ -363,7 +364,7 @@ def test_gpu_cudagraph_solve_equals_eager_fp32(tiny_models, case, no_tf32):
     assert max((a - b).abs().max().item() for a, b in zip(out, ref * 4)) <= 1e-4
     assert stage.estimator.eager_calls == 0
     assert {k[1] for c in stage.estimator.all_caches() for k in c.graphs} >= {16, 32}
-    eager.max_batch, eager.share_padded = 16, True
+    eager.max_batch = 16
     out = eager.solve(items)
     assert max((a - b).abs().max().item() for a, b in zip(out, ref)) <= 1e-4
 

@@ -11,7 +11,7 @@ import torch
 
 sf = pytest.importorskip("soundfile", reason="soundfile is not installed here (pip install -r requirements.txt)")
 
-from cosyvoice_fast.config.model import ConfigError  # noqa: E402
+from cosyvoice_fast.config.yamlfile import ConfigError  # noqa: E402
 from cosyvoice_fast.frontend.audio import PromptAudioError  # noqa: E402
 from cosyvoice_fast.frontend.pipeline import Frontend, FrontendConfig  # noqa: E402
 from cosyvoice_fast.frontend.speaker import SpeakerCacheError  # noqa: E402

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 
 from cosyvoice_fast.config.model import DecoderConfig, EncoderConfig, FlowConfig  # noqa: E402
 from cosyvoice_fast.flow.kernels.encoder_attention import relpos_attention  # noqa: E402
-from cosyvoice_fast.flow.kernels.encoder_fused import FusedEncoder, why_unsupported  # noqa: E402
+from cosyvoice_fast.flow.kernels.encoder_fused import FusedEncoder  # noqa: E402
 from cosyvoice_fast.flow.model.flow import CausalMaskedDiffWithXvec  # noqa: E402
 from cosyvoice_fast.flow.model.encoder import attention_mask  # noqa: E402
 from cosyvoice_fast.flow.model.encoder_layers import RelPositionSelfAttention, relative_position_table  # noqa: E402
@@ -67,11 +67,12 @@ def _max_valid_error(out, ref, body: torch.Tensor, stride: int) -> float:
                for i, n in enumerate(body))
 
 
-@pytest.mark.parametrize("batch,frames,chunk", [(2, 37, 0), (3, 45, 8), (1, 70, 25)])
-def test_relpos_attention_equals_the_eager_module(batch, frames, chunk):
-    """Every row, padded queries included (they attend the valid keys, as eagerly), over 2-3 key tiles."""
+@pytest.mark.parametrize("batch,frames,chunk,d", [(2, 37, 0, 64), (3, 45, 8, 64), (1, 70, 25, 64), (2, 37, 8, 48)])
+def test_relpos_attention_equals_the_eager_module(batch, frames, chunk, d):
+    """Every row, padded queries included (they attend the valid keys, as eagerly), over 2-3 key tiles; a model
+    width of 48 gives heads of 12 (padded to 16 lanes)."""
     torch.manual_seed(batch * 100 + frames)
-    d, heads = 64, 4
+    heads = 4
     attn = RelPositionSelfAttention(d, heads).eval()
     _randomise_biases(attn, frames)
     x = torch.randn(batch, frames, d)
@@ -156,12 +157,18 @@ def test_the_encoder_graphs_capture_the_function_they_are_given(fake_graphs):
     assert GraphEncoder(flow, torch.device("cpu"), buckets=(40,)).encode == flow.encode_padded
 
 
-def test_unsupported_head_sizes_and_bad_attention_inputs_are_refused():
-    flow = _small_flow(heads=2, d_model=48)  # head size 24
-    assert why_unsupported(flow) == "the fused encoder needs a head size that is a power of two >= 16, got 24"
-    with pytest.raises(ValueError, match="got 24; use the 'cudagraph' flow backend instead"):
-        FusedEncoder(flow)
-    assert why_unsupported(_small_flow()) is None
+@pytest.mark.parametrize("streaming", [True, False])
+def test_fused_encoder_takes_a_head_size_that_is_not_a_power_of_two(streaming):
+    """Head size 24 (CosyVoice3's): the relative-position attention pads it to 32 masked lanes."""
+    flow = _small_flow(heads=2, d_model=48, seed=2)
+    ids, full, body, emb = _padded(flow, [(21, 3), (12, 0)], seed=6)
+    with torch.no_grad():
+        ref = flow.encode_padded(ids, full, body, emb, streaming=streaming)
+        out = FusedEncoder(flow).encode_padded(ids, full, body, emb, streaming=streaming)
+    assert _max_valid_error(out, ref, body, 2) <= TOL
+
+
+def test_bad_attention_inputs_are_refused():
     qkv, pos = torch.zeros(20, 3 * 32), torch.zeros(19, 32)
     u, lens = torch.zeros(2, 16), torch.tensor([10, 10])
     with pytest.raises(ValueError, match=r"qkv must be contiguous \(B\*T, 96\), got \(20, 64\)"):
@@ -170,9 +177,6 @@ def test_unsupported_head_sizes_and_bad_attention_inputs_are_refused():
         relpos_attention(qkv, torch.zeros(20, 32), u, u, lens, 2, 2, 16, 0)
     with pytest.raises(ValueError, match=r"lengths must be \(2,\) integers"):
         relpos_attention(qkv, pos, u, u, lens.float(), 2, 2, 16, 0)
-    with pytest.raises(ValueError, match="head_dim must be a power of two >= 16, got 8"):
-        relpos_attention(torch.zeros(20, 3 * 16), torch.zeros(19, 16), torch.zeros(2, 8), torch.zeros(2, 8), lens,
-                         2, 2, 8, 0)
     with pytest.raises(ValueError, match="21 rows do not split into 2 batch rows"):
         relpos_attention(torch.zeros(21, 96), pos, u, u, lens, 2, 2, 16, 0)
 

@@ -10,6 +10,7 @@ within 1e-4 of eager, bf16 no worse than eager bf16 (both against eager fp32), p
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,7 +19,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from cosyvoice_fast.config.model import DecoderConfig  # noqa: E402
-from cosyvoice_fast.flow.kernels.estimator_fused import FusedEstimator, kernels_per_forward  # noqa: E402
+from cosyvoice_fast.flow.kernels.estimator_fused import FusedEstimator  # noqa: E402
+from cosyvoice_fast.flow.kernels.tuning import default_tuning  # noqa: E402
 from cosyvoice_fast.bench.estimator_profile import estimator_inputs  # noqa: E402
 from cosyvoice_fast.flow.model.decoder import CausalConditionalDecoder  # noqa: E402
 
@@ -36,8 +38,7 @@ def small():
 
 
 @pytest.mark.parametrize("streaming,options", [(True, {}), (False, {"resnet_split_ln": False}),
-                                               (True, {"ffn_one_kernel": True, "attention_out_fused": True,
-                                                       "resnet_split_ln": True})])
+                                               (True, {"resnet_split_ln": True})])
 def test_fused_equals_eager_on_padded_batched_rows(small, streaming, options):
     """Two requests' CFG rows (4 rows) of different lengths plus an all-padding row: every real frame equals
     eager, padded frames and the empty row are exactly 0, and a row equals its own unpadded run."""
@@ -53,65 +54,25 @@ def test_fused_equals_eager_on_padded_batched_rows(small, streaming, options):
     assert (out[1:2, :, :17] - alone).abs().max().item() <= PAD_TOL
 
 
-def _in_capacity(z: torch.Tensor, rows: int, frames: int) -> torch.Tensor:
-    """``z`` inside a NaN-filled capacity buffer of ``rows`` batch rows (and ``frames`` frames when it has a time
-    axis): what a graph's static input looks like when a replay uses only part of its bucket."""
-    shape = (rows, *z.shape[1:-1], frames) if z.dim() == 3 else (rows, *z.shape[1:])
-    buf = torch.full(shape, float("nan"), dtype=z.dtype)
-    buf[(slice(0, z.shape[0]),) + ((Ellipsis, slice(0, z.shape[-1])) if z.dim() == 3 else ())] = z
-    return buf
-
-
-@pytest.mark.parametrize("streaming,options", [(True, {}), (False, {"resnet_split_ln": False}),
-                                               (True, {"ffn_one_kernel": True, "attention_out_fused": True,
-                                                       "resnet_split_ln": True})])
-def test_ragged_extent_computes_only_the_live_rows_and_frames(small, streaming, options):
-    """Under an extent ``[rows, frames]`` the kernels read and write only that part of capacity buffers (5 rows x
-    41 frames, NaN everywhere else) and give the forward over exactly those 3 rows x 30 frames (one of them
-    right-padded to 17 real frames), to float rounding (the attention's key tiles follow the capacity)."""
-    valid = [30, 17, 30]
-    args = estimator_inputs(small.cfg, len(valid), 30, torch.float32, "cpu", valid=valid, seed=5)
-    fused = FusedEstimator(small, **options)
-    cap = tuple(_in_capacity(z, 5, 41) for z in args)
-    with torch.no_grad():
-        ref = fused(*args, streaming)
-        out = fused(*cap, streaming, extent=torch.tensor([3, 30], dtype=torch.int32))
-    assert out.shape == (5, small.cfg.out_channels, 41)
-    live = out[:3, :, :30]
-    assert torch.isfinite(live).all()
-    assert (live - ref).abs().max().item() <= PAD_TOL
-    assert not live[1, :, 17:].any()
-    with pytest.raises(ValueError, match="2-element int32"):
-        fused(*cap, streaming, extent=torch.tensor([3, 30]))
-
-
-def test_ragged_extent_on_the_many_rows_path(two_blocks, monkeypatch):
-    """The many-rows path (cuBLAS or tall Triton products, their epilogue passes, the folded LayerNorms) under
-    an extent: fp16 capacity buffers with NaN outside the live part give the unpadded forward's result to fp16
-    rounding (cuBLAS blocks the capacity's longer product its own way)."""
-    from cosyvoice_fast.flow.kernels import estimator_cublas
-
-    _, est16 = two_blocks
-    args = estimator_inputs(est16.cfg, 2, 24, torch.float16, "cpu", valid=[24, 13], seed=12)
-    cap = tuple(_in_capacity(z, 4, 37) for z in args)
-    monkeypatch.setattr(estimator_cublas, "MANY_ROWS_M", 8)
-    for product in ("cublas", "triton"):
-        monkeypatch.setitem(estimator_cublas.MANY_ROWS, "product", product)
-        with torch.no_grad():
-            ref = FusedEstimator(est16)(*args, True).float()
-            live = FusedEstimator(est16)(*cap, True, extent=torch.tensor([2, 24], dtype=torch.int32))[:2, :, :24]
-        assert torch.isfinite(live).all(), product
-        assert (live.float() - ref).abs().max().item() <= 2e-2 * max(1.0, ref.abs().max().item()), product
-        assert not live[1, :, 13:].any()
-
-
 def test_fused_estimator_refuses_what_it_does_not_compute():
     with pytest.raises(ValueError, match="one U-Net level"):
         FusedEstimator(CausalConditionalDecoder(DecoderConfig(channels=(32, 32), attention_head_dim=16,
                                                               n_blocks=1, num_mid_blocks=1, num_heads=2)))
-    with pytest.raises(ValueError, match="head_dim"):
-        FusedEstimator(CausalConditionalDecoder(DecoderConfig(channels=(32,), attention_head_dim=24,
-                                                              n_blocks=1, num_mid_blocks=1, num_heads=2)))
+
+
+@pytest.mark.parametrize("head_dim,streaming", [(24, True), (40, False)])
+def test_any_attention_head_size_equals_eager(head_dim, streaming):
+    """A head size that is not a power of two (CosyVoice3's 24, or 40): the attention kernels pad it to the
+    next power of two with masked lanes; padded batched rows equal eager within the usual tolerance."""
+    torch.manual_seed(head_dim)
+    est = CausalConditionalDecoder(DecoderConfig(channels=(32,), attention_head_dim=head_dim, n_blocks=1,
+                                                 num_mid_blocks=1, num_heads=2, static_chunk_size=20)).eval()
+    valid = [30, 17]
+    args = estimator_inputs(est.cfg, len(valid), 30, torch.float32, "cpu", valid=valid, seed=head_dim)
+    with torch.no_grad():
+        out, ref = FusedEstimator(est)(*args, streaming), est(*args, streaming)
+    assert (out - ref).abs().max().item() <= TOL
+    assert not out[1, :, 17:].any()
 
 
 def test_fused_weights_follow_the_module(small):
@@ -137,8 +98,7 @@ def test_graph_runner_captures_the_fused_estimator(small, fake_graphs):
     """The ``cudagraph`` flow's runner (length and row buckets, static buffers) drives the fused estimator."""
     from cosyvoice_fast.flow.graph import GraphEstimator
 
-    runner = GraphEstimator(FusedEstimator(small), torch.device("cpu"), granularity=20, max_frames=60, ragged=True)
-    assert runner.ragged
+    runner = GraphEstimator(FusedEstimator(small), torch.device("cpu"), granularity=20, max_frames=60)
     for rows, frames in ((3, 37), (2, 13), (1, 22)):  # buckets 40 x 4 (a padding row), 20 x 2, then 40 x 2
         args = estimator_inputs(small.cfg, rows, frames, torch.float32, "cpu", seed=frames)
         with torch.no_grad():
@@ -172,26 +132,17 @@ def _transformer_groups(est: CausalConditionalDecoder) -> list:
 
 # F.layer_norm passes per forward on the many-rows path, (with the fold, without), from the block count and the
 # number of transformer groups
-_LN_PASSES = [pytest.param({}, lambda blocks, groups: (groups, 2 * blocks), id="default"),
-              pytest.param({"attention_out_fused": True}, lambda blocks, groups: (groups + blocks, 2 * blocks),
-                           id="attention_out_fused"),
-              pytest.param({"ffn_one_kernel": True}, lambda blocks, groups: (groups, blocks), id="ffn_one_kernel")]
-
-
-@pytest.mark.parametrize("options,passes", _LN_PASSES)
-def test_many_rows_fold_the_next_layer_norm_into_the_epilogue(two_blocks, monkeypatch, options, passes):
-    """With the many-rows path forced (MANY_ROWS_M = 8 rows; cuBLAS or tall Triton per GEMM), each
+def test_many_rows_fold_the_next_layer_norm_into_the_epilogue(two_blocks, monkeypatch):
+    """With the many-rows path forced (``many_rows_m`` = 8 rows; cuBLAS or tall Triton per GEMM), each
     residual-producing GEMM's epilogue writes the next LayerNorm, so ``F.layer_norm`` runs once per transformer
-    group (its first ``norm1``) instead of twice per block: once per block where the out-projection sits in the
-    attention kernel (its ``norm3`` stays a pass); the one-kernel FFN norms its input inside and writes the
-    next ``norm1`` itself.  The result is within the fp16 bounds: against eager fp32, no worse than
-    1.5x eager fp16 or the all-Triton path, and the fusion itself moves it by no more than eager fp16's own
-    error; padding stays exactly 0."""
-    from cosyvoice_fast.flow.kernels import estimator_cublas, estimator_fused
+    group (its first ``norm1``) instead of twice per block.  The result is within the fp16 bounds: against eager
+    fp32, no worse than 1.5x eager fp16 or the all-Triton path, and the fusion itself moves it by no more than
+    eager fp16's own error; padding stays exactly 0."""
+    from cosyvoice_fast.flow.kernels import estimator_fused
 
     est32, est16 = two_blocks
     groups = [g for g in _transformer_groups(est16) if len(g)]
-    expect = passes(sum(len(g) for g in groups), len(groups))
+    expect = (len(groups), 2 * sum(len(g) for g in groups))
     args = estimator_inputs(est32.cfg, 2, 24, torch.float32, "cpu", valid=[24, 13], seed=11)
     a16 = tuple(z.to(torch.float16) for z in args)
     calls = []
@@ -203,14 +154,13 @@ def test_many_rows_fold_the_next_layer_norm_into_the_epilogue(two_blocks, monkey
 
     def run(cublas_m: int, fold: bool = True) -> tuple[torch.Tensor, int]:
         with monkeypatch.context() as mp:
-            mp.setattr(estimator_cublas, "MANY_ROWS_M", cublas_m)
             mp.setattr(torch.nn.functional, "layer_norm", counted)
             if not fold:  # the transformer blocks as before the fusion: linear still takes the many-rows path
                 mp.setattr(estimator_fused, "use_many_rows", lambda *_: False)
             calls.clear()
             with torch.no_grad():
-                out = FusedEstimator(est16, **options)(*a16, True).float()
-            return out, len(calls)
+                out = FusedEstimator(est16, tuning=replace(default_tuning(), many_rows_m=cublas_m))(*a16, True)
+            return out.float(), len(calls)
 
     with torch.no_grad():
         ref = est32(*args, True)
@@ -226,33 +176,11 @@ def test_many_rows_fold_the_next_layer_norm_into_the_epilogue(two_blocks, monkey
     assert not folded[1, :, 13:].any()
 
 
-def test_tail_convs_equal_the_split_row_passes(small, monkeypatch):
-    """With ``LAUNCH["conv_tail"]`` on, a CFG pair's forward runs its ResNet convs as tail convs (the LayerNorm
-    pass in each conv's last programs); off (the default) as conv + row pass.  Both give the same rows, in a
-    plain forward and under a ragged extent, and equal eager."""
-    from cosyvoice_fast.kernels import common as estimator_common
-
-    args = estimator_inputs(small.cfg, 2, 30, torch.float32, "cpu", valid=[30, 21], seed=3)
-    cap = tuple(_in_capacity(z, 3, 40) for z in args)
-    ext = torch.tensor([2, 30], dtype=torch.int32)
-    fused = FusedEstimator(small)
-    outs = {}
-    for tail in (True, False):
-        monkeypatch.setitem(estimator_common.LAUNCH, "conv_tail", tail)
-        with torch.no_grad():
-            outs[tail] = (fused(*args, True), fused(*cap, True, extent=ext)[:2, :, :30])
-    assert (outs[True][0] - outs[False][0]).abs().max().item() <= PAD_TOL
-    assert (outs[True][1] - outs[False][1]).abs().max().item() <= PAD_TOL
-    assert (outs[True][0] - small(*args, True)).abs().max().item() <= TOL
-
-
 def test_kernel_count_formula():
+    from cosyvoice_fast.bench.estimator_profile import kernels_per_forward
+
     assert kernels_per_forward(4, 12) == 316  # CosyVoice2: 14 ResNet blocks, 56 transformer blocks
     assert kernels_per_forward(4, 12, resnet_split_ln=True) == 344
-    assert kernels_per_forward(4, 12, resnet_split_ln=True, conv_tail=True) == 316
-    assert kernels_per_forward(4, 12, ffn_one_kernel=True) == 260
-    assert kernels_per_forward(4, 12, ffn_one_kernel=True, attention_out_fused=True) == 204
-    assert kernels_per_forward(4, 12, attention_out_fused=True, resnet_split_ln=True) == 288
 
 
 # -------------------------------------------------------------------------------------- GPU, full size
@@ -293,14 +221,12 @@ def test_gpu_estimator_profile_counts_the_step_graphs_kernels(full):
     """profile_stages' estimator lines: the fused forward with its time-table row launches the kernels
     ``kernels_per_forward`` counts less the three time-embedding GEMMs, and without the row exactly that count;
     the FLOPs are the model's, every time is a real measurement."""
-    from cosyvoice_fast.kernels import common as estimator_common
-    from cosyvoice_fast.flow.kernels.estimator_fused import SPLIT_LN_MAX_ROWS
-    from cosyvoice_fast.bench.estimator_profile import estimator_flops, estimator_profile
+    from cosyvoice_fast.bench.estimator_profile import estimator_flops, estimator_profile, kernels_per_forward
 
     est16 = full[1]
     cfg, frames = est16.cfg, 56
-    expect = kernels_per_forward(cfg.n_blocks, cfg.num_mid_blocks, resnet_split_ln=2 * frames <= SPLIT_LN_MAX_ROWS,
-                                 conv_tail=estimator_common.LAUNCH["conv_tail"])
+    expect = kernels_per_forward(cfg.n_blocks, cfg.num_mid_blocks,
+                                 resnet_split_ln=2 * frames <= default_tuning().split_ln_max_rows)
     for time_row, kernels in ((True, expect - 3), (False, expect)):
         eager, fused = estimator_profile(est16, frames=(frames,), iters=3, time_row=time_row)
         assert (eager.backend, fused.backend) == ("cudagraph", "fused")
@@ -346,8 +272,7 @@ def test_gpu_full_size_bf16_solve_mel_is_no_worse_than_eager_bf16(full, no_tf32,
 
 
 @_gpu
-@pytest.mark.parametrize("options", [{"attention_out_fused": True, "resnet_split_ln": True}, {"ffn_one_kernel": True},
-                                     {"resnet_split_ln": False}])
+@pytest.mark.parametrize("options", [{"resnet_split_ln": True}, {"resnet_split_ln": False}])
 def test_gpu_full_size_fp32_kernel_options(full, no_tf32, options):
     est32, _ = full
     args = estimator_inputs(est32.cfg, 2, 206, torch.float32, seed=7)
@@ -358,18 +283,16 @@ def test_gpu_full_size_fp32_kernel_options(full, no_tf32, options):
 
 
 @_gpu
-@pytest.mark.parametrize("product", ["auto", "cublas", "triton"])
-def test_gpu_full_size_many_rows_path_within_the_bf16_bounds(full, no_tf32, monkeypatch, product):
+def test_gpu_full_size_many_rows_path_within_the_bf16_bounds(full, no_tf32):
     """A batched solve (16 requests: 32 rows of 206 frames) runs its GEMMs on the many-rows path (cuBLAS with
     Triton epilogues, the tall Triton kernels, or each where it is faster); its error against fp32 is no worse
     than the row-tiled path's or eager bf16's (same bound as one CFG pair)."""
     from cosyvoice_fast.flow.kernels import estimator_cublas
 
-    monkeypatch.setitem(estimator_cublas.MANY_ROWS, "product", product)
     est32, est16 = full
     args = estimator_inputs(est32.cfg, 32, 206, torch.float32, seed=5)
     a16 = tuple(z.to(torch.bfloat16) for z in args)
-    assert estimator_cublas.use_many_rows(32 * 206, est16.final_proj.weight, 0)
+    assert estimator_cublas.use_many_rows(32 * 206, est16.final_proj.weight, 0, default_tuning())
     def pairs(est, xs):  # eager references one CFG pair at a time: rows are independent, and eager fp32 at 32
         # rows with TF32 off reserved 73 GB on the H100 (convolution workspaces), starving later tests
         return torch.cat([est(*(z[r:r + 2] for z in xs), True) for r in range(0, 32, 2)])
@@ -378,26 +301,22 @@ def test_gpu_full_size_many_rows_path_within_the_bf16_bounds(full, no_tf32, monk
         ref = pairs(est32, args)
         e_eager = (pairs(est16, a16).float() - ref).abs()
         e_many = (FusedEstimator(est16)(*a16, True).float() - ref).abs()
-        monkeypatch.setattr(estimator_cublas, "MANY_ROWS_M", 1 << 40)
-        e_triton = (FusedEstimator(est16)(*a16, True).float() - ref).abs()
+        all_triton = replace(default_tuning(), many_rows_m=1 << 40)
+        e_triton = (FusedEstimator(est16, tuning=all_triton)(*a16, True).float() - ref).abs()
     assert e_many.max().item() <= 1.5 * max(e_eager.max().item(), e_triton.max().item())
     assert e_many.mean().item() <= 1.5 * max(e_eager.mean().item(), e_triton.mean().item())
 
 
 @_gpu
-def test_gpu_pdl_and_early_weight_tiles_change_no_bit(full, monkeypatch):
+def test_gpu_pdl_and_early_weight_tiles_change_no_bit(full):
     """Programmatic dependent launch only moves when a kernel's programs start, and an early weight tile only
     when a load is issued: CUDA-graph replays of the full-size bf16 forward with both off, PDL alone, and both
     on give identical bits, replay after replay (a read before a kernel's wait would show up here as a race)."""
-    from cosyvoice_fast.kernels.common import LAUNCH
-
     _, est16 = full
     args = estimator_inputs(est16.cfg, 2, 206, torch.bfloat16, seed=3)
     results = []
     for pdl, early in ((False, False), (True, False), (True, True)):
-        monkeypatch.setitem(LAUNCH, "pdl", pdl)
-        monkeypatch.setitem(LAUNCH, "early_weights", early)
-        fused = FusedEstimator(est16)
+        fused = FusedEstimator(est16, tuning=replace(default_tuning(), pdl=pdl, early_weights=early))
         with torch.inference_mode():
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -415,25 +334,21 @@ def test_gpu_pdl_and_early_weight_tiles_change_no_bit(full, monkeypatch):
 
 
 @_gpu
-@pytest.mark.parametrize("path", ["row_tiled", "oneshot", "tall"])
-def test_gpu_full_size_padding_is_exact(full, monkeypatch, path):
+@pytest.mark.parametrize("path", ["row_tiled", "oneshot", "many_rows"])
+def test_gpu_full_size_padding_is_exact(full, path):
     """Padded rows and frames change no real frame: a row of a padded 4-row batch equals the same row run alone,
     on the same GEMM path and tiles for both calls (the row-tiled kernels, the one-shot GEMMs with their few-rows
-    tiles, or the tall Triton kernels from one row on; the default switches paths and tiles by row count, so
-    there the two calls would differ by bf16 rounding, which the bf16 bound tests cover)."""
-    from cosyvoice_fast.flow.kernels import estimator_cublas, estimator_oneshot
-    from cosyvoice_fast.kernels.common import LAUNCH, PAIR_ROWS
-
-    monkeypatch.setattr(estimator_cublas, "MANY_ROWS_M", 1 if path == "tall" else 1 << 40)
-    monkeypatch.setitem(LAUNCH, "oneshot", path == "oneshot")
-    monkeypatch.setitem(LAUNCH, "oneshot_max_rows", 1 << 40)  # the padded batch too, not only the lone rows
-    monkeypatch.setattr(estimator_oneshot, "FEW_ROWS", 1 << 40)
-    monkeypatch.setitem(PAIR_ROWS, "max", 0)  # nor the pair tiles for the lone rows
-    monkeypatch.setitem(estimator_cublas.MANY_ROWS, "product", "triton")
+    tiles, or the many-rows path from one row on, cuBLAS or tall Triton kernels per GEMM; the default switches
+    paths and tiles by row count, so there the two calls would differ by bf16 rounding, which the bf16 bound
+    tests cover)."""
+    # the padded batch takes the one-shot GEMMs too, not only the lone rows, with the few-rows tiles for both
+    # and no pair tiles for the lone rows
+    tuning = replace(default_tuning(), many_rows_m=1 if path == "many_rows" else 1 << 40, oneshot=path == "oneshot",
+                     oneshot_max_rows=1 << 40, few_rows=1 << 40, pair_rows=(1, 0))
     est32, est16 = full
     valid = [206, 131, 0, 77]
     for est, tol in ((est32, PAD_TOL), (est16, 1e-2)):
-        fused = FusedEstimator(est)
+        fused = FusedEstimator(est, tuning=tuning)
         args = estimator_inputs(est.cfg, 4, 206, next(est.parameters()).dtype, valid=valid, seed=1)
         with torch.inference_mode():
             out = fused(*args, True)
@@ -445,36 +360,12 @@ def test_gpu_full_size_padding_is_exact(full, monkeypatch, path):
 
 
 @_gpu
-@pytest.mark.parametrize("rows,frames,streaming", [(2, 206, True), (10, 306, True), (10, 450, False)])
-def test_gpu_ragged_replays_equal_padded_replays(full, rows, frames, streaming):
-    """Full size, bf16, the flow's graph runner: a replay over only the live part of its bucket (ragged extent;
-    10 rows of a 16-row graph, frames short of the 250/400/500-frame bucket, rows of several lengths; the
-    1500-frame bucket sets the engine's graph budget, which fits 16 rows of 500) equals the
-    padded replay of the same graph shape bit for bit (every kernel is row-local or reads only live rows, and
-    cuBLAS sees the same capacity shapes), and its stale capacity is never read."""
-    from cosyvoice_fast.flow.graph import GraphEstimator
-
-    _, est16 = full
-    runners = [GraphEstimator(FusedEstimator(est16), torch.device("cuda"), granularity=50,
-                              buckets=(250, 400, 500, 1500), ragged=ragged) for ragged in (True, False)]
-    valid = [frames - 37 * (i % 3) for i in range(rows)]
-    big = estimator_inputs(est16.cfg, 16, 500, torch.bfloat16, seed=4)
-    args = estimator_inputs(est16.cfg, rows, frames, torch.bfloat16, valid=valid, seed=5)
-    with torch.inference_mode():
-        for r in runners:  # a replay of the whole bucket first leaves real data in the graph's every buffer
-            r(*(z[:rows, ..., :r.bucket(frames)] if z.dim() == 3 else z[:rows] for z in big), streaming)
-        ragged, padded = (r(*args, streaming) for r in runners)
-    assert runners[0].ragged and runners[0].eager_calls == runners[1].eager_calls == 0
-    assert torch.isfinite(ragged).all()
-    assert torch.equal(ragged, padded)
-
-
-@_gpu
 def test_gpu_fused_flow_stage_equals_eager(no_tf32):
     """The ``fused`` flow stage over a streamed schedule (graph replays) equals the eager stage in fp32."""
     from cosyvoice_fast.flow.eager import EagerFlow
     from cosyvoice_fast.flow.fused import FusedFlow
-    from cosyvoice_fast.config.model import StreamParams, tiny_config
+    from cosyvoice_fast.config.stream import StreamParams
+    from cosyvoice_fast.config.model import tiny_config
     from cosyvoice_fast.modeldir.files import build_modules
     from cosyvoice_fast.frontend.request import ModelInputs
     from cosyvoice_fast.config.schedule import plan
@@ -505,7 +396,7 @@ def test_fused_flow_is_offered_only_with_cuda_and_says_why(tiny_models):
     from cosyvoice_fast.engine.stages import build_stage_set
     from cosyvoice_fast.config.backends import BackendUnavailable
     from cosyvoice_fast.engine.stages import available_backends
-    from cosyvoice_fast.config.model import BackendConfig
+    from cosyvoice_fast.config.backends import BackendConfig
 
     info = {(b.stage, b.name): b for b in available_backends("cpu")}
     assert not info[("flow", "fused")].available and "CUDA" in info[("flow", "fused")].reason

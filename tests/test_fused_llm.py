@@ -7,14 +7,14 @@ Full size means CosyVoice2-0.5B shapes with seeded random weights (the real chec
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 import torch
 
 from cosyvoice_fast.config.backends import BackendUnavailable
 from cosyvoice_fast.engine.stages import available_backends
-from cosyvoice_fast.config.model import BackendConfig, full_config, tiny_config
+from cosyvoice_fast.config.backends import BackendConfig
+from cosyvoice_fast.config.model import full_config, tiny_config
 from cosyvoice_fast.llm.model.speech_lm import Qwen2LM
 from cosyvoice_fast.frontend.request import ModelInputs
 
@@ -50,15 +50,6 @@ def _random_full_size_lm(dtype: torch.dtype) -> Qwen2LM:
     return random_full_size_lm(dtype)
 
 
-@pytest.fixture(params=[False, True], ids=["plain", "pdl"])
-def pdl(request, monkeypatch) -> bool:
-    """Run a GPU test with and without programmatic dependent launch between the fused kernels."""
-    from cosyvoice_fast.llm.kernels import qwen2_proj
-
-    monkeypatch.setattr(qwen2_proj, "TILES", dataclasses.replace(qwen2_proj.TILES, pdl=request.param))
-    return request.param
-
-
 @pytest.fixture(scope="module")
 def lm32() -> Qwen2LM:
     if not HAS_CUDA:
@@ -86,7 +77,7 @@ def _run(lm: Qwen2LM, fused: bool, x, kv, pos, kv_len: int) -> tuple[torch.Tenso
 
 @_gpu
 @pytest.mark.parametrize("rows", [1, 4, 16, 40])  # 1..16: small-row kernels; 40: looped
-def test_gpu_full_size_fp32_step_equals_eager(lm32, rows, pdl):
+def test_gpu_full_size_fp32_step_equals_eager(lm32, rows):
     x, kv, pos = _step_inputs(rows, 300, 512, torch.float32, full_config())
     ref, ref_cache = _run(lm32, False, x, kv, pos, 512)
     got, got_cache = _run(lm32, True, x, kv, pos, 512)
@@ -98,7 +89,7 @@ def test_gpu_full_size_fp32_step_equals_eager(lm32, rows, pdl):
 
 @_gpu
 @pytest.mark.parametrize("rows", [1, 4, 16, 40])  # 1..16: small-row kernels; 40: looped
-def test_gpu_full_size_bf16_step_is_no_worse_than_eager_bf16(lm32, rows, pdl):
+def test_gpu_full_size_bf16_step_is_no_worse_than_eager_bf16(lm32, rows):
     """Against the fp32 step on the same (bf16-rounded) inputs, the fused bf16 step errs no more than the eager
     bf16 step (it keeps the residual stream in fp32, so usually less)."""
     lm16 = copy.deepcopy(lm32).to(torch.bfloat16)
@@ -112,8 +103,8 @@ def test_gpu_full_size_bf16_step_is_no_worse_than_eager_bf16(lm32, rows, pdl):
 
 
 @_gpu
-def test_gpu_fused_backend_tokens_equal_eager_fp32_alone_and_batched(lm32, pdl):
-    from cosyvoice_fast.llm.stage import generate_alone
+def test_gpu_fused_backend_tokens_equal_eager_fp32_alone_and_batched(lm32):
+    from cosyvoice_fast.bench.llm_tools import generate_alone
     from cosyvoice_fast.llm.eager import EagerLLM
     from cosyvoice_fast.llm.fused import FusedLLM
 

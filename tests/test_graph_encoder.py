@@ -16,7 +16,7 @@ import torch
 
 from cosyvoice_fast.flow.eager import flow_chunk_mel, flow_chunk_mel_batch
 from cosyvoice_fast.flow.graph_encoder import GraphEncoder, token_buckets
-from cosyvoice_fast.config.model import StreamParams
+from cosyvoice_fast.config.stream import StreamParams
 from cosyvoice_fast.config.schedule import plan
 
 from test_flow_batch import TOL, _inputs

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 from cosyvoice_fast.config.backends import BackendUnavailable
 from cosyvoice_fast.engine.stages import available_backends  # noqa: E402
-from cosyvoice_fast.config.model import BackendConfig  # noqa: E402
+from cosyvoice_fast.config.backends import BackendConfig  # noqa: E402
 from cosyvoice_fast.vocoder.kernels.hift_snake import FusedSnakeResBlock, fuse_hift, snake_pass  # noqa: E402
 from cosyvoice_fast.vocoder.model.hift import Snake, SnakeResBlock  # noqa: E402
 from cosyvoice_fast.vocoder.model.source import F0Predictor  # noqa: E402
@@ -86,7 +86,8 @@ def test_triton_convs_need_the_time_major_stack(tiny_models):
 
 
 def test_calls_of_more_rows_than_max_rows_keep_the_cudnn_convs(tiny_models, monkeypatch):
-    """Above ``LAUNCH["max_rows"]`` the Triton-conv model runs exactly the cuDNN-conv model's operations."""
+    """Above ``triton_max_rows`` (default 1) the Triton-conv model runs exactly the cuDNN-conv model's
+    operations."""
     from cosyvoice_fast.vocoder.kernels import hift_conv
 
     with_triton = tiny_models.hift.remove_weight_norm().eval().to(DEV)
@@ -98,8 +99,8 @@ def test_calls_of_more_rows_than_max_rows_keep_the_cudnn_convs(tiny_models, monk
     src = (torch.randn(2, 1, 6 * with_triton.samples_per_frame, generator=g) * 0.1).to(DEV)
     launches = []
     monkeypatch.setattr(hift_conv, "conv1d", lambda *a, **k: launches.append(1))
-    monkeypatch.setitem(hift_conv.LAUNCH, "max_rows", 1)
-    assert hift_conv.use_triton(1) and not hift_conv.use_triton(2)
+    assert hift_conv.TRITON_MAX_ROWS == 1
+    assert hift_conv.use_triton(1) and not hift_conv.use_triton(2) and hift_conv.use_triton(2, max_rows=2)
     with torch.inference_mode():
         assert torch.equal(with_triton.decode(mel, src), without.decode(mel, src))
     assert launches == []
@@ -122,18 +123,15 @@ def test_fused_block_needs_folded_weights(tiny_models):
 
 @pytest.mark.parametrize("time_major,triton_convs", [(True, False), (False, False), (True, True)],
                          ids=["time_major", "channel_major", "triton_convs"])
-def test_fused_hift_decode_is_as_close_to_float64_as_eager(tiny_models, time_major, triton_convs, monkeypatch):
+def test_fused_hift_decode_is_as_close_to_float64_as_eager(tiny_models, time_major, triton_convs):
     """Whole filter pass (every resblock and source resblock fused) on the fixture's HiFT weights, its conv
     stack on time-major activations or not, or every Conv1d a Triton kernel (for the two rows here too)."""
-    from cosyvoice_fast.vocoder.kernels import hift_conv
-
-    monkeypatch.setitem(hift_conv.LAUNCH, "max_rows", 2)
     hift = tiny_models.hift
     plain = hift.remove_weight_norm().eval().to(DEV)
     fused = hift.remove_weight_norm().eval().to(DEV)
     n_blocks = len(fused.resblocks) + len(fused.source_resblocks)
     assert not fused.time_major
-    assert fuse_hift(fused, time_major=time_major, triton_convs=triton_convs) == n_blocks
+    assert fuse_hift(fused, time_major=time_major, triton_convs=triton_convs, triton_max_rows=2) == n_blocks
     assert fused.time_major == time_major and not plain.time_major
     unit_convs = sum(len(b.block.convs1) + len(b.block.convs2) for b in (*fused.resblocks, *fused.source_resblocks))
     with_4d = sum(hasattr(m, "weight4") for m in fused.modules())
@@ -172,24 +170,22 @@ def test_fused_vocoder_is_listed_and_refused_without_cuda(tiny_models):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("triton_convs", [False, True], ids=["cudnn_convs", "triton_convs"])
-def test_gpu_fused_vocoder_is_as_close_to_float64_as_the_cudagraph_one(tiny_models, triton_convs, monkeypatch):
+def test_gpu_fused_vocoder_is_as_close_to_float64_as_the_cudagraph_one(tiny_models, triton_convs):
     """The captured fused HiFT and the captured plain one (same chunks, same generators), one row and a batched
     graph of 4 rows, against a float64 evaluation on the same excitation: the fused error stays within the plain
     one's (a small random HiFT amplifies fp32 rounding through its log-magnitude, so the two differ by up to
     ~1e-4 on the fixture while both are that far from float64); and its residual units are the fused ones.
     With cuDNN's convolutions the excitation is the plain one's bit for bit; with the Triton convolutions f0 is
     summed in another order, so f0 agrees within float rounding and each output is held against float64 on
-    its own excitation.  The Triton convolutions run the 4-row graph too (``max_rows`` lifted)."""
+    its own excitation.  The Triton convolutions run the 4-row graph too (``triton_max_rows=4``)."""
     from cosyvoice_fast.vocoder.graph import CudaGraphVocoder
     from cosyvoice_fast.vocoder.fused import FusedVocoder
-    from cosyvoice_fast.vocoder.kernels import hift_conv
-
-    monkeypatch.setitem(hift_conv.LAUNCH, "max_rows", 4)
 
     hift = copy.deepcopy(tiny_models.hift).to("cuda")
     frames = 56
     plain = CudaGraphVocoder(hift, rows=(4,), lengths=(frames,), progress=False)
-    fused = FusedVocoder(hift, rows=(4,), lengths=(frames,), progress=False, triton_convs=triton_convs)
+    fused = FusedVocoder(hift, rows=(4,), lengths=(frames,), progress=False, triton_convs=triton_convs,
+                         triton_max_rows=4)
     assert all(isinstance(b, FusedSnakeResBlock) for b in fused.plain.resblocks)
     assert all(b.triton_convs == triton_convs for b in fused.plain.resblocks)
     ref64 = copy.deepcopy(plain.plain).double()

@@ -23,7 +23,7 @@ av = pytest.importorskip("av", reason="av is not installed here (pip install -r 
 from cosyvoice_fast.serving.audio_encode import to_pcm16  # noqa: E402
 from cosyvoice_fast.engine.engine import EngineBusy, EngineClosed  # noqa: E402
 from cosyvoice_fast.frontend.request import SynthesisRequest  # noqa: E402
-from cosyvoice_fast.config.model import StreamParams  # noqa: E402
+from cosyvoice_fast.config.stream import StreamParams  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = REPO / "assets" / "zero_shot_prompt.wav"
@@ -241,6 +241,20 @@ def test_bad_requests_are_400_naming_the_field(server, body, param, words):
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error"
     assert words in err["message"], err["message"]
+
+
+@pytest.mark.parametrize("fmt", ["wav", "mp3", "opus", "aac", "flac"])
+def test_a_format_whose_package_is_missing_is_a_400_naming_it(server, monkeypatch, fmt):
+    monkeypatch.setitem(__import__("sys").modules, "av", None)  # `import av` now fails, as without PyAV
+    with _http(server) as h:
+        r = h.post("/v1/audio/speech", json={"input": "Hi", "voice": "cross_lingual_prompt", "response_format": fmt})
+        pcm = h.post("/v1/audio/speech", json={"input": "Hi", "voice": "cross_lingual_prompt",
+                                               "response_format": "pcm", **EXTRA})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "response_format" and err["code"] == "format_unavailable"
+    assert "needs the Python package 'av'" in err["message"] and "pip install av" in err["message"]
+    assert pcm.status_code == 200 and len(pcm.content) > 0  # pcm needs no package: still served
 
 
 def test_openai_client_raises_bad_request_with_the_message(client):

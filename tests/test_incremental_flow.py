@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from cosyvoice_fast.flow.eager import flow_chunk_mel
-from cosyvoice_fast.config.model import StreamParams, tiny_config
+from cosyvoice_fast.config.stream import StreamParams
+from cosyvoice_fast.config.model import tiny_config
 from cosyvoice_fast.flow.model.flow import CausalMaskedDiffWithXvec
-from cosyvoice_fast.flow.incremental import (
-    FlowState, IncrementalFlow, prompt_flow_state, prompt_state, state_bytes_per_frame,
-)
+from cosyvoice_fast.flow.incremental import IncrementalFlow
+from cosyvoice_fast.flow.incremental_state import FlowState, prompt_flow_state, prompt_state, state_bytes_per_frame
 from cosyvoice_fast.config.schedule import ChunkCall, plan
 
 TOL = 1e-4
@@ -40,20 +40,9 @@ def _tokens(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 6561, (1, n), generator=torch.Generator().manual_seed(seed + 1), dtype=torch.int32)
 
 
-def _streaming_final_reference(flow, inputs, tokens: torch.Tensor, call: ChunkCall) -> torch.Tensor:
-    """What the final chunk is when chunk-causal attention is kept (no upstream counterpart)."""
-    tok = torch.remainder(tokens, flow.cfg.vocab_size)
-    ptok = inputs.flow_prompt_speech_token
-    with torch.inference_mode():
-        enc = flow.encode(tok, torch.tensor([tok.shape[1]]), ptok, torch.tensor([ptok.shape[1]]), inputs.embedding,
-                          streaming=True, finalize=True)
-        mel = flow.decode(enc.mu, enc.spks, inputs.prompt_feat, streaming=True)
-    return mel[:, :, 2 * call.token_offset:]
-
-
-def _run_stream(flow, inputs, tokens, params, final="full"):
+def _run_stream(flow, inputs, tokens, params):
     """(calls, incremental mels, reference mels, states seen before each call)."""
-    inc = IncrementalFlow(flow, final=final)
+    inc = IncrementalFlow(flow)
     seg = types.SimpleNamespace(flow_state=None)
     calls = plan(inputs.flow_prompt_speech_token.shape[1], tokens.shape[1], params)
     outs, refs, states = [], [], []
@@ -61,10 +50,7 @@ def _run_stream(flow, inputs, tokens, params, final="full"):
         tok = tokens[:, :call.n_tokens]
         states.append(seg.flow_state)
         outs.append(inc.chunk(seg, inputs, tok, call))
-        if call.finalize and final == "incremental":
-            refs.append(_streaming_final_reference(flow, inputs, tok, call))
-        else:
-            refs.append(flow_chunk_mel(flow, inputs, tok, call))
+        refs.append(flow_chunk_mel(flow, inputs, tok, call))
     assert seg.flow_state is None  # released after the final chunk
     return calls, outs, refs, states
 
@@ -108,18 +94,10 @@ def test_every_chunk_equals_full_recompute(flow, schedule, n_prompt):
     assert max(errs) <= TOL, errs
 
 
-@pytest.mark.parametrize("schedule", ["default", "first7_hop13_la0"])
-def test_incremental_final_keeps_streaming_attention(flow, schedule):
-    inputs = _inputs(33, seed=5)
-    _, outs, refs, _ = _run_stream(flow, inputs, _tokens(101, 5), SCHEDULES[schedule], final="incremental")
-    errs = _max_err(outs, refs)
-    assert max(errs) <= TOL, errs
-
-
 @pytest.mark.parametrize("schedule", ["default", "first10_la1"])
 def test_deeper_random_model(deep_flow, schedule):
     inputs = _inputs(44, seed=9)
-    calls, outs, refs, _ = _run_stream(deep_flow, inputs, _tokens(140, 9), SCHEDULES[schedule], final="incremental")
+    calls, outs, refs, _ = _run_stream(deep_flow, inputs, _tokens(140, 9), SCHEDULES[schedule])
     errs = _max_err(outs[:-1], refs[:-1]) + _max_err(outs[-1:], refs[-1:])
     assert max(errs) <= TOL, errs
 
@@ -211,7 +189,7 @@ def test_non_streaming_request_delegates(flow):
     tokens = _tokens(40, 10)
     call = ChunkCall(0, 0, 40, 40, 0, finalize=True)
     seg = types.SimpleNamespace(flow_state=None)
-    out = IncrementalFlow(flow, final="incremental").chunk(seg, inputs, tokens, call, stream=False)
+    out = IncrementalFlow(flow).chunk(seg, inputs, tokens, call, stream=False)
     assert torch.equal(out, flow_chunk_mel(flow, inputs, tokens, call, stream=False))
 
 
@@ -221,7 +199,7 @@ def test_one_shot_final_call_is_upstreams_full_pass(flow):
     tokens = _tokens(40, 11)
     call = ChunkCall(0, 0, 40, 40, 0, finalize=True)
     seg = types.SimpleNamespace(flow_state=None)
-    out = IncrementalFlow(flow, final="incremental").chunk(seg, inputs, tokens, call)
+    out = IncrementalFlow(flow).chunk(seg, inputs, tokens, call)
     assert torch.equal(out, flow_chunk_mel(flow, inputs, tokens, call))
 
 

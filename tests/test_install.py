@@ -3,6 +3,9 @@ requirements.txt alone never installs torch (PyPI's Linux torch is the CUDA buil
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +68,55 @@ def test_ci_uses_the_readme_install_command(script):
     readme_head = "\n".join((REPO / "README.md").read_text().splitlines()[:25])
     for cmd in ("python install.py", "python app.py", "python -m pytest -q tests", "ffmpeg", "chromium-driver"):
         assert cmd in readme_head, cmd
+
+
+def test_requirements_bring_every_package_the_features_and_tests_import():
+    """The API's formats (PyAV), the HTTP API test (openai), the fused kernels' CPU tests (triton) and Ray Serve at
+    the floor its deployment needs: a README install must not leave a feature broken or a test skipped."""
+    lines = [ln.split("#")[0].strip() for ln in (REPO / "requirements.txt").read_text().splitlines()]
+    names = {re.split(r"[<>=;\[ ]", ln, maxsplit=1)[0].lower(): ln for ln in lines if ln}
+    for pkg in ("av", "openai", "triton", "httpx", "gradio", "soundfile", "selenium", "psutil", "onnx"):
+        assert pkg in names, pkg
+    assert 'platform_system == "Linux"' in names["triton"]  # PyPI has Linux wheels only
+    assert names["ray"].startswith("ray[serve]>=2.60")
+
+
+def test_ci_installs_nothing_beside_the_readme_install():
+    text = (REPO / ".ci" / "run").read_text()
+    assert "pip install" not in text.replace("python install.py", "")
+    assert "python -m pytest -q -rfEs tests" in text and "tests/skip_check.py" in text
+
+
+def _run_with_skip_report(tmp_path: Path, test_source: str) -> tuple[subprocess.CompletedProcess, list]:
+    (tmp_path / "test_x.py").write_text(test_source)
+    report = tmp_path / "skips.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "COSYVOICE_SKIP_REPORT": str(report)}
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "skip_check", "test_x.py"], cwd=tmp_path, env=env,
+                   capture_output=True, text=True, timeout=120)
+    checked = subprocess.run([sys.executable, str(REPO / "tests" / "skip_check.py"), str(report)], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=60)
+    return checked, json.loads(report.read_text())
+
+
+def test_ci_skip_check_fails_on_a_missing_package_and_names_the_test(tmp_path):
+    checked, skips = _run_with_skip_report(tmp_path, (
+        "import pytest\n"
+        "def test_gpu():\n    pytest.skip('needs a CUDA GPU')\n"
+        "def test_pkg():\n    pytest.importorskip('no_such_package_here')\n"
+        "def test_ok():\n    pass\n"))
+    assert [s["nodeid"] for s in skips] == ["test_x.py::test_gpu", "test_x.py::test_pkg"]
+    assert checked.returncode == 1
+    assert "test_x.py::test_pkg: could not import 'no_such_package_here'" in checked.stderr
+    assert "test_gpu" not in checked.stderr
+
+
+def test_ci_skip_check_sees_a_whole_module_skipped_at_collection(tmp_path):
+    checked, skips = _run_with_skip_report(tmp_path, "import pytest\npytest.importorskip('no_such_package_here')\n"
+                                                     "def test_a():\n    pass\n")
+    assert [s["nodeid"] for s in skips] == ["test_x.py"] and checked.returncode == 1
+
+
+def test_ci_skip_check_passes_allowed_skips(tmp_path):
+    checked, _ = _run_with_skip_report(tmp_path, "import pytest\ndef test_gpu():\n    pytest.skip('needs a CUDA GPU')\n")
+    assert checked.returncode == 0, checked.stderr
+    assert "1 skips, all for allowed reasons" in checked.stdout

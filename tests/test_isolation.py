@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from cosyvoice_fast.config.model import BackendConfig, StreamParams
+from cosyvoice_fast.config.backends import BackendConfig
+from cosyvoice_fast.config.stream import StreamParams
 from cosyvoice_fast.engine.engine import Engine
 from cosyvoice_fast.frontend.request import ModelInputs, SynthesisRequest
 
@@ -32,6 +33,7 @@ class FaultyLLM:
     def __init__(self, inner, tag: str, after: int = 6):
         self.inner, self.tag, self.after = inner, tag, after
         self.capacity = inner.capacity
+        self.prefill_synced = False  # the engine waits for the stream after prefill (a no-op on the CPU)
         # the tagged states themselves, compared by identity: an ``id()`` of a state that has since been freed can
         # come back as a later, untagged request's state (it did: a later test's request failed with this fault)
         self.tagged: list[object] = []
@@ -63,9 +65,14 @@ class FaultyLLM:
 class FaultyFlow:
     """Raises on the ``n``-th chunk (1-based) of requests tagged ``speaker == tag``."""
 
+    max_batch = 1  # each request's chunk alone, so the fault hits only the tagged one
+
     def __init__(self, inner, tag: str, n: int = 2):
         self.inner, self.tag, self.n = inner, tag, n
         self.calls: dict[int, int] = {}
+
+    def solve(self, items):  # noqa: ANN001
+        return [self.chunk(*item) for item in items]
 
     def chunk(self, seg, inputs, tokens, call):  # noqa: ANN001
         if inputs.speaker == self.tag:
@@ -78,9 +85,15 @@ class FaultyFlow:
 class FaultyVocoder:
     """Raises for the requests whose vocoder generator (one per request) was armed."""
 
+    max_batch = 1  # each chunk alone through ``vocode``, where the fault is injected
+
     def __init__(self, inner):
         self.inner = inner
         self.armed: list[object] = []  # the generators themselves (identity, not a reusable id())
+
+    def vocode_batch(self, mels, sources, generators):  # noqa: ANN001
+        outs = [self.vocode(mels[i:i + 1], sources[i:i + 1], g) for i, g in enumerate(generators)]
+        return torch.cat([w for w, _ in outs]), torch.cat([s for _, s in outs])
 
     def vocode(self, mel, cache_source, generator):  # noqa: ANN001
         if any(generator is g for g in self.armed):

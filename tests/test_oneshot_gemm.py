@@ -7,6 +7,7 @@ estimator's shapes.  Outputs are pre-filled with NaN, so a value the kernel forg
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,12 +17,13 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 
-from cosyvoice_fast.flow.kernels import estimator_linear, estimator_oneshot  # noqa: E402
-from cosyvoice_fast.kernels.common import LAUNCH  # noqa: E402
+from cosyvoice_fast.flow.kernels import estimator_linear  # noqa: E402
+from cosyvoice_fast.flow.kernels.tuning import GPU, default_tuning  # noqa: E402
 from cosyvoice_fast.flow.kernels.estimator_linear import (
     ACT_GELU, ACT_NONE, ACT_SILU, PRO_LN, PRO_MISH, PRO_NONE, PRO_SINUS, linear,
 )
-from cosyvoice_fast.flow.kernels.estimator_oneshot import FP32_ONESHOT, linear_oneshot, oneshot_tiles  # noqa: E402
+from cosyvoice_fast.flow.kernels.estimator_oneshot import linear_oneshot  # noqa: E402
+from cosyvoice_fast.flow.kernels.estimator_oneshot import oneshot_tiles as tiles_for  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 1e-4
@@ -81,7 +83,7 @@ def test_oneshot_refuses_what_it_cannot_compute():
 
 
 def test_linear_routes_few_rows_to_the_oneshot_gemm(monkeypatch):
-    """Up to ``LAUNCH['oneshot_max_rows']`` rows ``linear`` hands plain and LayerNorm-prologue calls to the
+    """Up to ``FlowTuning.oneshot_max_rows`` rows ``linear`` hands plain and LayerNorm-prologue calls to the
     one-shot GEMM; the Mish and sinusoidal prologues and a ``norm_out`` request stay on the row-tiled kernel,
     and nothing goes with the switch off."""
     calls = []
@@ -104,18 +106,18 @@ def test_linear_routes_few_rows_to_the_oneshot_gemm(monkeypatch):
     freqs = torch.exp(torch.arange(16, device=DEV, dtype=torch.float32) * -(math.log(10000) / 15))
     linear(torch.rand(3, device=DEV), w, b, prologue=PRO_SINUS, freqs=freqs)
     linear(x, rnd(32, 32), residual=x, norm_out=(nan(9, 32), (g, beta, 1e-5)))
-    monkeypatch.setitem(LAUNCH, "oneshot_max_rows", 8)  # 9 rows: above the limit
-    linear(x, w, b)
-    monkeypatch.setitem(LAUNCH, "oneshot_max_rows", 9)
-    monkeypatch.setitem(LAUNCH, "oneshot", False)
-    linear(x, w, b)
+    linear(x, w, b, tuning=replace(default_tuning(), oneshot_max_rows=8))  # 9 rows: above the limit
+    linear(x, w, b, tuning=replace(default_tuning(), oneshot_max_rows=9, oneshot=False))
     assert calls == [PRO_LN, PRO_NONE]
 
 
-def test_oneshot_tiles_follow_the_measured_table(monkeypatch):
-    """16-bit tiles by shape and rows as BENCHMARKS.md measured them; fp32 takes small tiles and K steps."""
-    monkeypatch.setattr(estimator_oneshot, "interpreting", lambda: False)
+def test_oneshot_tiles_follow_the_measured_table():
+    """16-bit GPU tiles by shape and rows as measured on an H100; fp32 takes small tiles and K steps."""
     bf16 = torch.bfloat16
+
+    def oneshot_tiles(*args):  # noqa: ANN002, ANN202 - the GPU table whatever runs the test
+        return tiles_for(*args, tuning=GPU)
+
     # one CFG pair of 100-250 frames (129-512 rows): the tiles chosen over the whole forward
     assert oneshot_tiles(400, 1536, 256, bf16) == {"bm": 32, "bn": 256, "warps": 8}  # q/k/v
     assert oneshot_tiles(200, 1536, 256, bf16) == {"bm": 32, "bn": 256, "warps": 8}
@@ -123,7 +125,7 @@ def test_oneshot_tiles_follow_the_measured_table(monkeypatch):
     assert oneshot_tiles(300, 256, 512, bf16) == {"bm": 32, "bn": 32, "warps": 4}  # out-projection
     assert oneshot_tiles(512, 256, 1024, bf16) == {"bm": 64, "bn": 16, "warps": 4, "bk": 256, "stages": 2}  # FF2
     assert oneshot_tiles(400, 80, 256, bf16) == {"bm": 32, "bn": 64, "warps": 4}  # the final projection
-    # above the pair (only when a caller raises oneshot_max_rows): session 15's tiles at 412 rows
+    # above the pair (only when a caller raises oneshot_max_rows): the tiles measured best at 412 rows
     assert oneshot_tiles(513, 1536, 256, bf16) == {"bm": 64, "bn": 128, "warps": 8}
     assert oneshot_tiles(513, 256, 512, bf16) == {"bm": 64, "bn": 64, "warps": 4}
     assert oneshot_tiles(513, 256, 1024, bf16)["bk"] == 256  # FF2: pipelined K steps
@@ -132,33 +134,33 @@ def test_oneshot_tiles_follow_the_measured_table(monkeypatch):
     assert oneshot_tiles(112, 1024, 256, bf16) == {"bm": 32, "bn": 64, "warps": 4}
     assert oneshot_tiles(112, 256, 512, bf16) == {"bm": 16, "bn": 16, "warps": 4}
     assert oneshot_tiles(112, 256, 1024, bf16)["bk"] == 1024  # one step
-    assert oneshot_tiles(412, 256, 1024, torch.float32) == FP32_ONESHOT
+    assert oneshot_tiles(412, 256, 1024, torch.float32) == GPU.oneshot_tiles["fp32"]
 
 
-def test_pair_rows_pick_the_pair_attention_and_conv_tiles(monkeypatch):
-    """Over PAIR_ROWS rows (one request's CFG pair of 100-250 frames) attention and the convolutions take the tiles
+def test_pair_rows_pick_the_pair_attention_and_conv_tiles():
+    """Over the pair rows (one request's CFG pair of 100-250 frames) attention and the convolutions take the tiles
     chosen with the pair GEMMs; more rows (a batched solve) and fewer keep the shared ones; fp32 and the
     interpreter keep theirs."""
-    from cosyvoice_fast.flow.kernels import estimator_attention, estimator_conv, estimator_linear
-    from cosyvoice_fast.kernels.common import PAIR_ROWS
+    from cosyvoice_fast.flow.kernels.estimator_attention import attention_tiles
+    from cosyvoice_fast.flow.kernels.estimator_conv import conv_tiles
+    from cosyvoice_fast.flow.kernels.tuning import INTERPRETER
 
-    assert LAUNCH["oneshot_max_rows"] == PAIR_ROWS["max"] == 512 and PAIR_ROWS["min"] == 129
-    monkeypatch.setattr(estimator_attention, "interpreting", lambda: False)
-    monkeypatch.setattr(estimator_linear, "interpreting", lambda: False)
-    tiles = estimator_attention.attention_tiles
-    assert tiles(200, 400) == estimator_attention.ATTN_PAIR == {"bm": 32, "bn": 128, "warps": 4, "stages": 3}
-    assert tiles(250, 512) == estimator_attention.ATTN_PAIR
-    assert tiles(200, 800) == tiles(200) == tiles(56, 112) == estimator_attention.ATTN_TUNING
-    assert tiles(200, 400, fp32=True) == estimator_attention.ATTN_TUNING
+    assert GPU.oneshot_max_rows == GPU.pair_rows[1] == 512 and GPU.pair_rows[0] == 129
+
+    def tiles(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        return attention_tiles(*args, tuning=GPU, **kw)
+
+    assert tiles(200, 400) == GPU.attn_pair == {"bm": 32, "bn": 128, "warps": 4, "stages": 3}
+    assert tiles(250, 512) == GPU.attn_pair
+    assert tiles(200, 800) == tiles(200) == tiles(56, 112) == GPU.attn == {"bm": 64, "bn": 64, "warps": 4, "stages": 3}
+    assert tiles(200, 400, fp32=True) == GPU.attn
     assert tiles(30, 60)["bm"] == 16  # short rows: the small tiles
-    conv = estimator_conv
-    pick = estimator_linear.pick_tiles
-    args = (conv.TUNING, conv.FP32_TILES, conv.INTERPRETER_TILES)
-    assert pick(False, *args, 400, conv.TUNING_LARGE, conv.TUNING_PAIR)["bm"] == 16
-    assert pick(False, *args, 513, conv.TUNING_LARGE, conv.TUNING_PAIR) == conv.TUNING
-    assert pick(False, *args, 128, conv.TUNING_LARGE, conv.TUNING_PAIR) == conv.TUNING
-    assert pick(False, *args, 4096, conv.TUNING_LARGE, conv.TUNING_PAIR) == conv.TUNING_LARGE
-    assert pick(True, *args, 400, conv.TUNING_LARGE, conv.TUNING_PAIR) == conv.FP32_TILES
+    assert attention_tiles(200, 400, tuning=INTERPRETER) == GPU.attn
+    assert conv_tiles(400, False, GPU)["bm"] == 16 and conv_tiles(400, False, GPU) == GPU.conv_pair
+    assert conv_tiles(513, False, GPU) == conv_tiles(128, False, GPU) == GPU.conv
+    assert conv_tiles(4096, False, GPU) == GPU.conv_large
+    assert conv_tiles(400, True, GPU) == GPU.conv_fp32
+    assert conv_tiles(400, False, INTERPRETER) == conv_tiles(4096, True, INTERPRETER) == INTERPRETER.conv
 
 
 # ------------------------------------------------------------------------------------------ GPU, full size
@@ -169,7 +171,7 @@ def test_pair_rows_pick_the_pair_attention_and_conv_tiles(monkeypatch):
                                                        (256, 512, PRO_NONE, ACT_NONE, True),
                                                        (1024, 256, PRO_LN, ACT_GELU, False),
                                                        (256, 1024, PRO_NONE, ACT_NONE, True)])
-def test_gpu_full_size_shapes_fp32_and_bf16(monkeypatch, rows, n, k, prologue, act, residual):
+def test_gpu_full_size_shapes_fp32_and_bf16(rows, n, k, prologue, act, residual):
     """The estimator's GEMM shapes with the compiled tiles: fp32 (IEEE dots) within 1e-4 of torch; bf16 within
     the row-tiled kernel's own error against the fp32 reference (both accumulate in fp32 and round once)."""
     if not torch.cuda.is_available():
@@ -185,8 +187,8 @@ def test_gpu_full_size_shapes_fp32_and_bf16(monkeypatch, rows, n, k, prologue, a
     ln16 = (ln[0].to(torch.bfloat16), ln[1].to(torch.bfloat16), 1e-5)
     r16 = None if r is None else r.to(torch.bfloat16)
     one = linear_oneshot(x16, w16, b16, prologue=prologue, ln=ln16, act=act, residual=r16)
-    monkeypatch.setitem(LAUNCH, "oneshot", False)
-    tiled = linear(x16, w16, b16, prologue=prologue, ln=ln16, act=act, residual=r16)
+    tiled = linear(x16, w16, b16, prologue=prologue, ln=ln16, act=act, residual=r16,
+                   tuning=replace(GPU, oneshot=False))
     e_one = (one.float() - ref).abs().max().item()
     e_tiled = (tiled.float() - ref).abs().max().item()
     assert torch.isfinite(one).all() and e_one <= 1.25 * e_tiled + 1e-3

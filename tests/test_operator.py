@@ -200,7 +200,7 @@ def test_oversize_upload_answers_at_once(served, tmp_path):
 def test_shutdown_ends_every_open_stream_with_a_message(tmp_path):
     from cosyvoice_fast.serving.service import load_service
     from cosyvoice_fast.app.page import build_demo, serve
-    from cosyvoice_fast.app.handlers import SHUTTING_DOWN
+    from cosyvoice_fast.app.messages import SHUTTING_DOWN
 
     svc = load_service(None, synthetic="tiny", device="cpu", speaker_cache_dir=tmp_path / "spk", progress=False)
     demo = build_demo(svc)

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from cosyvoice_fast.llm import graph as cudagraph_llm, fused as fused_llm  # noqa: E402
-from cosyvoice_fast.llm.stage import generate_alone  # noqa: E402
+from cosyvoice_fast.bench.llm_tools import generate_alone  # noqa: E402
 from cosyvoice_fast.llm.eager import EagerLLM  # noqa: E402
 from cosyvoice_fast.config.model import ModelConfig  # noqa: E402
 from cosyvoice_fast.frontend.request import ModelInputs  # noqa: E402

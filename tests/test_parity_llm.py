@@ -11,7 +11,7 @@ import torch
 
 from cosyvoice_fast.config.model import ModelConfig
 from cosyvoice_fast.llm.model.speech_lm import Qwen2LM
-from cosyvoice_fast.llm.model.qwen2 import KVCacheFullError
+from cosyvoice_fast.llm.model.kv_cache import KVCacheFullError
 from cosyvoice_fast.llm.model.sampling import greedy_sample, nucleus_sample, random_sample, ras_sample
 
 TOL = 1e-4

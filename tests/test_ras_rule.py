@@ -19,10 +19,10 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from cosyvoice_fast.llm import decode_feed, nucleus  # noqa: E402
+from cosyvoice_fast.llm import decode_feed  # noqa: E402
 from cosyvoice_fast.llm.decode_feed import StepFeed  # noqa: E402
 from cosyvoice_fast.llm.nucleus import nucleus_pick_rows, ras_pick_into, ras_pick_rows  # noqa: E402
-from cosyvoice_fast.llm.kernels import nucleus_topk, ras_rule, step_feed  # noqa: E402
+from cosyvoice_fast.llm.kernels import ras_rule, step_feed  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 NEG = -float("inf")
@@ -49,27 +49,26 @@ def _case(rows: int, vocab: int, k: int, w: int, seed: int) -> tuple:
     return logp, bias, q, q_again, window
 
 
-def _both(logp, bias, q, q_again, window, repeats, limit=0.8):  # noqa: ANN001, ANN202
-    """(reference, fused): :func:`ras_pick_rows` and :func:`ras_pick_into` on ``DEV`` (the kernels)."""
+def _both(logp, bias, q, q_again, window, repeats, limit=0.8, kernel=True):  # noqa: ANN001, ANN202
+    """(reference, fused): :func:`ras_pick_rows` and :func:`ras_pick_into` on ``DEV`` (the kernels, unless
+    ``kernel`` is False)."""
     args = [t.to(DEV) for t in (logp, bias, q, q_again, window)]
     lim = torch.tensor(limit, device=DEV)
-    masked, token, fallback = ras_pick_rows(*args[:4], args[4], lim, repeats)
+    masked, token, fallback = ras_pick_rows(*args[:4], args[4], lim, repeats, kernel)
     rows, vocab = logp.shape
     logp_out = torch.full((rows, vocab), 7.0, device=DEV)
     drawn = torch.full((2, rows + 3), -5, dtype=torch.int64, device=DEV)  # a graph's buffer: wider than the step
-    ras_pick_into(*args[:4], args[4], lim, repeats, logp_out, drawn[:, :rows])
+    ras_pick_into(*args[:4], args[4], lim, repeats, logp_out, drawn[:, :rows], kernel=kernel)
     assert torch.equal(drawn[:, rows:], torch.full((2, 3), -5, device=DEV)), "wrote past the step's rows"
     return (masked, token, fallback), (logp_out, drawn[0, :rows], drawn[1, :rows])
 
 
 @pytest.mark.parametrize("vocab,k,w", [(37, 5, 4), (37, 37, 10), (6564, 25, 10), (300, 1, 1), (300, 25, 0)])
 @pytest.mark.parametrize("repeats", [1, 2])
-@pytest.mark.parametrize("floor", [False, True])
-def test_fused_tail_equals_the_torch_rule(vocab, k, w, repeats, floor, monkeypatch):
+def test_fused_tail_equals_the_torch_rule(vocab, k, w, repeats):
     """Tokens, fallback flags and masked log-probs of the kernels equal :func:`ras_pick_rows` exactly, with rows
     that keep their nucleus token and rows that redraw (widths that are not powers of two, top_k of 1 and of
-    the whole row, windows of 0, 1 and 10), with the nucleus draw walking its rows or cut at its floor."""
-    monkeypatch.setattr(nucleus_topk, "USE_FLOOR", floor)
+    the whole row, windows of 0, 1 and 10)."""
     logp, bias, q, q_again, window = _case(8, vocab, k, w, seed=vocab + k + w + repeats)
     (masked, token, fallback), (logp_out, tok, fb) = _both(logp, bias, q, q_again, window, repeats)
     assert torch.equal(logp_out, masked)
@@ -80,15 +79,15 @@ def test_fused_tail_equals_the_torch_rule(vocab, k, w, repeats, floor, monkeypat
 
 
 @pytest.mark.parametrize("vocab,k,w", [(37, 5, 4), (6564, 25, 10)])
-@pytest.mark.parametrize("rule_variates", [True, False])
-def test_variates_from_generator_states_equal_the_philox_draws(vocab, k, w, rule_variates, monkeypatch):
+@pytest.mark.parametrize("kernel", [True, False])
+def test_variates_from_generator_states_equal_the_philox_draws(vocab, k, w, kernel):
     """Given each row's generator state instead of variates, the tail draws as it does with the variates the
     Philox kernel computes from those states (the nucleus draw's, and the fallback's one draw later): the same
-    tokens, flags and masked log-probs, and ``q`` holds the nucleus variates.  With ``RULE_VARIATES`` off the
-    two Philox launches fill ``q`` and ``q_again`` first; on, the rule kernels compute them."""
+    tokens, flags and masked log-probs, and ``q`` holds the nucleus variates.  On the kernels the rule kernels
+    compute the variates; on the torch ops (``kernel=False``) two Philox launches fill ``q`` and ``q_again``
+    first."""
     from cosyvoice_fast.llm.kernels.philox import DRAW_OFFSET, exponential_rows
 
-    monkeypatch.setattr(nucleus, "RULE_VARIATES", rule_variates)
     rows = 8
     logp, bias, _, _, window = _case(rows, vocab, k, w, seed=vocab + w)
     g = torch.Generator().manual_seed(vocab)
@@ -103,7 +102,8 @@ def test_variates_from_generator_states_equal_the_philox_draws(vocab, k, w, rule
     again_buf = torch.full((rows, vocab), 9.0, device=DEV)
     logp_out = torch.full((rows, vocab), 7.0, device=DEV)
     drawn = torch.full((2, rows), -5, dtype=torch.int64, device=DEV)
-    ras_pick_into(logp.to(DEV), bias.to(DEV), q_buf, again_buf, window.to(DEV), lim, 1, logp_out, drawn, gens=gens)
+    ras_pick_into(logp.to(DEV), bias.to(DEV), q_buf, again_buf, window.to(DEV), lim, 1, logp_out, drawn, gens=gens,
+                  kernel=kernel)
     assert torch.equal(logp_out, logp_ref)
     assert drawn[0].tolist() == tok_ref.tolist() and drawn[1].tolist() == fb_ref.tolist()
     assert torch.equal(q_buf, q)
@@ -147,13 +147,12 @@ def test_kernels_refuse_what_they_cannot_take():
         ras_rule.ras_redraw_rows(probs, None, drawn, gens=torch.zeros(3, 2, dtype=torch.int64, device=DEV))
 
 
-def test_tail_without_the_kernels_writes_the_same(monkeypatch):
-    """With the kernels switched off (``nucleus.USE_KERNEL = False``), :func:`ras_pick_into` writes
-    :func:`ras_pick_rows`'s values through the torch ops."""
+def test_tail_without_the_kernels_writes_the_same():
+    """On the torch ops (``kernel=False``, as where Triton cannot run), :func:`ras_pick_into` writes
+    :func:`ras_pick_rows`'s values, the kernels' too."""
     logp, bias, q, q_again, window = _case(6, 37, 5, 4, seed=3)
     _, (logp_k, tok_k, fb_k) = _both(logp, bias, q, q_again, window, 1)
-    monkeypatch.setattr(nucleus, "USE_KERNEL", False)
-    (masked, token, fallback), (logp_t, tok_t, fb_t) = _both(logp, bias, q, q_again, window, 1)
+    (masked, token, fallback), (logp_t, tok_t, fb_t) = _both(logp, bias, q, q_again, window, 1, kernel=False)
     assert torch.equal(logp_t, masked) and torch.equal(logp_t, logp_k)
     assert tok_t.tolist() == token.tolist() == tok_k.tolist()
     assert fb_t.tolist() == fallback.long().tolist() == fb_k.tolist()
@@ -167,12 +166,11 @@ def test_kernel_layout_is_the_feeds():
         decode_feed.TOKEN, decode_feed.POS, decode_feed.SEED, decode_feed.OFFSET, decode_feed.WINDOW)
 
 
-def _feed_round(window: int, use_kernels: bool, monkeypatch) -> list[torch.Tensor]:  # noqa: ANN001
+def _feed_round(window: int, use_kernels: bool) -> list[torch.Tensor]:
     """A StepFeed through three graph-side rounds: fresh and kept columns, live and idle rows, a position at
     the cache's end (clamped), fallback flags 0 and 1; everything the graph side reads and writes."""
-    monkeypatch.setattr(decode_feed, "USE_KERNELS", use_kernels)
     slots, max_len = 5, 50
-    feed = StepFeed(slots, max_len, window, draw_offset=4, device=torch.device(DEV))
+    feed = StepFeed(slots, max_len, window, draw_offset=4, device=torch.device(DEV), kernels=use_kernels)
     assert (feed._kernels is not None) == use_kernels
     g = torch.Generator().manual_seed(window)
     out = []
@@ -192,19 +190,17 @@ def _feed_round(window: int, use_kernels: bool, monkeypatch) -> list[torch.Tenso
 
 
 @pytest.mark.parametrize("window", [0, 1, 3, 10])
-def test_step_feed_kernels_equal_the_torch_ops(window, monkeypatch):
-    ref = _feed_round(window, False, monkeypatch)
-    got = _feed_round(window, True, monkeypatch)
+def test_step_feed_kernels_equal_the_torch_ops(window):
+    ref = _feed_round(window, False)
+    got = _feed_round(window, True)
     for a, b in zip(ref, got):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
-@pytest.mark.parametrize("skip", [True, False])
-def test_step_feed_stage_copies_only_what_the_device_buffer_does_not_hold(skip, monkeypatch):
-    """A steady batch (no fresh column, the same live rows as the last copy) copies nothing; a fresh column, a
-    row joining or leaving, or the switch off copies again.  After every call the graph side reads the live
-    rows and fresh columns the host staged."""
-    monkeypatch.setattr(decode_feed, "SKIP_UNCHANGED", skip)
+def test_step_feed_stage_copies_only_what_the_device_buffer_does_not_hold():
+    """A steady batch (no fresh column, the same live rows as the last copy) copies nothing; a fresh column or
+    a row joining or leaving copies again.  After every call the graph side reads the live rows and fresh
+    columns the host staged."""
     feed = StepFeed(4, 50, 2, draw_offset=4, device=torch.device(DEV))
     col = [7, 3, 11, 8, -1, 5]
     calls = [({0: col, 1: col}, False), ({0: None, 1: None}, False), ({0: None, 1: None}, True),
@@ -216,13 +212,13 @@ def test_step_feed_stage_copies_only_what_the_device_buffer_does_not_hold(skip, 
         staged[:feed.rows] = -99  # column rows a copy would overwrite (the host's are never -99)
         feed.stage(columns)
         copied = bool((staged[:feed.rows] != -99).any())
-        assert copied != (skip and skipped) and feed.skipped - s0 == (skip and skipped)
+        assert copied != skipped and feed.skipped - s0 == skipped
         assert staged[feed.rows + 1].tolist() == [int(i in columns) for i in range(4)]
         assert staged[feed.rows].tolist() == [int(columns.get(i) is not None) for i in range(4)]
         for i, c in columns.items():
             if c is not None:
                 assert staged[:feed.rows, i].tolist() == c
-    assert feed.skipped == (4 if skip else 0)
+    assert feed.skipped == 4
 
 
 def test_advance_writes_each_live_rows_result_into_the_ring_at_its_position():
@@ -266,11 +262,9 @@ _gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 @_gpu
 @pytest.mark.parametrize("rows", [1, 16, 64])
-@pytest.mark.parametrize("floor", [False, True])
-def test_gpu_fused_tail_equals_the_torch_rule_at_speech_vocab(rows, floor, monkeypatch):
+def test_gpu_fused_tail_equals_the_torch_rule_at_speech_vocab(rows):
     """At V = 6564 and top_k 25, over many random batches on CUDA (torch's CUDA softmax and IEEE division as the
-    reference): tokens, flags and masked log-probs equal bit for bit, fallbacks included, walked or cut."""
-    monkeypatch.setattr(nucleus_topk, "USE_FLOOR", floor)
+    reference): tokens, flags and masked log-probs equal bit for bit, fallbacks included."""
     fallbacks = 0
     for seed in range(40):
         logp, bias, q, q_again, window = _case(rows, 6564, 25, 10, seed=1000 * rows + seed)

@@ -395,7 +395,7 @@ def test_remote_front_end_streams_from_the_cluster(cluster):
 
 
 def _params(first: int):  # noqa: ANN202
-    from cosyvoice_fast.config.model import StreamParams
+    from cosyvoice_fast.config.stream import StreamParams
 
     return StreamParams(token_hop_len_first=first)
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cosyvoice_fast.config.model import ConfigError, StreamParams
+from cosyvoice_fast.config.yamlfile import ConfigError
+from cosyvoice_fast.config.stream import StreamParams
 from cosyvoice_fast.config.schedule import ChunkCursor, first_hop, hop_for, plan
 
 

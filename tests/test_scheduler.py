@@ -14,7 +14,7 @@ import torch
 from cosyvoice_fast.vocoder.eager import EagerVocoder
 from cosyvoice_fast.engine.engine import Engine
 from cosyvoice_fast.config.engine import EngineConfig
-from cosyvoice_fast.config.model import StreamParams
+from cosyvoice_fast.config.stream import StreamParams
 from cosyvoice_fast.frontend.request import ModelInputs, SynthesisRequest
 from cosyvoice_fast.config.schedule import ChunkCursor
 from cosyvoice_fast.vocoder.stream import VocodeJob, vocode_chunk, vocode_chunks
@@ -156,6 +156,7 @@ class GatedLLM:
     def __init__(self, inner, gate: threading.Event):  # noqa: ANN001
         self.inner, self.gate = inner, gate
         self.capacity = inner.capacity
+        self.prefill_synced = False  # the engine waits for the stream after prefill (a no-op on the CPU)
         self.gated_rows = 0
 
     def new_state(self, *args):  # noqa: ANN002

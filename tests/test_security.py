@@ -250,7 +250,7 @@ def test_bad_upload_errors_show_no_server_paths(app, client, tmp_path):
 
 
 def test_redact_paths():
-    from cosyvoice_fast.app.handlers import redact_paths
+    from cosyvoice_fast.app.messages import redact_paths
 
     assert redact_paths("Error opening '/tmp/gradio/ab12/x.wav': bad") == "Error opening 'x.wav': bad"
     assert redact_paths("missing /home/u/models/CosyVoice2-0.5B/llm.pt") == "missing llm.pt"

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from cosyvoice_fast.kernels import graphs
-from cosyvoice_fast.config.model import BackendConfig, StreamParams
+from cosyvoice_fast.config.backends import BackendConfig
+from cosyvoice_fast.config.stream import StreamParams
 from cosyvoice_fast.engine.engine import Engine
 from cosyvoice_fast.config.engine import EngineConfig
 from cosyvoice_fast.frontend.request import ModelInputs, SynthesisRequest

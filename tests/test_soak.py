@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 
-from cosyvoice_fast.config.model import StreamParams
+from cosyvoice_fast.config.stream import StreamParams
 from cosyvoice_fast.bench.soak import run_soak
 
 pytest.importorskip("psutil")

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from cosyvoice_fast.config.model import BackendConfig, ConfigError
+from cosyvoice_fast.config.backends import BackendConfig
+from cosyvoice_fast.config.yamlfile import ConfigError
 from cosyvoice_fast.frontend.request import SynthesisRequest
 from cosyvoice_fast.serving.service import load_service
 

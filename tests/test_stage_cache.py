@@ -11,7 +11,8 @@ import torch
 
 from cosyvoice_fast.engine import stages as backends
 from cosyvoice_fast.engine.stages import StageCache, stage_keys
-from cosyvoice_fast.config.model import BackendConfig
+from cosyvoice_fast.config.backends import BackendConfig
+from cosyvoice_fast.config.yamlfile import ConfigError
 from cosyvoice_fast.config.engine import EngineConfig
 
 
@@ -65,12 +66,18 @@ def test_flow_keys_name_what_is_built():
     def key(**kw):
         return stage_keys(BackendConfig(**kw))["flow"][1]
 
-    assert key(flow="eager") == key(flow="incremental") == key(flow="incremental", incremental=False) == "incremental"
+    assert key(flow="eager") == "incremental"  # the eager flow's incremental runner
     assert key(flow="eager", incremental=False) == "eager"
     assert key(flow="cudagraph") == "cudagraph-incremental" and key(flow="cudagraph", incremental=False) == "cudagraph"
     assert key(flow="fused") == "fused-incremental" and key(flow="fused", incremental=False) == "fused"
     assert key(flow="tensorrt") == key(flow="tensorrt", incremental=False) == "tensorrt"
     assert stage_keys(BackendConfig(dtype="bf16"))["vocoder"] == ("vocoder", "eager", "fp32")  # HiFT stays fp32
+
+
+def test_the_old_incremental_flow_name_is_refused_naming_the_flag():
+    with pytest.raises(ConfigError, match="flow backend 'incremental' is not a separate backend: use flow='eager' "
+                                          "with incremental=True"):
+        BackendConfig(flow="incremental")
 
 
 def test_the_cache_stays_bounded_per_stage(counting):
@@ -127,11 +134,10 @@ def test_engine_stages_share_real_stages_and_report_them():
         inc = eng.stages(BackendConfig())
         rec = eng.stages(BackendConfig(incremental=False))
         assert rec.llm is inc.llm and rec.vocoder is inc.vocoder and rec.flow is not inc.flow
-        assert eng.stages(BackendConfig(flow="incremental")).flow is inc.flow  # the same runner, another name
         st = eng.stats()
         assert sorted(st["stages_built"]) == ["flow/eager/fp32", "flow/incremental/fp32", "llm/eager/fp32",
                                               "vocoder/eager/fp32"]
-        assert st["stage_sets"] == ["eager/eager/eager/fp32", "eager/eager/eager/fp32", "eager/incremental/eager/fp32"]
+        assert st["stage_sets"] == ["eager/eager/eager/fp32", "eager/eager/eager/fp32"]
         assert st["stage_variants"] == 2 and st["max_active"] == 64
         assert {c["incremental"] for c in st["stage_configs"]} == {False, True}
 

@@ -16,7 +16,7 @@ from cosyvoice_fast.frontend.text import (
     DEFAULT_MAX_CHARS, SPECIAL_TOKENS, EmptyTextError, TextTokenizer, TextTooLongError, is_chinese, normalize,
     normalize_and_split, split_text,
 )  # noqa: E402
-from cosyvoice_fast.frontend.text_normalize import number_to_chinese, number_to_english  # noqa: E402
+from cosyvoice_fast.frontend.number_words import number_to_chinese, number_to_english  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

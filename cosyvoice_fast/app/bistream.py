@@ -15,7 +15,7 @@ import numpy as np
 from cosyvoice_fast.app import dashboard as db
 from cosyvoice_fast.frontend.request import SynthesisRequest
 
-DEFAULT_PROMPT = Path(__file__).resolve().parent.parent / "assets" / "cross_lingual_prompt.wav"
+DEFAULT_PROMPT = Path(__file__).resolve().parents[2] / "assets" / "cross_lingual_prompt.wav"
 
 
 def words_at(text: str, words_per_second: float) -> Iterator[str]:

@@ -36,7 +36,7 @@ HEARD_HELP = ("click -> first sample played, measured by the page (network, the 
 RUN_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
 SUMMARY_HEADERS = ["metric", "value", "unit"]
 AB_HEADERS = ["metric", "A", "B", "B − A", "B / A"]
-_LAYOUT = dict(template="plotly_white", margin=dict(l=60, r=20, t=48, b=40), font=dict(size=12),
+LAYOUT = dict(template="plotly_white", margin=dict(l=60, r=20, t=48, b=40), font=dict(size=12),
                legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="left", x=0, traceorder="normal"))
 
 
@@ -47,7 +47,7 @@ def as_dict(t: TeleLike | None) -> dict[str, Any] | None:
     return t.to_dict() if isinstance(t, RequestTelemetry) else dict(t)
 
 
-def _num(x: Any) -> float:
+def as_number(x: Any) -> float:
     """A float, with None and non-numbers as NaN (unfinished fields of a live request)."""
     try:
         v = float(x)
@@ -57,11 +57,12 @@ def _num(x: Any) -> float:
 
 
 def _fin(x: Any) -> bool:
-    return math.isfinite(_num(x))
+    return math.isfinite(as_number(x))
 
 
-def _fmt(x: Any, digits: int = 1) -> str:
-    return f"{_num(x):.{digits}f}" if _fin(x) else "–"
+def fmt_number(x: Any, digits: int = 1) -> str:
+    """``x`` with ``digits`` decimals, or an en dash where it is not measured (yet)."""
+    return f"{as_number(x):.{digits}f}" if _fin(x) else "–"
 
 
 def empty_figure(message: str, height: int = 260) -> go.Figure:
@@ -69,7 +70,7 @@ def empty_figure(message: str, height: int = 260) -> go.Figure:
     fig = go.Figure()
     fig.add_annotation(text=html.escape(message), showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper",
                        font=dict(size=14, color="#777"))
-    fig.update_layout(**_LAYOUT, height=height, xaxis=dict(visible=False), yaxis=dict(visible=False))
+    fig.update_layout(**LAYOUT, height=height, xaxis=dict(visible=False), yaxis=dict(visible=False))
     return fig
 
 
@@ -77,7 +78,7 @@ def breakdown_ms(t: TeleLike) -> dict[str, float]:
     """Stage -> ms of the TTFB split (NaN while the first chunk is not out yet)."""
     d = as_dict(t) or {}
     bd = (d.get("derived") or {}).get("ttfb_breakdown_ms") or {}
-    return {s: _num(bd.get(s)) for s in STAGES}
+    return {s: as_number(bd.get(s)) for s in STAGES}
 
 
 def ttfb_figure(runs: TeleLike | Sequence[TeleLike] | None, labels: Sequence[str] | None = None,
@@ -98,7 +99,7 @@ def ttfb_figure(runs: TeleLike | Sequence[TeleLike] | None, labels: Sequence[str
         fig.add_trace(go.Bar(name=s, y=names, x=vals, orientation="h", marker_color=STAGE_COLORS[s],
                              customdata=[STAGE_HELP[s]] * len(vals),
                              hovertemplate=f"<b>{s}</b> %{{x:.1f}} ms<br>%{{customdata}}<extra>%{{y}}</extra>"))
-    totals = [_num((d.get("derived") or {}).get("ttfb_ms")) for d in dicts]
+    totals = [as_number((d.get("derived") or {}).get("ttfb_ms")) for d in dicts]
     rest = [t - sum(v for v in bd.values() if _fin(v)) if _fin(t) and not all(map(_fin, bd.values())) else 0.0
             for t, bd in zip(totals, bds)]
     if any(rest):  # a live record without the engine's early timestamps: show the unsplit remainder honestly
@@ -117,7 +118,7 @@ def ttfb_figure(runs: TeleLike | Sequence[TeleLike] | None, labels: Sequence[str
             fig.add_annotation(x=ms, y=y, text=f" {ms:.0f} ms", showarrow=False, xanchor="left", font=dict(size=12))
     heard_rows = {h[0] for h in heard}
     order = [y for n in names for y in (n, f"{n} · heard") if y == n or y in heard_rows]
-    fig.update_layout(**_top_legend(_LAYOUT), barmode="stack", height=190 + 40 * len(order),
+    fig.update_layout(**_top_legend(LAYOUT), barmode="stack", height=190 + 40 * len(order),
                       title=dict(text=title, y=1.0, yref="container", yanchor="top", pad=dict(t=10)),
                       xaxis_title="ms: server stages since the request was received; heard at since the click",
                       yaxis=dict(autorange="reversed", categoryorder="array", categoryarray=order))
@@ -129,7 +130,7 @@ def ttfb_figure(runs: TeleLike | Sequence[TeleLike] | None, labels: Sequence[str
 def heard_ms(t: TeleLike) -> float:
     """Click -> first sample played, as the page measured it (NaN when no page played this run)."""
     d = as_dict(t) or {}
-    return _num((d.get("client") or {}).get("heard_ms"))
+    return as_number((d.get("client") or {}).get("heard_ms"))
 
 
 def _top_legend(layout: Mapping[str, Any]) -> dict[str, Any]:
@@ -142,21 +143,21 @@ def _chunk_spans(d: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Per chunk: start/end (ms) of its LLM token window, queue wait, flow, vocoder and hand-over."""
     chunks = d.get("chunks") or []
     report = {r["index"]: r for r in (d.get("derived") or {}).get("chunks") or []}
-    prev = _num(d.get("prefill_start"))
+    prev = as_number(d.get("prefill_start"))
     out = []
 
     def ms(a: float, b: float) -> tuple[float, float] | None:
         return (a * 1e3, b * 1e3) if _fin(a) and _fin(b) else None
 
     for c in chunks:
-        ready, fs, fe, ve, dl = (_num(c.get(k)) for k in ("tokens_ready", "flow_start", "flow_end",
+        ready, fs, fe, ve, dl = (as_number(c.get(k)) for k in ("tokens_ready", "flow_start", "flow_end",
                                                             "vocoder_end", "delivered"))
         r = report.get(c.get("index"), {})
         out.append({"label": f"chunk {c.get('index')}" + (f" (seg {c['segment']})" if c.get("segment") else ""),
-                    "tokens": c.get("n_tokens"), "audio_s": _num(c.get("n_samples")) / (c.get("sample_rate") or 1),
+                    "tokens": c.get("n_tokens"), "audio_s": as_number(c.get("n_samples")) / (c.get("sample_rate") or 1),
                     "LLM tokens": ms(prev, ready), "queue": ms(ready, fs), "flow": ms(fs, fe), "vocoder": ms(fe, ve),
-                    "emission": ms(ve, dl), "deadline_ms": _num(r.get("deadline_s")) * 1e3,
-                    "ready_ms": dl * 1e3, "underrun": bool(r.get("underrun")), "slack_ms": _num(r.get("slack_ms")),
+                    "emission": ms(ve, dl), "deadline_ms": as_number(r.get("deadline_s")) * 1e3,
+                    "ready_ms": dl * 1e3, "underrun": bool(r.get("underrun")), "slack_ms": as_number(r.get("slack_ms")),
                     "flow_mode": c.get("flow_mode") or "", "flow_frames": int(c.get("flow_frames") or 0),
                     "flow_state_bytes": int(c.get("flow_state_bytes") or 0)})
         prev = ready if _fin(ready) else prev
@@ -221,7 +222,7 @@ def chunk_timeline_figure(t: TeleLike | None, title: str = "Chunk timeline",
         sub += f" · flow {min(flows):.0f}–{max(flows):.0f} ms/chunk" + (f" ({', '.join(modes)})" if modes else "")
     # the legend wraps onto several rows in a half-width plot (A/B tab): room for it between title and plot;
     # rows keep chunk order whichever stage first drew a chunk
-    fig.update_layout(**_top_legend(_LAYOUT), barmode="overlay", height=230 + 34 * len(labels),
+    fig.update_layout(**_top_legend(LAYOUT), barmode="overlay", height=230 + 34 * len(labels),
                       title=dict(text=title + sub, y=1.0, yref="container", yanchor="top", pad=dict(t=10)),
                       xaxis_title="ms since the request was received",
                       yaxis=dict(autorange="reversed", categoryorder="array", categoryarray=labels))
@@ -248,7 +249,7 @@ def _text_marks(fig: go.Figure, d: Mapping[str, Any]) -> list[str]:
         name="text piece arrived", mode="markers", y=[TEXT_ROW] * len(arrivals), x=arrivals,
         marker=dict(symbol="triangle-down", size=10, color="#9467bd"), customdata=list(range(1, len(arrivals) + 1)),
         hovertemplate="<b>text piece %{customdata}</b> arrived at %{x:.0f} ms<extra></extra>"))
-    t5 = _num(d.get("text_token5"))
+    t5 = as_number(d.get("text_token5"))
     if _fin(t5):
         fig.add_trace(go.Scatter(
             name="5th text token", mode="markers", y=[TEXT_ROW], x=[t5 * 1e3],
@@ -277,15 +278,15 @@ def status_line(t: TeleLike, outcome: str) -> str:
     d = as_dict(t) or {}
     der = d.get("derived") or {}
     chunks = d.get("chunks") or []
-    audio = sum(_num(c.get("n_samples")) / (c.get("sample_rate") or 1) for c in chunks)
+    audio = sum(as_number(c.get("n_samples")) / (c.get("sample_rate") or 1) for c in chunks)
     under = sum(bool(c.get("underrun")) for c in der.get("chunks") or [])
     heard = heard_ms(d)
     tail = f", heard at {heard:.0f} ms" if _fin(heard) else ""
     if outcome == "cancelled":
-        return (f"stopped: {len(chunks)} chunks, {audio:.2f} s of audio before Stop, TTFB {_fmt(der.get('ttfb_ms'), 0)}"
+        return (f"stopped: {len(chunks)} chunks, {audio:.2f} s of audio before Stop, TTFB {fmt_number(der.get('ttfb_ms'), 0)}"
                 f" ms{tail}")
-    return (f"done: {len(chunks)} chunks, {audio:.2f} s of audio, TTFB {_fmt(der.get('ttfb_ms'), 0)} ms, "
-            f"RTF {_fmt(der.get('rtf'), 3)}, {under} underruns{tail}")
+    return (f"done: {len(chunks)} chunks, {audio:.2f} s of audio, TTFB {fmt_number(der.get('ttfb_ms'), 0)} ms, "
+            f"RTF {fmt_number(der.get('rtf'), 3)}, {under} underruns{tail}")
 
 
 def run_label(params: Mapping[str, Any]) -> str:
@@ -318,11 +319,11 @@ def history_figure(history: Sequence[Mapping[str, Any]]) -> go.Figure:
         for row, key, unit in ((1, "ttfb_ms", "ms"), (2, "rtf", "")):
             fig.add_trace(go.Scatter(
                 name=label, legendgroup=label, showlegend=row == 1, mode="markers+lines",
-                x=[h["run"] for h in rows], y=[_num(h[key]) for h in rows], customdata=hover,
+                x=[h["run"] for h in rows], y=[as_number(h[key]) for h in rows], customdata=hover,
                 marker=dict(size=9, color=color), line=dict(color=color, width=1, dash="dot"),
                 hovertemplate=f"run %{{x}}: %{{y:.3g}} {unit}<br>%{{customdata}}<extra>{html.escape(label)}</extra>"),
                 row=row, col=1)
-    fig.update_layout(**{**_LAYOUT, "margin": dict(l=60, r=20, t=84, b=40)}, height=400,
+    fig.update_layout(**{**LAYOUT, "margin": dict(l=60, r=20, t=84, b=40)}, height=400,
                       title="Run history (this session)")
     fig.update_xaxes(title_text="run", dtick=1, row=2, col=1)
     return fig
@@ -336,12 +337,12 @@ def summary_rows(t: TeleLike | None) -> list[list[Any]]:
     der = d.get("derived") or {}
 
     def r(x: Any, n: int) -> Any:
-        return round(_num(x), n) if _fin(x) else None
+        return round(as_number(x), n) if _fin(x) else None
 
     rows = [["TTFB", r(der.get("ttfb_ms"), 1), "ms"], ["RTF", r(der.get("rtf"), 3), "wall s / audio s"],
             ["chunks", len(d.get("chunks") or []), ""], ["tokens/s", r(der.get("tokens_per_s"), 1), "LM"],
             ["speech tokens", len(d.get("token_times") or []), ""],
-            ["audio", r(sum(_num(c.get("n_samples")) / (c.get("sample_rate") or 1) for c in d.get("chunks") or []),
+            ["audio", r(sum(as_number(c.get("n_samples")) / (c.get("sample_rate") or 1) for c in d.get("chunks") or []),
                         2), "s"],
             ["underruns", sum(bool(c.get("underrun")) for c in der.get("chunks") or []), "late chunks"],
             ["speaker cache", "hit" if d.get("speaker_cache_hit") else "miss", ""]]
@@ -357,16 +358,16 @@ def _ab_metrics(d: Mapping[str, Any]) -> dict[str, float]:
     chunks = der.get("chunks") or []
 
     def mean(key: str) -> float:
-        v = [_num(c.get(key)) for c in chunks if _fin(c.get(key))]
+        v = [as_number(c.get(key)) for c in chunks if _fin(c.get(key))]
         return sum(v) / len(v) if v else math.nan
 
-    m = {"TTFB (ms)": _num(der.get("ttfb_ms"))}
+    m = {"TTFB (ms)": as_number(der.get("ttfb_ms"))}
     m.update({f"  {s} (ms)": v for s, v in breakdown_ms(d).items()})
     m["heard at (ms)"] = heard_ms(d)
-    m.update({"RTF": _num(der.get("rtf")), "tokens/s": _num(der.get("tokens_per_s")),
+    m.update({"RTF": as_number(der.get("rtf")), "tokens/s": as_number(der.get("tokens_per_s")),
               "chunks": float(len(chunks)), "underruns": float(sum(bool(c.get("underrun")) for c in chunks)),
               "flow ms / chunk": mean("flow_ms"), "vocoder ms / chunk": mean("vocoder_ms"),
-              "audio (s)": sum(_num(c.get("audio_s")) for c in chunks if _fin(c.get("audio_s"))),
+              "audio (s)": sum(as_number(c.get("audio_s")) for c in chunks if _fin(c.get("audio_s"))),
               "prompt from cache (1 = yes)": float(bool(d.get("speaker_cache_hit")))})
     return m
 
@@ -381,69 +382,3 @@ def ab_difference_rows(a: TeleLike, b: TeleLike) -> list[list[Any]]:
         ratio = round(y / x, 3) if _fin(x) and _fin(y) and x != 0 else None
         rows.append([k, round(x, 3) if _fin(x) else None, round(y, 3) if _fin(y) else None, diff, ratio])
     return rows
-
-
-# ------------------------------------------------------------------------------------------ benchmark report
-def _p(run: Mapping[str, Any], key: str, q: str = "p50") -> float:
-    v = run.get(key)
-    return _num(v.get(q)) if isinstance(v, Mapping) else _num(v)
-
-
-def benchmark_figures(results: Mapping[str, Any]) -> list[go.Figure]:
-    """Figures of a ``bench.py`` results dict: TTFB split per configuration, throughput and RTF vs concurrency,
-    and per-step costs (LLM ms/token, flow and vocoder ms/chunk)."""
-    runs = [r for r in results.get("runs", []) if "skipped" not in r]
-    if not runs:
-        return [empty_figure("No benchmark runs (every backend was skipped).")]
-    names = [f"{r['backend']} ×{r['concurrency']}" for r in runs]
-    split = go.Figure()
-    for s in STAGES:
-        split.add_trace(go.Bar(name=s, x=names, y=[_p(r, f"ttfb.{s}_ms") for r in runs], marker_color=STAGE_COLORS[s]))
-    split.add_trace(go.Scatter(name="TTFB p95", x=names, y=[_p(r, "ttfb_ms", "p95") for r in runs], mode="markers",
-                               marker=dict(symbol="diamond", size=10, color="#d62728")))
-    split.update_layout(**_LAYOUT, barmode="stack", height=420, yaxis_title="ms",
-                        title="TTFB by stage (median of each stage) and TTFB p95, per backend × concurrency")
-    scale = make_subplots(rows=1, cols=2, subplot_titles=("audio seconds per wall second", "RTF p50"))
-    for k, b in enumerate(dict.fromkeys(r["backend"] for r in runs)):
-        rs = sorted((r for r in runs if r["backend"] == b), key=lambda r: r["concurrency"])
-        color = RUN_COLORS[k % len(RUN_COLORS)]
-        for col, key in ((1, "audio_s_per_s"), (2, "rtf")):
-            scale.add_trace(go.Scatter(name=b, legendgroup=b, showlegend=col == 1, x=[r["concurrency"] for r in rs],
-                                       y=[_p(r, key) for r in rs], mode="lines+markers", line=dict(color=color)),
-                            row=1, col=col)
-    scale.update_layout(**_LAYOUT, height=380, title="Scaling with concurrent requests")
-    scale.update_xaxes(type="log", title_text="concurrent requests")
-    steps = go.Figure()
-    for key, label, color in (("llm_ms_per_token", "LLM ms / token", STAGE_COLORS["llm_decode"]),
-                              ("flow_ms_per_chunk", "flow ms / chunk", STAGE_COLORS["flow"]),
-                              ("vocoder_ms_per_chunk", "vocoder ms / chunk", STAGE_COLORS["vocoder"])):
-        steps.add_trace(go.Bar(name=label, x=names, y=[_p(r, key) for r in runs], marker_color=color))
-    steps.update_layout(**_LAYOUT, barmode="group", height=380, yaxis_title="ms (p50)", title="Cost per step")
-    return [split, scale, steps]
-
-
-def benchmark_report_html(results: Mapping[str, Any], include_plotlyjs: bool | str = True) -> str:
-    """A self-contained HTML page (Plotly inlined unless ``include_plotlyjs='cdn'``) of a benchmark run."""
-    head = ", ".join(f"{k}: {html.escape(str(results.get(k)))}" for k in ("gpu", "dtype", "model", "torch"))
-    rows = []
-    for r in results.get("runs", []):
-        if "skipped" in r:
-            rows.append(f"<tr><td>{html.escape(str(r['backend']))}</td><td colspan=10>skipped: "
-                        f"{html.escape(str(r['skipped']))}</td></tr>")
-            continue
-        cells = [r["backend"], r["concurrency"], _fmt(_p(r, "ttfb_ms")), _fmt(_p(r, "ttfb_ms", "p95")),
-                 _fmt(_p(r, "llm_ms_per_token"), 2), _fmt(_p(r, "flow_ms_per_chunk")),
-                 _fmt(_p(r, "vocoder_ms_per_chunk")), _fmt(_p(r, "rtf"), 3), _fmt(_p(r, "audio_s_per_s"), 2),
-                 r.get("underruns", "–"), _fmt(_p(r, "gpu_mem_peak_gib"), 2)]
-        rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
-    table = ("<table><tr><th>backend</th><th>concurrency</th><th>TTFB p50 ms</th><th>TTFB p95 ms</th>"
-             "<th>LLM ms/token</th><th>flow ms/chunk</th><th>vocoder ms/chunk</th><th>RTF p50</th>"
-             "<th>audio s/s</th><th>underruns</th><th>GPU mem peak GiB</th></tr>" + "".join(rows) + "</table>")
-    figs = []
-    for i, fig in enumerate(benchmark_figures(results)):
-        figs.append(fig.to_html(full_html=False, include_plotlyjs=include_plotlyjs if i == 0 else False))
-    args = html.escape(str(results.get("args", {})))
-    return ("<!doctype html><html><head><meta charset='utf-8'><title>cosyvoice_fast benchmark</title><style>"
-            "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
-            "padding:4px 8px;text-align:right}</style></head><body><h1>cosyvoice_fast benchmark</h1>"
-            f"<p>{head}</p><p><small>{args}</small></p>{table}{''.join(figs)}</body></html>")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import re
 import secrets
 from typing import Any, Callable, Iterator, Sequence
 
@@ -20,13 +19,16 @@ import numpy as np
 
 from cosyvoice_fast.app import dashboard as db
 from cosyvoice_fast.engine.stages import available_backends
-from cosyvoice_fast.config.model import BackendConfig, StreamParams
+from cosyvoice_fast.config.backends import BackendConfig
+from cosyvoice_fast.config.stream import StreamParams
 from cosyvoice_fast.engine.engine import EngineClosed
 from cosyvoice_fast.frontend.request import MODE_LABELS, SynthesisRequest
 from cosyvoice_fast.serving.http import api_store
 from cosyvoice_fast.telemetry.request_log import log_refused
 from cosyvoice_fast.telemetry.record import RequestTelemetry
-from cosyvoice_fast.app.queue import engine_record, gradio_queue_wait, set_app_queue
+from cosyvoice_fast.app.messages import SHUTTING_DOWN, user_error, user_message
+from cosyvoice_fast.app.queue import gradio_queue_wait, set_app_queue
+from cosyvoice_fast.serving.store import engine_record
 
 log = logging.getLogger(__name__)
 
@@ -48,30 +50,6 @@ def pcm16(x: np.ndarray) -> np.ndarray:
 
 def random_seed() -> int:
     return secrets.randbelow(2**31)
-
-
-# An absolute path inside a message: POSIX (/tmp/gradio/ab12/x.wav) or Windows (C:\\Users\\...\\x.wav), quoted or not.
-_ABS_PATH = re.compile(r"(?<![\w.:/\\])(?:[A-Za-z]:[\\/]|/)(?:[^\s'\"/\\]+[\\/])+([^\s'\"/\\]*)")
-
-
-def redact_paths(text: str) -> str:
-    """Replace every absolute path in ``text`` by its file name: messages shown to users must not reveal the
-    server's directories (Gradio's upload cache, the model directory, the home directory)."""
-    return _ABS_PATH.sub(lambda m: m.group(1) or "<path>", text)
-
-
-def user_error(message: str) -> gr.Error:
-    """The error a user sees in the page or ``gradio_client``.  Gradio would print a traceback for each one; a user
-    mistake is not a server failure, so the request log's one line is all the server log gets."""
-    return gr.Error(message, print_exception=False)
-
-
-SHUTTING_DOWN = "The server is shutting down, so this request was stopped. Try again once it is back."
-
-
-def _message(e: BaseException) -> str:
-    """The user-facing text of ``e`` (library messages are written for users), without server paths."""
-    return redact_paths(str(e)) or type(e).__name__
 
 
 class Handlers:
@@ -152,7 +130,7 @@ class Handlers:
                 stream=bool(voice.get("stream")), stream_params=params, backend=backend,
                 speed=float(voice.get("speed") or 1.0), max_tokens=max_tokens)
         except (ValueError, TypeError, KeyError) as e:
-            raise user_error(_message(e)) from e
+            raise user_error(user_message(e)) from e
 
     def _checked_request(self, voice: dict[str, Any], cfg: dict[str, Any]) -> SynthesisRequest:
         """:meth:`request_from`, counting a refusal in the service's metrics (the engine never sees it)."""
@@ -176,10 +154,10 @@ class Handlers:
         except EngineClosed as e:
             raise user_error(SHUTTING_DOWN) from e
         except (ValueError, RuntimeError) as e:  # frontend validation, ConfigError, BackendUnavailable, engine full
-            raise user_error(_message(e)) from e
+            raise user_error(user_message(e)) from e
         except Exception as e:  # anything else (OSError, ...): a message without server paths, never a raw trace
             log.exception("request %s failed before synthesis", req.request_id)
-            raise user_error(f"could not start synthesis: {_message(e)}") from e
+            raise user_error(f"could not start synthesis: {user_message(e)}") from e
 
     def _source(self, voice: dict[str, Any], cfg: dict[str, Any], rid: str,
                 request: Any) -> tuple[Iterator[Any], Callable[[], RequestTelemetry | None], Callable[[], str]]:
@@ -196,7 +174,7 @@ class Handlers:
                 raise user_error(f"the page's audio request did not reach the server: {e}") from e
             live = store.get(rid)
             if first is None and live is not None and live.outcome in ("rejected", "error"):
-                raise user_error(_message(RuntimeError(live.error or "the request failed")))
+                raise user_error(user_message(RuntimeError(live.error or "the request failed")))
             return (itertools.chain([first] if first is not None else [], chunks),
                     lambda: live.partial() if live is not None else None,
                     lambda: (live.outcome or "running") if live is not None else "error")
@@ -255,7 +233,7 @@ class Handlers:
             raise user_error(SHUTTING_DOWN) from e
         except Exception as e:  # a failure inside the engine: report it, keep serving
             log.exception("request %s failed", rid or "(app)")
-            raise user_error(f"synthesis failed: {_message(e)}") from e
+            raise user_error(f"synthesis failed: {user_message(e)}") from e
         if not parts:
             raise user_error("stopped before the first audio chunk" if outcome() == "cancelled"
                              else "the engine produced no audio for this request")
@@ -292,7 +270,7 @@ class Handlers:
             raise user_error(SHUTTING_DOWN) from e
         except Exception as e:
             log.exception("request %s failed", req.request_id)
-            raise user_error(f"synthesis failed: {_message(e)}") from e
+            raise user_error(f"synthesis failed: {user_message(e)}") from e
         finally:
             chunks.close()
         if tele is None or not parts:
@@ -310,8 +288,8 @@ class Handlers:
         if not parts:
             outcome = live.outcome if live is not None else "error"
             raise user_error("stopped before the first audio chunk" if outcome == "cancelled"
-                           else _message(RuntimeError(live.error if live is not None and live.error
-                                                      else "the engine produced no audio for this request")))
+                           else user_message(RuntimeError(live.error if live is not None and live.error
+                                                          else "the engine produced no audio for this request")))
         return np.concatenate(parts), self._with_client(live.partial() if live else None, rid, wait_s=HEARD_WAIT_S)
 
     def _warm_prompt(self, req: SynthesisRequest) -> None:
@@ -321,7 +299,7 @@ class Handlers:
         try:
             self.frontend.prompt_features(req.prompt_wav, req.prompt_sr)
         except (ValueError, RuntimeError, OSError) as e:
-            raise user_error(_message(e)) from e
+            raise user_error(user_message(e)) from e
 
     def ab(self, *values: Any) -> Iterator[tuple]:
         """Same text, voice and seed through configuration A, then B (one after the other, so neither steals the
@@ -378,7 +356,7 @@ class Handlers:
             wav, sr = read_audio(path)
             fe.add_speaker(name, wav, sr, (transcript or "").strip())
         except (ValueError, RuntimeError, OSError) as e:
-            raise user_error(_message(e)) from e
+            raise user_error(user_message(e)) from e
         gr.Info(f"Saved voice '{name}'. Pick the 'saved speaker' mode to use it.")
         return gr.update(choices=self.speaker_names(), value=name)
 
@@ -389,7 +367,7 @@ class Handlers:
         try:
             fe.delete_speaker(name)
         except (ValueError, KeyError, OSError) as e:
-            raise user_error(_message(e)) from e
+            raise user_error(user_message(e)) from e
         gr.Info(f"Deleted voice '{name}'.")
         return gr.update(choices=self.speaker_names(), value=None)
 

@@ -24,7 +24,7 @@ from cosyvoice_fast.app.player import PLAYER_JS, STOP_JS, ab_click_js, click_js
 from cosyvoice_fast.app.bistream import bistream_tab
 from cosyvoice_fast.app.queue import count_input_refusals
 
-ASSETS = Path(__file__).resolve().parents[1] / "assets"
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
 MAX_UPLOAD = "10mb"
 CSS = """
 #banner {background:#fff4e5; border:1px solid #f0a35e; border-radius:8px; padding:6px 14px}

@@ -2,8 +2,8 @@
 and the engine's live record of a running request (so the live dashboard and the final one are the same numbers).
 
 Gradio keeps each queued event's ``enqueue_time`` (``time.monotonic()``) on its queue object; the handler finds
-its own event by the session that sent it.  The HTTP API reads the engine's record the same way.  Both reach into objects other modules own (Gradio's queue, the
-engine's request stream): each access is guarded and degrades to "not measured" rather than failing a run.
+its own event by the session that sent it.  Both reach into objects other modules own (Gradio's queue,
+the engine's request stream): each access is guarded and degrades to "not measured" rather than failing a run.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import logging
 import time
 from typing import Any, Sequence
 
-from cosyvoice_fast.telemetry.record import RequestTelemetry
+from cosyvoice_fast.serving.store import engine_record
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +35,6 @@ def gradio_queue_wait(request: Any, blocks: Any, fn_name: str = "synthesize") ->
         return 0.0
     # the newest event of this session for this function is the one running now (a session runs one at a time)
     return max(0.0, started - max(e.enqueue_time for e in mine))
-
-
-def engine_record(stream: Any) -> RequestTelemetry | None:
-    """The engine's own :class:`RequestTelemetry` of a running request (filled in as it runs)."""
-    rec = getattr(stream, "telemetry", None)
-    return rec if isinstance(rec, RequestTelemetry) else None
 
 
 def set_app_queue(stream: Any, seconds: float) -> None:

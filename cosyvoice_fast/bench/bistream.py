@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from cosyvoice_fast.bench.engine_bench import run_wave, synthetic_inputs
-from cosyvoice_fast.config.model import BackendConfig
+from cosyvoice_fast.config.backends import BackendConfig
 from cosyvoice_fast.frontend.request import SynthesisRequest
 from cosyvoice_fast.telemetry.record import RequestTelemetry
 

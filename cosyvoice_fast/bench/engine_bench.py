@@ -23,25 +23,16 @@ from typing import Any
 
 import torch
 
-from cosyvoice_fast.config.model import BackendConfig, ConfigError, StreamParams
+from cosyvoice_fast.config.backends import BackendConfig
+from cosyvoice_fast.config.yamlfile import ConfigError
+from cosyvoice_fast.config.stream import StreamParams
+from cosyvoice_fast.config.presets import BACKEND_PRESETS, parse_backend  # noqa: F401 - re-exported for scripts
 from cosyvoice_fast.bench.gpu_busy import GpuBusy
 from cosyvoice_fast.bench.host_cpu import HostCpu
 from cosyvoice_fast.frontend.request import ModelInputs, SynthesisRequest
 from cosyvoice_fast.telemetry.record import RequestTelemetry, aggregate, percentile
 
 log = logging.getLogger(__name__)
-
-BACKEND_PRESETS = {
-    "eager": BackendConfig(incremental=False),  # upstream's scheme: the reference every speed-up is against
-    "eager-incremental": BackendConfig(),
-    "cudagraph": BackendConfig(llm="cudagraph", flow="cudagraph", vocoder="cudagraph"),
-    "cudagraph-recompute": BackendConfig(llm="cudagraph", flow="cudagraph", vocoder="cudagraph", incremental=False),
-    "fused": BackendConfig(llm="fused", flow="fused", vocoder="fused"),  # Triton kernels in the graphs
-    "fused-recompute": BackendConfig(llm="fused", flow="fused", vocoder="fused", incremental=False),
-    "tensorrt": BackendConfig(llm="cudagraph", flow="tensorrt", vocoder="cudagraph"),
-    "trtllm": BackendConfig(llm="trtllm", flow="tensorrt", vocoder="cudagraph"),
-}
-
 
 def synthetic_inputs(cfg: Any, prompt_tokens: int, text_tokens: int, seed: int) -> ModelInputs:
     """Random but valid model inputs of the requested sizes."""
@@ -58,25 +49,11 @@ def synthetic_inputs(cfg: Any, prompt_tokens: int, text_tokens: int, seed: int) 
     )
 
 
-def parse_backend(name: str, dtype: str, field: str = "--backends") -> BackendConfig:
-    """A preset name (``eager``, ``cudagraph``, ...) or an explicit ``llm:flow:vocoder`` triple, e.g.
-    ``cudagraph:eager:cudagraph`` to measure one stage's backend against the others held fixed.  A bad name raises
-    :class:`ConfigError` naming ``field`` (the flag or option it came from)."""
-    if name in BACKEND_PRESETS:
-        p = BACKEND_PRESETS[name]
-        return BackendConfig(llm=p.llm, flow=p.flow, vocoder=p.vocoder, dtype=dtype, incremental=p.incremental)
-    parts = name.split(":")
-    if len(parts) != 3:
-        raise ConfigError(f"{field} {name!r} is unknown: use a preset ({', '.join(BACKEND_PRESETS)}) "
-                          "or llm:flow:vocoder, e.g. cudagraph:eager:cudagraph")
-    return BackendConfig(llm=parts[0], flow=parts[1], vocoder=parts[2], dtype=dtype)
-
-
 def write_report(results: dict[str, Any], out: Path) -> None:
     """``report.html`` beside ``results.json``; skipped with a warning where plotly is not installed (GPU
     boxes without the app's dependencies): ``python -m cosyvoice_fast.bench.engine_bench --report DIR`` renders it later."""
     try:
-        from cosyvoice_fast.app.dashboard import benchmark_report_html
+        from cosyvoice_fast.app.report import benchmark_report_html
     except ImportError as e:
         log.warning("no report.html (%s); render it elsewhere with: python -m cosyvoice_fast.bench.engine_bench --report %s",
                     e, out)

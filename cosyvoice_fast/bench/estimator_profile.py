@@ -1,21 +1,22 @@
 """Kernel counts and graph-replay times of one estimator forward, eager-graph (``cudagraph``) vs ``fused``.
 
-Used by ``benchmarks/fused_flow_check.py``; :func:`estimator_profile` gives ``profile_stages`` one line per
+:func:`estimator_profile` gives ``profile_stages`` one line per
 (backend, shape) with kernels, GPU ms and the achieved TFLOP/s against the H100's dense bf16 peak.  Counts
 come from ``torch.profiler`` over one forward launched normally (the same kernels a CUDA graph of it replays);
-memcpy/memset activity is not a kernel and is left out.  Times are CUDA-event medians of graph replays, the way
-the flow backends run.
+memcpy/memset activity is not a kernel and is left out.  Times are graph replays (:func:`~cosyvoice_fast.bench.
+profile_llm.graph_ms`, the one graph timer of the benchmarks), the way the flow backends run.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
+
+from cosyvoice_fast.bench.profile_llm import graph_ms
 
 
 def count_kernels(fn: Callable[[], object]) -> int:
@@ -44,20 +45,6 @@ def kernel_times(fn: Callable[[], object]) -> list[tuple[str, float]]:
     return [(e.name, e.time_range.end - e.time_range.start) for e in evs]
 
 
-def graph_replay_ms(fn: Callable[[], object], iters: int = 50, warmup: int = 3) -> float:
-    """Median GPU time (ms) of one replay of ``fn`` captured as a CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return replay_median_ms(graph, iters, warmup)
-
-
 def graph_profile(fn: Callable[[], object], iters: int = 30, top: int = 12) -> dict:
     """``fn`` as a CUDA graph: median replay ms, its kernel count, their GPU µs summed, and the ``top`` kernel
     names by summed µs (a replay's time against its kernels' time shows how much the launches overlap)."""
@@ -67,24 +54,9 @@ def graph_profile(fn: Callable[[], object], iters: int = 30, top: int = 12) -> d
     for name, us in times:
         by_name[name.split("(")[0][:60]] += us
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
-    return {"ms": round(graph_replay_ms(fn, iters=iters), 4), "kernels": len(times),
+    return {"ms": round(graph_ms(fn, iters=iters), 4), "kernels": len(times),
             "kernel_us_total": round(sum(us for _, us in times), 1),
             "by_kernel_us": {k: round(v, 1) for k, v in ranked}}
-
-
-def replay_median_ms(graph: torch.cuda.CUDAGraph, iters: int = 50, warmup: int = 3) -> float:
-    """Median GPU time (ms) of one replay of a captured ``graph`` (each replay timed by its own events)."""
-    for _ in range(warmup):
-        graph.replay()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def estimator_inputs(cfg, rows: int, frames: int, dtype: torch.dtype, device: str = "cuda",  # noqa: ANN001
@@ -117,6 +89,17 @@ def estimator_kernels(estimator: torch.nn.Module, fused: torch.nn.Module, frames
             mod(*args, streaming)
             out[name] = count_kernels(lambda: mod(*args, streaming))  # noqa: B023 - called at once
     return out
+
+
+def kernels_per_forward(n_blocks: int, num_mid_blocks: int, resnet_split_ln: bool = False) -> int:
+    """Launches of one fused forward of the one-level U-Net below ``FlowTuning.many_rows_m`` rows (above it
+    an epilogue pass joins each GEMM left on cuBLAS, and a LayerNorm pass each group's first transformer block): 3
+    time-embedding GEMMs (3 fewer when the forward is given its row of a ``FusedEstimator.time_table``), the
+    input pack, 2 per ResNet block (4 when its convs are split from their LayerNorm passes), 5 per transformer
+    block, the down/up/final convs and the output projection."""
+    resnets = 2 + num_mid_blocks
+    per_resnet = 4 if resnet_split_ln else 2
+    return 3 + 1 + per_resnet * resnets + 5 * n_blocks * resnets + 4
 
 
 H100_BF16_TFLOPS = 989.0  # dense bf16 tensor-core peak of an H100 SXM

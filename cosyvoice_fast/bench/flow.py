@@ -8,9 +8,7 @@ chunks, where each chunk does the same new work) — for three runners of the ``
 
 * ``recompute``: every chunk re-runs encoder and solve over prompt + all tokens (upstream's scheme);
 * ``incremental-cold``: incremental, the prompt's state computed by the request's first chunk;
-* ``incremental-cached``: incremental, the voice's prompt state already cached (the speaker cache case);
-* ``incremental-cached-eager-encoder`` (``--eager-encoder``): the same with the eager incremental encoder
-  instead of the captured recomputing one.
+* ``incremental-cached``: incremental, the voice's prompt state already cached (the speaker cache case).
 
 Each runner is warmed up (graph captures) with two passes, then ``--reps`` timed passes; per chunk index the
 median and p95 of the wall time (``torch.cuda.synchronize`` around each call) are reported, plus the time
@@ -56,7 +54,8 @@ def _pct(xs: list[float], q: float) -> float:
 def main(argv: list[str] | None = None) -> int:
     from cosyvoice_fast.bench.engine_bench import synthetic_inputs
     from cosyvoice_fast.config.flags import add_cli_args, from_cli_args
-    from cosyvoice_fast.config.model import BackendConfig, StreamParams
+    from cosyvoice_fast.config.backends import BackendConfig
+    from cosyvoice_fast.config.stream import StreamParams
     from cosyvoice_fast.engine.state import SegmentState
     from cosyvoice_fast.config.schedule import plan
     from cosyvoice_fast.serving.service import load_service
@@ -68,8 +67,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunks", type=int, default=20, help="chunks of the constant-hop schedule")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="bench_flow_out")
-    ap.add_argument("--eager-encoder", action="store_true",
-                    help="also time the incremental runner with the eager incremental encoder")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if not torch.cuda.is_available():
@@ -94,20 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         inc = inc_stage.incremental
         timed = _TimedDecoder(inc.decoder)
         inc.decoder = timed
-        eager_enc = None
-        if a.eager_encoder:  # the same runner with the eager incremental encoder instead of the captured one
-            from cosyvoice_fast.flow.graph_incremental import GraphIncrementalFlow
-
-            eager_enc = GraphIncrementalFlow(inc_stage.flow, inc_stage, encoder="incremental")
-            eager_enc.graphs, eager_enc.decoder = inc.graphs, timed  # one set of buffers and graphs
         vocab = min(svc.models.config.flow.vocab_size, 4000)
         for sname, (params, n_tokens) in schedules.items():
             calls = plan(a.prompt_tokens, n_tokens, params)
             tokens = torch.randint(0, vocab, (1, n_tokens), dtype=torch.int32,
                                    generator=torch.Generator().manual_seed(1))
             runners = {"recompute": rec, "incremental-cold": inc_stage, "incremental-cached": inc_stage}
-            if a.eager_encoder:
-                runners["incremental-cached-eager-encoder"] = eager_enc
             for rname, stage in runners.items():
                 per_chunk: list[list[float]] = [[] for _ in calls]
                 solve: list[list[float]] = [[] for _ in calls]

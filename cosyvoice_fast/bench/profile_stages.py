@@ -1,4 +1,4 @@
-"""GPU profile behind BENCHMARKS.md: where a decode step, an estimator forward and a flow chunk spend their time.
+"""GPU profile behind docs/RESULTS.md: where a decode step, an estimator forward and a flow chunk spend their time.
 
     python -m cosyvoice_fast.bench.profile_stages [--synthetic full] [--dtype bf16] [--tokens 1075]
         [--llm-backends cudagraph,fused] [--frames 56,200,206] [--flows ...] [--skip-flow] [--out F.json]
@@ -28,7 +28,7 @@ import torch
 from cosyvoice_fast.bench.profile_llm import H100_GBS, step_profile
 
 #: flow variants of part (4): name -> BackendConfig fields (each recomputing, then incremental)
-FLOWS = {"eager": {"flow": "eager", "incremental": False}, "incremental": {"flow": "incremental"},
+FLOWS = {"eager": {"flow": "eager", "incremental": False}, "incremental": {"flow": "eager"},
          "cudagraph": {"flow": "cudagraph", "incremental": False}, "cudagraph-incremental": {"flow": "cudagraph"},
          "fused": {"flow": "fused", "incremental": False}, "fused-incremental": {"flow": "fused"}}
 
@@ -39,7 +39,7 @@ def profile_llm_backend(llm: object, name: str, inp: object) -> dict:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from cosyvoice_fast.llm.stage import iter_alone
+    from cosyvoice_fast.bench.llm_tools import iter_alone
 
     def generate(n: int) -> tuple[float, float, int]:
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -115,7 +115,8 @@ def _names(text: str) -> tuple[str, ...]:
 def main(argv: list[str] | None = None) -> int:
     from cosyvoice_fast.bench.engine_bench import synthetic_inputs
     from cosyvoice_fast.config.flags import add_cli_args, from_cli_args
-    from cosyvoice_fast.config.model import TORCH_DTYPES, BackendConfig, StreamParams
+    from cosyvoice_fast.config.backends import TORCH_DTYPES, BackendConfig
+    from cosyvoice_fast.config.stream import StreamParams
     from cosyvoice_fast.bench.estimator_profile import estimator_profile
     from cosyvoice_fast.config.schedule import plan
     from cosyvoice_fast.serving.service import load_service

@@ -68,7 +68,7 @@ def _run(fn: Callable[[int], float], n: int, concurrency: int, first: int) -> li
 
 
 def in_process(svc: Any, gen_tokens: int, hop_first: int) -> Callable[[int], float]:
-    from cosyvoice_fast.config.model import StreamParams
+    from cosyvoice_fast.config.stream import StreamParams
     from cosyvoice_fast.frontend.request import SynthesisRequest
 
     def one(i: int) -> float:

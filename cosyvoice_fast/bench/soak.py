@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from cosyvoice_fast.config.model import StreamParams
+from cosyvoice_fast.config.stream import StreamParams
 from cosyvoice_fast.frontend.request import SynthesisRequest
 from cosyvoice_fast.telemetry.record import percentile
 

@@ -23,7 +23,7 @@ from typing import BinaryIO, Iterator
 import torch
 
 log = logging.getLogger(__name__)
-DEFAULT_PROMPT = Path(__file__).resolve().parent.parent / "assets" / "cross_lingual_prompt.wav"
+DEFAULT_PROMPT = Path(__file__).resolve().parents[2] / "assets" / "cross_lingual_prompt.wav"
 
 
 def _read_some(stream: BinaryIO) -> bytes:

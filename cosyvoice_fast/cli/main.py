@@ -11,14 +11,14 @@ from pathlib import Path
 log = logging.getLogger("cosyvoice_fast")
 
 
-DEFAULT_PROMPT = Path(__file__).resolve().parent.parent / "assets" / "cross_lingual_prompt.wav"
+DEFAULT_PROMPT = Path(__file__).resolve().parents[2] / "assets" / "cross_lingual_prompt.wav"
 
 
 def cmd_synth(a: argparse.Namespace) -> int:
     import soundfile as sf
 
     from cosyvoice_fast.config.flags import from_cli_args
-    from cosyvoice_fast.config.model import StreamParams
+    from cosyvoice_fast.config.stream import StreamParams
     from cosyvoice_fast.frontend.request import SynthesisRequest
     from cosyvoice_fast.serving.service import load_service
     from cosyvoice_fast.telemetry.record import format_breakdown
@@ -100,7 +100,7 @@ def cmd_backends(a: argparse.Namespace) -> int:
 
 def cmd_speaker_state(a: argparse.Namespace) -> int:
     from cosyvoice_fast.config.flags import from_cli_args
-    from cosyvoice_fast.config.model import BackendConfig
+    from cosyvoice_fast.config.backends import BackendConfig
     from cosyvoice_fast.serving.service import load_service
 
     run = from_cli_args(a)

@@ -3,7 +3,7 @@
 ``app.py``, ``python -m cosyvoice_fast synth|speaker-state|build-engines|soak``, ``bench``, ``bench_flow`` and
 ``profile_stages`` used to declare ``--model-dir``, ``--synthetic`` and ``--dtype`` each on their own, with three
 different dtype defaults, so one command worked on a CPU and the next refused.  Here a flag means the same
-everywhere; the dtype default follows the device (:func:`~cosyvoice_fast.config.model.default_dtype`); every
+everywhere; the dtype default follows the device (:func:`~cosyvoice_fast.config.backends.default_dtype`); every
 :class:`~cosyvoice_fast.config.engine.EngineConfig` field is a flag generated from the dataclass (a new field gets
 its flag without touching a tool); and every error names the flag to change, not the Python field behind it.
 """
@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from cosyvoice_fast.config.model import BACKEND_CHOICES, TORCH_DTYPES, BackendConfig, default_dtype
+from cosyvoice_fast.config.backends import BACKEND_CHOICES, TORCH_DTYPES, BackendConfig, default_dtype
 from cosyvoice_fast.config.engine import EngineConfig
 
 PARTS = ("model", "device", "backends", "engine")

@@ -1,4 +1,4 @@
-"""Configuration dataclasses: model hyperparameters, stream parameters, backend choice.
+"""Model hyperparameters, read from the model directory as inert data.
 
 The official model directory describes itself in ``cosyvoice2.yaml``, a hyperpyyaml file whose tags
 (``!new:``, ``!name:``, ``!apply:``, ``!ref``) would import and instantiate classes if executed.  We never
@@ -16,13 +16,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from cosyvoice_fast.config.yamlfile import ConfigError, read_hyperpyyaml
 
-
-
-# ----------------------------------------------------------------------------------------------- model config
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,85 +330,3 @@ def tiny_config() -> ModelConfig:
 def full_config() -> ModelConfig:
     """The CosyVoice2-0.5B sizes (used by ``--synthetic full``)."""
     return ModelConfig()
-
-
-# ----------------------------------------------------------------------------------------------- runtime params
-
-
-@dataclass(frozen=True, slots=True)
-class StreamParams:
-    """Per-request chunking parameters.  Defaults reproduce upstream's schedule.
-
-    ``token_hop_len_first`` < 25 buys earlier first audio for a possibly audible first chunk edge;
-    ``pre_lookahead_len`` < 3 saves look-ahead waiting at the cost of encoder context the model was trained with.
-    """
-
-    token_hop_len_first: int = 25
-    token_hop_len: int = 25
-    stream_scale_factor: float = 2.0
-    token_max_hop_len: int = 100
-    pre_lookahead_len: int = 3
-
-    def __post_init__(self) -> None:
-        def check(name: str, ok: bool, rule: str) -> None:
-            if not ok:
-                raise ConfigError(f"{name}={getattr(self, name)!r} is out of range: {rule}")
-
-        check("token_hop_len_first", isinstance(self.token_hop_len_first, int) and 1 <= self.token_hop_len_first <= 100,
-              "use a whole number of tokens from 1 to 100 (default 25)")
-        check("token_hop_len", isinstance(self.token_hop_len, int) and 1 <= self.token_hop_len <= 200,
-              "use a whole number of tokens from 1 to 200 (default 25)")
-        check("stream_scale_factor", 1.0 <= float(self.stream_scale_factor) <= 4.0,
-              "use a factor from 1.0 to 4.0 (default 2)")
-        check("token_max_hop_len", isinstance(self.token_max_hop_len, int)
-              and self.token_hop_len <= self.token_max_hop_len <= 400,
-              "use a whole number from token_hop_len to 400 (default 100)")
-        check("pre_lookahead_len", isinstance(self.pre_lookahead_len, int) and 0 <= self.pre_lookahead_len <= 3,
-              "use 0 to 3 tokens (the model was trained with 3)")
-
-
-TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def default_dtype(device: torch.device | str) -> str:
-    """The dtype a run uses when none is asked for: bf16 on a CUDA GPU (the fast backends are built for it),
-    fp32 elsewhere (bf16/fp16 on a CPU are slow and inexact).  The one place this default lives."""
-    return "bf16" if torch.device(device).type == "cuda" else "fp32"
-
-
-#: every backend name each stage accepts (whether it can run on this machine is ``backends.base``'s business)
-BACKEND_CHOICES: dict[str, tuple[str, ...]] = {"llm": ("eager", "cudagraph", "fused", "trtllm"),
-                                               "flow": ("eager", "incremental", "cudagraph", "fused", "tensorrt"),
-                                               "vocoder": ("eager", "cudagraph", "fused")}
-
-
-@dataclass(frozen=True, slots=True)
-class BackendConfig:
-    """Which implementation runs each stage, and in which dtype.
-
-    ``incremental``: streaming chunks of the ``eager``, ``cudagraph`` and ``fused`` flows reuse the segment's
-    flow state (keys/values and conv context of the frames already made, and of the prompt, cached per voice)
-    and compute only their new frames; off, every chunk recomputes the whole prefix as upstream does.  Both give
-    the same streaming chunks (within float rounding); final chunks are upstream's full-attention pass either
-    way.  The ``tensorrt`` flow always recomputes (no state inputs); ``incremental`` as a flow name is the
-    eager flow with the flag on.
-    """
-
-    llm: str = "eager"
-    flow: str = "eager"
-    vocoder: str = "eager"
-    dtype: str = "fp32"
-    incremental: bool = True
-
-    def __post_init__(self) -> None:
-        for stage, ok in BACKEND_CHOICES.items():
-            v = getattr(self, stage)
-            if v not in ok:
-                raise ConfigError(f"unknown {stage} backend {v!r}; choose one of {', '.join(ok)}")
-        if self.dtype not in TORCH_DTYPES:
-            raise ConfigError(f"unknown dtype {self.dtype!r}; choose fp32, fp16 or bf16")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """The dtype the LM and flow run in (HiFT always runs in fp32)."""
-        return TORCH_DTYPES[self.dtype]

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from cosyvoice_fast.config.model import StreamParams
+from cosyvoice_fast.config.stream import StreamParams
 
 #: mel frames each non-final vocoder call re-vocodes from the previous chunk (left context for HiFT)
 MEL_CACHE_FRAMES = 8

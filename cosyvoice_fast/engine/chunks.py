@@ -4,33 +4,35 @@ The LLM side appends :class:`~cosyvoice_fast.config.schedule.ChunkCall`s to a se
 arrive; :meth:`ChunkRunner.run` takes the next call of each given request and solves them together: requests
 whose flow stage object is the same share one ``flow.solve`` (the backend pads them into length buckets and
 keeps streams on its incremental path), and their mels are vocoded with one ``vocode_chunks`` call per vocoder
-stage (equal shapes share one HiFT forward when the backend offers ``vocode_batch``).  A failing batched call is
-retried request by request, so only the culprit's request fails.
+stage (equal shapes share one HiFT ``vocode_batch`` forward, up to the stage's ``max_batch``).  A failing
+batched call is retried request by request, so only the culprit's request fails.
 
 It runs in the chunk worker thread when the engine overlaps (``EngineConfig.cuda_streams == 2``), else in the one
 worker after the LLM step.  Either way the request may be cancelled or failed by the other side while its chunk
 is being computed: every hand-over to the consumer checks ``state.done`` under the scheduler's lock, so nothing is
-sent after a request ended.
+sent after a request ended.  The runner sees the scheduler only through a :class:`ChunkContext` (its lock, the
+busy set and three callbacks), so this module does not import the scheduler.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from cosyvoice_fast.frontend.request import AudioChunk
-from cosyvoice_fast.config.schedule import ChunkCall, call_frames
+from cosyvoice_fast.config import schedule as chunk_schedule
+from cosyvoice_fast.config.schedule import ChunkCall, call_frames, first_chunk_wait, later_chunk_wait
 from cosyvoice_fast.telemetry.record import ChunkTiming, now
 from cosyvoice_fast.engine.state import RequestState, SegmentState
 from cosyvoice_fast.engine.stream import DONE
+from cosyvoice_fast.llm.stage import steppable
 from cosyvoice_fast.vocoder.stream import VocodeJob, vocode_chunks
-
-if TYPE_CHECKING:
-    from cosyvoice_fast.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,43 @@ def group_by(states: list[Any], key: Any) -> list[list[Any]]:
     for st in states:
         groups.setdefault(id(key(st)), []).append(st)
     return list(groups.values())
+
+
+@dataclass(frozen=True)
+class ChunkContext:
+    """What the chunk runner needs of the scheduler that owns the requests."""
+
+    lock: threading.Condition  #: the scheduler's condition: guards request state shared with the LLM side
+    busy: set[int]  #: ids of requests whose chunk is being computed (the runner adds and removes them)
+    count: Callable[..., None]  #: ``count("flow_calls", 1, ...)``: adds to the engine's counters
+    fail: Callable[[RequestState, BaseException], None]  #: end a request with an error (its consumer gets it)
+    finish: Callable[[RequestState], None]  #: end a request that got its last chunk
+    device: torch.device
+
+
+def gather_wait(states: list[RequestState], max_wait: float, sample_rate: int | None, largest_solve: int) -> float:
+    """Seconds the ready chunks among ``states`` (all first, or all later: ``sample_rate`` given) should wait for
+    the others' next calls, so that they share one solve (never once they fill ``largest_solve``); the caller
+    holds the scheduler's lock."""
+    if max_wait <= 0:
+        return 0.0
+    ready = [st for st in states if st.segment.pending]
+    if not ready or len(ready) >= largest_solve:
+        return 0.0
+    short = []
+    for st in states:
+        seg = st.segment
+        if seg.pending or not seg.llm_started or seg.llm_done or not steppable(seg.llm) \
+                or st.cancelled.is_set():  # only LMs decoding now (not one awaiting text) are coming
+            continue
+        n = len(seg.tokens)
+        short.append(seg.cursor.tokens_short(n) if sample_rate is None
+                     else seg.cursor.tokens_to_next_call(n, seg.llm.max_len - len(seg.llm.history)))
+    since = min(st.segment.pending[0][1] for st in ready)
+    if sample_rate is None:
+        return first_chunk_wait(since, now(), short, max_wait)
+    deadline = min(st.playback_deadline(sample_rate) for st in ready)
+    return later_chunk_wait(since, now(), deadline, short, max_wait, slack_s=chunk_schedule.LATER_SLACK_S)
 
 
 class StreamClock:
@@ -81,24 +120,13 @@ class StreamClock:
 class ChunkRunner:
     """Runs chunk calls of many requests: batched flow solves, batched vocoding, hand-over to consumers."""
 
-    def __init__(self, sched: "Scheduler", sample_rate: int, token_mel_ratio: int):
-        self.sched = sched
+    def __init__(self, ctx: ChunkContext, sample_rate: int, token_mel_ratio: int):
+        self.ctx = ctx
         self.sample_rate = sample_rate
         self.token_mel_ratio = token_mel_ratio
-        self.clock = StreamClock(sched.device)
+        self.clock = StreamClock(ctx.device)
         #: the flow's end mark of each chunk in flight (keyed by its timing), read once its audio is on the host
         self._flow_done: dict[int, Any] = {}
-
-    # ------------------------------------------------------------------------------------------- selection
-    def ready(self) -> tuple[list[RequestState], list[RequestState]]:
-        """Requests with a pending chunk call: (first chunks, later chunks by earliest playback deadline)."""
-        with self.sched.cv:
-            ready = [st for st in self.sched.active if not st.done and st.segment is not None
-                     and st.segment.pending]
-        first = [st for st in ready if st.chunks_emitted == 0]
-        later = [st for st in ready if st.chunks_emitted > 0]
-        later.sort(key=lambda s: s.playback_deadline(self.sample_rate))
-        return first, later
 
     # ------------------------------------------------------------------------------------------- execution
     def run(self, states: list[RequestState]) -> None:
@@ -107,8 +135,8 @@ class ChunkRunner:
             taken = [t for st in group if (t := self._take(st)) is not None]
             if not taken:
                 continue
-            busy = self.sched.busy
-            with self.sched.cv:
+            busy = self.ctx.busy
+            with self.ctx.lock:
                 busy.update(id(t[0]) for t in taken)
             mels: list[torch.Tensor | None] = []
             done: list[tuple[Taken, torch.Tensor]] = []
@@ -121,13 +149,13 @@ class ChunkRunner:
                 del done, mels  # the chunk's tensors and flow state must not outlive the request's end
                 for t in taken:  # a chunk that failed before its vocoder call leaves its mark here
                     self._flow_done.pop(id(t[3]), None)
-                with self.sched.cv:
+                with self.ctx.lock:
                     busy.difference_update(id(t[0]) for t in taken)
                     del taken
-                    self.sched.cv.notify_all()
+                    self.ctx.lock.notify_all()
 
     def _take(self, st: RequestState) -> Taken | None:
-        with self.sched.cv:
+        with self.ctx.lock:
             seg = st.segment
             if st.done or seg is None or not seg.pending:
                 return None
@@ -143,20 +171,19 @@ class ChunkRunner:
     def _flow(self, taken: list[Taken]) -> list[torch.Tensor | None]:
         """Mels of every taken call (``None`` where that request failed)."""
         flow = taken[0][0].stages.flow
-        batch = getattr(flow, "solve", None)
-        if len(taken) > 1 and batch is not None and getattr(flow, "max_batch", 2) > 1:
+        if len(taken) > 1 and flow.max_batch > 1:
             for _, seg, _, _ in taken:
                 seg.flow_info = None  # the backend reports incremental chunks; the rest recompute
             start = now()
             try:
-                mels = batch([(seg, st.inputs, self._tokens(seg, call), call) for st, seg, call, _ in taken])
+                mels = flow.solve([(seg, st.inputs, self._tokens(seg, call), call) for st, seg, call, _ in taken])
                 end = self.clock.mark()
                 if len(mels) != len(taken):
                     raise RuntimeError(f"solve returned {len(mels)} mels for {len(taken)} items")
             except Exception:  # noqa: BLE001 - isolate the culprit: each request alone, failures stay its own
                 log.exception("batched flow call for %d requests failed; retrying them one by one", len(taken))
             else:
-                self.sched.count("flow_calls", 1, "flow_rows", len(taken))
+                self.ctx.count("flow_calls", 1, "flow_rows", len(taken))
                 for (st, seg, call, timing) in taken:
                     timing.flow_start = start
                     self._flow_done[id(timing)] = end  # the mel exists when the whole batch does
@@ -171,7 +198,7 @@ class ChunkRunner:
             timing.flow_start = now()
             mel = st.stages.flow.chunk(seg, st.inputs, self._tokens(seg, call), call)
             self._flow_done[id(timing)] = self.clock.mark()
-            self.sched.count("flow_calls", 1, "flow_rows", 1)
+            self.ctx.count("flow_calls", 1, "flow_rows", 1)
             self._flow_info(st, seg, call, timing)
             return mel
         except Exception as e:  # one request's failure must not disturb the others
@@ -196,7 +223,7 @@ class ChunkRunner:
 
     def _vocode_and_emit(self, items: list[tuple[Taken, torch.Tensor]]) -> None:
         voc = items[0][0][0].stages.vocoder
-        if getattr(voc, "vocode_batch", None) is None or getattr(voc, "max_batch", 16) <= 1:
+        if voc.max_batch <= 1:
             for item in items:  # no shared forward: each chunk goes out as soon as it is vocoded
                 self._vocode_and_emit_all(voc, [item])
         else:
@@ -204,7 +231,7 @@ class ChunkRunner:
 
     def _vocode_and_emit_all(self, voc: Any, items: list[tuple[Taken, torch.Tensor]]) -> None:
         outs = vocode_chunks(voc, [self._job(t, m) for t, m in items])
-        self.sched.count("vocoder_calls", 1, "vocoder_rows", len(items))
+        self.ctx.count("vocoder_calls", 1, "vocoder_rows", len(items))
         done: list[tuple[Taken, torch.Tensor, Any]] = []
         for (t, _), out in zip(items, outs):
             if isinstance(out, Exception):
@@ -251,9 +278,9 @@ class ChunkRunner:
         return out
 
     def _fail(self, st: RequestState, err: BaseException) -> None:
-        with self.sched.cv:
-            self.sched.busy.discard(id(st))  # ended here, by this side: not held on its account any more
-            self.sched.fail(st, err)
+        with self.ctx.lock:
+            self.ctx.busy.discard(id(st))  # ended here, by this side: not held on its account any more
+            self.ctx.fail(st, err)
 
     def _emit(self, t: Taken, samples: np.ndarray, cache: Any, arrived: float) -> None:
         """Hand one chunk's audio (float32 host samples, on the host since ``arrived``) to the request's consumer
@@ -264,7 +291,7 @@ class ChunkRunner:
         seg.voc_cache = cache
         last_segment = st.next_segment >= len(st.inputs.text_segments)
         is_last = call.finalize and last_segment
-        with self.sched.cv:
+        with self.ctx.lock:
             if st.done:  # cancelled or failed while this chunk was computed: nothing more reaches the consumer
                 return
             st.telemetry.chunks.append(timing)
@@ -278,6 +305,6 @@ class ChunkRunner:
                     st.segment = None
                 if is_last:
                     st.out.put(DONE)
-                    self.sched.busy.discard(id(st))  # ended here: its consumer may count the engine drained now
-                    self.sched.finish(st)
-            self.sched.cv.notify_all()  # a closed segment lets the LLM side open the next; a finish frees a stream
+                    self.ctx.busy.discard(id(st))  # ended here: its consumer may count the engine drained now
+                    self.ctx.finish(st)
+            self.ctx.lock.notify_all()  # a closed segment lets the LLM side open the next; a finish frees a stream

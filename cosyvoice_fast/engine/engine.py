@@ -30,7 +30,9 @@ import torch
 
 from cosyvoice_fast.engine.stages import StageCache
 from cosyvoice_fast.engine.stages import StageSet, check_available
-from cosyvoice_fast.config.model import BackendConfig, ConfigError, StreamParams
+from cosyvoice_fast.config.backends import BackendConfig
+from cosyvoice_fast.config.yamlfile import ConfigError
+from cosyvoice_fast.config.stream import StreamParams
 from cosyvoice_fast.config.engine import EngineConfig
 from cosyvoice_fast.modeldir.files import LoadedModels
 from cosyvoice_fast.frontend.request import AudioChunk, ModelInputs, SynthesisRequest
@@ -100,13 +102,12 @@ class Engine:
         mismatching one is ignored and recomputed), and large: ~2.3 MB per committed prompt frame in bf16 at
         full size (~230 MB for a 3 s prompt)."""
         from cosyvoice_fast.frontend.pipeline import FLOW_STATE_PREFIX, Frontend
-        from cosyvoice_fast.flow.incremental import IncrementalFlow
 
         if self.frontend is None:
             raise ValueError("this engine has no frontend, so it has no speaker cache")
         cfg = backend or self.default_backend
         flow = self.stages(cfg).flow
-        inc = flow if isinstance(flow, IncrementalFlow) else getattr(flow, "incremental", None)
+        inc = flow.incremental
         if inc is None:
             raise ConfigError(f"flow backend {cfg.flow!r} with incremental={cfg.incremental} keeps no flow state; "
                               "choose eager, cudagraph or fused with incremental on")
@@ -207,7 +208,7 @@ class Engine:
         llms = list({id(m): m for m in self._stage_sets.llm_stages()}.values())  # shared between sets: count once
         from cosyvoice_fast.kernels.graphs import captures
 
-        caps = [getattr(m, "capacity", None) for m in llms]
+        caps = [m.capacity for m in llms]
         slots = None if any(c is None for c in caps) else sum(caps)
         free = None if slots is None else sum(m.free_slots() for m in llms)
         return {"running": self._thread.is_alive() and not self._sched.closed, "active": active, "queued": queued,

@@ -2,17 +2,19 @@
 
 Two sides share the running requests:
 
-- the **LLM side** (:meth:`Scheduler.llm_turn`) drops cancelled requests, admits waiting ones into free streams,
-  opens segments and prefills their LMs (one ``llm.prefill(states)`` per LLM stage, never more than its free
-  slots: a request without a slot waits, it does not fail), then steps every running LM that is ``ready`` in one
-  ``llm.decode(states)`` per LLM stage, and appends the chunk calls that became ready to each segment;
-- the **chunk side** (:class:`~.chunks.ChunkRunner`) solves every ready chunk call, first chunks first (first
-  audio has priority), batched per flow stage, and vocodes them batched per vocoder stage.
+- the **LLM side** (:meth:`Scheduler.llm_turn`) drops cancelled requests, admits waiting ones, opens segments,
+  prefills and decodes their LMs, and appends the chunk calls that became ready to each segment;
+- the **chunk side** (:class:`~.chunks.ChunkRunner`) solves and vocodes every ready chunk call.
+
+Which requests share which call (and which wait) is decided by the pure policy
+(:func:`~cosyvoice_fast.engine.policy.plan`, whose docstring states the rules) over a
+:class:`~cosyvoice_fast.engine.policy.Snapshot` of the requests; this module takes the snapshots, executes the
+batches and waits on its condition when the policy finds nothing to do.
 
 With ``EngineConfig.cuda_streams == 2`` each side has its own worker thread, and on a GPU its own CUDA stream
 (the LLM's at high priority): a 100 ms batch of flow solves no longer holds every stream's decoding behind it.
 First audio keeps precedence: while a batch holding a first chunk is solved, the LMs already past their own
-first chunk pause, and an LM pauses as soon as its own first chunk is ready (see ``Scheduler._yields``), so that
+first chunk pause, and an LM pauses as soon as its own first chunk is ready (:func:`~.policy.yields`), so that
 solve has the GPU to itself as in the serial order
 (``EngineConfig.first_chunk_priority``; with it off every LM keeps decoding).
 Both threads wait on one condition when they have nothing to do (never a busy loop), and each wakes the other
@@ -34,12 +36,14 @@ from typing import Callable
 import torch
 
 from cosyvoice_fast.config.engine import EngineConfig
-from cosyvoice_fast.config import schedule as chunk_schedule
-from cosyvoice_fast.config.schedule import ChunkCall, ChunkCursor, first_chunk_wait, later_chunk_wait
+from cosyvoice_fast.config.schedule import ChunkCall, ChunkCursor
 from cosyvoice_fast.telemetry.record import RequestTelemetry, now
-from cosyvoice_fast.engine.chunks import ChunkRunner, group_by
-from cosyvoice_fast.engine.state import RequestState, SegmentState
+from cosyvoice_fast.engine import policy
+from cosyvoice_fast.engine.chunks import ChunkContext, ChunkRunner, gather_wait
+from cosyvoice_fast.engine.policy import Limits, RequestView, Snapshot
+from cosyvoice_fast.engine.state import Phase, RequestState, SegmentState
 from cosyvoice_fast.engine.stream import DONE
+from cosyvoice_fast.llm.stage import steppable
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +72,11 @@ class Scheduler:
         self.first_busy = False
         self.closed = False
         self.counts = dict.fromkeys(COUNTERS, 0)
-        self.chunks = ChunkRunner(self, sample_rate, token_mel_ratio)
+        self.chunks = ChunkRunner(ChunkContext(lock=self.cv, busy=self.busy, count=self.count, fail=self.fail,
+                                               finish=self.finish, device=device), sample_rate, token_mel_ratio)
         self.overlap = config.cuda_streams == 2
+        self.limits = Limits(max_streams=config.max_streams, largest_solve=max(config.flow_rows),
+                             overlap=self.overlap, first_chunk_priority=config.first_chunk_priority)
         self._release: list[RequestState] = []  # ended on the chunk side with an LM slot still held
         self._llm_thread: int | None = None  # the LLM worker's thread id once it runs
         #: what the LLM worker runs each time it has work; ``turn`` is the replaceable seam the engine points at it
@@ -146,48 +153,40 @@ class Scheduler:
             torch.cuda.set_stream(torch.cuda.Stream(self.device, priority=priority))
 
     def _yields(self, st: RequestState) -> bool:
-        """Whether ``st``'s LM skips this step to leave the GPU to a first chunk being solved (caller holds
-        ``cv`` or reads a snapshot).  While the chunk side computes someone's first audio, only LMs that have not
-        reached their own first chunk keep decoding: the others are ahead of their listeners anyway, and their
-        decode kernels would share the GPU with (and slow down) the solve that someone is waiting for.
-
-        An LM whose own first chunk is ready pauses at once, before the chunk side has taken it: its next tokens
-        are for a chunk a whole first chunk of audio later, and a decode turn in between would hold the GIL and
-        the GPU while the chunk side starts that solve (the time to first audio of a lone stream)."""
-        if not self.config.first_chunk_priority or not self.overlap:
-            return False
-        seg = st.segment
-        pending = bool(seg is not None and seg.pending)
-        if st.chunks_emitted == 0 and pending:
-            return True
-        if not self.first_busy:
-            return False
-        return st.chunks_emitted > 0 or pending or id(st) in self.busy
+        """:func:`~cosyvoice_fast.engine.policy.yields` for ``st`` now."""
+        pending = bool(st.segment is not None and st.segment.pending)
+        view = RequestView(pending=pending, emitted=st.chunks_emitted, busy=id(st) in self.busy)
+        return policy.yields(view, self.limits, self.first_busy)
 
     def _completes_first_chunk(self, st: RequestState) -> bool:
-        """Whether ``st``'s next token makes its first chunk due (so :meth:`_yields` pauses its LM right after):
-        the LLM stage is told not to launch its step after ahead (``LLMState.no_ahead``)."""
+        """:func:`~cosyvoice_fast.engine.policy.completes_first_chunk` for ``st`` now."""
         seg = st.segment
-        return (self.overlap and self.config.first_chunk_priority and st.request.stream and st.chunks_emitted == 0
-                and seg is not None and not seg.pending and seg.cursor.tokens_short(len(seg.tokens)) == 1)
+        short = seg.cursor.tokens_short(len(seg.tokens)) if seg is not None and st.chunks_emitted == 0 else None
+        view = RequestView(pending=bool(seg is not None and seg.pending), emitted=st.chunks_emitted,
+                           stream=st.request.stream, tokens_short=short)
+        return policy.completes_first_chunk(view, self.limits)
 
-    def _llm_has_work(self) -> bool:
-        """Caller holds ``cv``."""
-        if self._release or (self.incoming and len(self.active) < self.config.max_streams):
-            return True
-        for st in self.active:
-            seg = st.segment
-            if st.cancelled.is_set() or seg is None:
-                return True
-            if not seg.llm_started:
-                free = st.stages.llm.free_slots()
-                if free is None or free > 0:
-                    return True
-            elif not seg.llm_done and seg.llm is not None and seg.llm.ready and not self._yields(st):
-                return True
-            if not self.overlap and seg.pending:
-                return True
-        return False
+    def _view(self, st: RequestState, llm_side: bool) -> RequestView:
+        seg = st.segment
+        phase = st.phase
+        ready = llm_side and phase is Phase.DECODING and steppable(seg.llm)  # type: ignore[union-attr]
+        short = (seg.cursor.tokens_short(len(seg.tokens))  # type: ignore[union-attr]
+                 if ready and st.chunks_emitted == 0 and not seg.pending else None)  # type: ignore[union-attr]
+        return RequestView(phase=phase, llm=id(st.stages.llm), cancelled=st.cancelled.is_set(), llm_ready=ready,
+                           pending=bool(seg is not None and seg.pending), emitted=st.chunks_emitted,
+                           busy=id(st) in self.busy, stream=st.request.stream, tokens_short=short,
+                           deadline=st.playback_deadline(self.chunks.sample_rate))
+
+    def _snapshot(self, states: list[RequestState], llm_side: bool = True) -> Snapshot:
+        """What the policy decides on for ``states`` now (the caller holds ``cv`` where the moment matters); the
+        chunk side (``llm_side`` off) asks nothing of LLM states or stages, which only the LLM side touches."""
+        views = [self._view(st, llm_side) for st in states]
+        free: dict[int, int | None] = {}
+        for st, v in zip(states, views):
+            if llm_side and v.phase is Phase.PREFILL and v.llm not in free:
+                free[v.llm] = st.stages.llm.free_slots()
+        return Snapshot(requests=views, waiting=len(self.incoming), releases=bool(self._release),
+                        free_slots=free, first_busy=self.first_busy)
 
     def _llm_loop(self) -> None:
         self._llm_thread = threading.get_ident()
@@ -195,7 +194,7 @@ class Scheduler:
         self._bind_stream(priority=-1)
         while True:
             with self.cv:
-                while not self.closed and not self._llm_has_work():
+                while not self.closed and not policy.llm_has_work(self._snapshot(self.active), self.limits):
                     self.cv.wait()
                 if self.closed:
                     self._close_all()
@@ -213,8 +212,7 @@ class Scheduler:
         self._bind_stream(priority=0)
         while True:
             with self.cv:
-                while not self.closed and not any(st.segment is not None and st.segment.pending and not st.done
-                                                  for st in self.active):
+                while not self.closed and not policy.chunk_has_work(self._snapshot(self.active, False)):
                     self.cv.wait()
                 if self.closed:
                     return
@@ -243,18 +241,21 @@ class Scheduler:
         requests), each vocoded and sent before the next is solved, so 64 first chunks do not all wait for
         four solves."""
         self._gather()
-        first, later = self.chunks.ready()
-        step = max(self.config.flow_rows)  # the largest captured solve: each slice's audio goes out after it
-        for i in range(0, len(first), step):
+        with self.cv:
+            states = list(self.active)
+            batches = policy.plan(self._snapshot(states, llm_side=False), self.limits).chunks
+        for batch in batches:
+            group = [states[i] for i in batch.rows]
+            if not batch.first:
+                self.chunks.run(group)
+                continue
             self.first_busy = self.overlap
             try:
-                self.chunks.run(first[i:i + step])
+                self.chunks.run(group)
             finally:
                 with self.cv:
                     self.first_busy = False
                     self.cv.notify_all()
-        for i in range(0, len(later), step):
-            self.chunks.run(later[i:i + step])
 
     def _gather(self) -> None:
         """Keep ready chunks waiting while another request's chunk of the same kind (first, or later) is a few
@@ -273,36 +274,13 @@ class Scheduler:
                 running = [st for st in self.active if not st.done and st.segment is not None]
                 opening = [st for st in running if st.chunks_emitted == 0]
                 if any(st.segment.pending for st in opening):
-                    left = self._gather_wait(opening, cfg.first_chunk_wait_ms / 1e3, None)
+                    left = gather_wait(opening, cfg.first_chunk_wait_ms / 1e3, None, self.limits.largest_solve)
                 else:
-                    left = self._gather_wait([st for st in running if st.chunks_emitted > 0],
-                                             cfg.later_chunk_wait_ms / 1e3, self.chunks.sample_rate)
+                    left = gather_wait([st for st in running if st.chunks_emitted > 0], cfg.later_chunk_wait_ms / 1e3,
+                                       self.chunks.sample_rate, self.limits.largest_solve)
                 if left <= 0:
                     return
                 self.cv.wait(timeout=left)
-
-    def _gather_wait(self, states: list[RequestState], max_wait: float, sample_rate: int | None) -> float:
-        """Seconds the ready chunks among ``states`` (all first, or all later: ``sample_rate`` given) should
-        wait for the others' next calls; caller holds ``cv``."""
-        if max_wait <= 0:
-            return 0.0
-        ready = [st for st in states if st.segment.pending]
-        if not ready or len(ready) >= max(self.config.flow_rows):
-            return 0.0
-        short = []
-        for st in states:
-            seg = st.segment
-            if seg.pending or not seg.llm_started or seg.llm_done or seg.llm is None or not seg.llm.ready \
-                    or st.cancelled.is_set():  # only LMs decoding now (not one awaiting text) are coming
-                continue
-            n = len(seg.tokens)
-            short.append(seg.cursor.tokens_short(n) if sample_rate is None
-                         else seg.cursor.tokens_to_next_call(n, seg.llm.max_len - len(seg.llm.history)))
-        since = min(st.segment.pending[0][1] for st in ready)
-        if sample_rate is None:
-            return first_chunk_wait(since, now(), short, max_wait)
-        deadline = min(st.playback_deadline(sample_rate) for st in ready)
-        return later_chunk_wait(since, now(), deadline, short, max_wait, slack_s=chunk_schedule.LATER_SLACK_S)
 
     def llm_turn(self) -> None:
         with self.cv:
@@ -325,7 +303,7 @@ class Scheduler:
             st.telemetry.cancelled = True
             st.close()
             st.out.put(DONE)
-        while self.incoming and len(self.active) < self.config.max_streams:
+        for _ in range(policy.admissions(len(self.incoming), len(self.active), self.limits)):
             st = self.incoming.popleft()
             st.telemetry.admitted = now()
             self.counts["admitted"] += 1
@@ -334,26 +312,20 @@ class Scheduler:
     def _start_segments(self) -> None:
         """Open the next segment of every request that has none, and prefill their LMs: one ``prefill`` call
         per LLM stage over as many of them as it has free slots (oldest first; the rest wait)."""
-        starting: list[RequestState] = []
         for st in list(self.active):
             if st.segment is None and not st.cancelled.is_set() and not st.done:
                 self.guard(st, self._open_segment)
-                if st in self.active and st.segment is not None and not st.segment.llm_started:
-                    starting.append(st)
-            elif st.segment is not None and not st.segment.llm_started:  # waiting for a free LLM slot
-                starting.append(st)
-        for group in group_by(starting, lambda s: s.stages.llm):
-            llm = group[0].stages.llm
-            free = llm.free_slots()
-            take = group if free is None else group[:free]
-            if not take:
-                continue
+        states = list(self.active)
+        snap = self._snapshot(states)
+        for rows in policy.plan(snap, self.limits).prefill:
+            take = [states[i] for i in rows]
+            llm = take[0].stages.llm
             t0 = now()
             for st in take:
                 if st.segment.index == 0:
                     st.telemetry.prefill_start = t0
             results = llm.prefill([st.segment.llm for st in take])
-            if not getattr(llm, "prefill_synced", False):
+            if not llm.prefill_synced:
                 self.sync()
             t1 = now()
             for st, res in zip(take, results):
@@ -361,7 +333,7 @@ class Scheduler:
                 if st.segment.index == 0:
                     st.telemetry.prefill_done = t1
                 self.guard(st, lambda s, r=res: self._take_token(s, r))
-        if starting:
+        if any(v.phase is Phase.PREFILL for v in snap.requests):  # prefilled, or waiting for a free LLM slot
             self.wake()
 
     def _open_segment(self, st: RequestState) -> None:
@@ -385,12 +357,13 @@ class Scheduler:
     def _decode(self) -> None:
         """One ``decode`` call per LLM stage over every running LM that is ready (the cudagraph LLM makes it one
         replay); a state that waits for input (not ``ready``) is skipped, neither stepped nor failed."""
-        rows = [st for st in self.active if st.segment is not None and st.segment.llm_started
-                and not st.segment.llm_done and not st.cancelled.is_set() and st.segment.llm is not None
-                and st.segment.llm.ready and not self._yields(st)]
-        for st in rows:
-            st.segment.llm.no_ahead = self._completes_first_chunk(st)
-        for group in group_by(rows, lambda s: s.stages.llm):
+        states = list(self.active)
+        plan = policy.plan(self._snapshot(states), self.limits)
+        for rows in plan.decode:
+            for i in rows:
+                states[i].segment.llm.no_ahead = i in plan.no_ahead  # type: ignore[union-attr]
+        for rows in plan.decode:
+            group = [states[i] for i in rows]
             try:
                 results = group[0].stages.llm.decode([st.segment.llm for st in group])
                 if len(results) != len(group):
@@ -401,7 +374,7 @@ class Scheduler:
             self.count("decode_steps", 1, "decode_rows", len(group))
             for st, res in zip(group, results):
                 self.guard(st, lambda s, r=res: self._take_token(s, r))
-        if rows:
+        if plan.decode:
             self.wake()
 
     def _take_token(self, st: RequestState, res: object) -> None:

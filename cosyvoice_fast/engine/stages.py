@@ -9,21 +9,22 @@ with its own KV cache and graphs.  :class:`StageCache` keeps a bounded number pe
 from __future__ import annotations
 
 import copy
-import importlib.util
 import gc
+import importlib
 import logging
 import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from types import MappingProxyType
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from cosyvoice_fast.config.model import BackendConfig
+from cosyvoice_fast.config.backends import BackendConfig
 from cosyvoice_fast.config.engine import EngineConfig, resolve_llm_slots
-from cosyvoice_fast.config.backends import TRITON_MISSING, BackendInfo, BackendUnavailable
+from cosyvoice_fast.config.backends import BackendInfo, BackendUnavailable
 from cosyvoice_fast.flow.stage import FlowStage
 from cosyvoice_fast.llm.stage import LLMStage
 from cosyvoice_fast.vocoder.stage import VocoderStage
@@ -45,11 +46,11 @@ StageKey = tuple[str, str, str]  # (stage, implementation, dtype); the vocoder's
 
 def stage_keys(config: BackendConfig) -> dict[str, StageKey]:
     """The key of each stage ``config`` needs: configs that build the same object get the same key (the flow's
-    ``incremental`` flag picks another runner; ``incremental`` as a flow name is the eager flow with it on;
-    the tensorrt flow ignores it; HiFT always runs in fp32)."""
+    ``incremental`` flag picks another runner: the eager flow's is named ``incremental``; the tensorrt flow
+    ignores the flag; HiFT always runs in fp32)."""
     flow = config.flow
-    if flow in ("eager", "incremental"):
-        flow = "incremental" if (config.incremental or flow == "incremental") else "eager"
+    if flow == "eager" and config.incremental:
+        flow = "incremental"
     elif flow in ("cudagraph", "fused") and config.incremental:
         flow += "-incremental"
     return {"llm": ("llm", config.llm, config.dtype), "flow": ("flow", flow, config.dtype),
@@ -106,7 +107,7 @@ def _build_vocoder(models: Any, name: str, engine: EngineConfig) -> Any:
 
     if name == "eager":
         return EagerVocoder(models.hift)
-    from cosyvoice_fast.config.model import StreamParams
+    from cosyvoice_fast.config.stream import StreamParams
     from cosyvoice_fast.config.schedule import final_vocoder_frames, vocoder_frames
     from cosyvoice_fast.vocoder.graph import CudaGraphVocoder
     from cosyvoice_fast.vocoder.fused import FusedVocoder
@@ -278,46 +279,44 @@ def build_stage_set(models: Any, config: BackendConfig, engine_config: EngineCon
     return StageCache(models, engine_config).get(config)
 
 
-def _has(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
+def _anywhere(device: torch.device, engines_dir: Path | None = None) -> str | None:
+    """The eager backends: plain PyTorch, on any device."""
+    return None
+
+
+def _ask(module: str) -> Callable[[torch.device, Path], str | None]:
+    """The ``why_unavailable_on(device, engines_dir)`` of a backend module, imported when first asked (the
+    modules import no Triton or TensorRT before their check has found it)."""
+    def ask(device: torch.device, engines_dir: Path) -> str | None:
+        return importlib.import_module(module).why_unavailable_on(device, engines_dir)
+    return ask
+
+
+#: (stage, backend) -> that backend's own answer to "why can you not run on this device?" (None: it can).  The
+#: rules live in the backends, each stated once; this table only says whom to ask, in the order listings show.
+AVAILABILITY: Mapping[tuple[str, str], Callable[[torch.device, Path], str | None]] = MappingProxyType({
+    ("llm", "eager"): _anywhere,
+    ("llm", "cudagraph"): _ask("cosyvoice_fast.llm.graph"),
+    ("llm", "fused"): _ask("cosyvoice_fast.llm.fused"),
+    ("llm", "trtllm"): _ask("cosyvoice_fast.llm.trtllm"),
+    ("flow", "eager"): _anywhere,
+    ("flow", "cudagraph"): _ask("cosyvoice_fast.flow.graph"),
+    ("flow", "fused"): _ask("cosyvoice_fast.flow.fused"),
+    ("flow", "tensorrt"): _ask("cosyvoice_fast.flow.tensorrt"),
+    ("vocoder", "eager"): _anywhere,
+    ("vocoder", "cudagraph"): _ask("cosyvoice_fast.vocoder.graph"),
+    ("vocoder", "fused"): _ask("cosyvoice_fast.vocoder.fused"),
+})
 
 
 def available_backends(device: torch.device | str, engines_dir: str | Path = "engines") -> list[BackendInfo]:
-    """Every (stage, backend) pair with whether it can run on ``device`` and, if not, the reason."""
-    dev = torch.device(device)
-    cuda = dev.type == "cuda" and torch.cuda.is_available()
-    no_cuda = "needs a CUDA GPU (this engine runs on %s)" % dev.type
-    engines = Path(engines_dir)
-    out = [BackendInfo(s, "eager", True) for s in ("llm", "flow", "vocoder")]
-    out.append(BackendInfo("flow", "incremental", True))  # eager math, any device
-    for s in ("llm", "flow", "vocoder"):
-        out.append(BackendInfo(s, "cudagraph", cuda, "" if cuda else no_cuda))
-    fused_off = no_cuda if not cuda else ("" if _has("triton") else TRITON_MISSING)
-    out += [BackendInfo(s, "fused", not fused_off, fused_off) for s in ("llm", "vocoder")]
-    if not cuda:
-        out.append(BackendInfo("flow", "tensorrt", False, no_cuda))
-    elif not _has("tensorrt"):
-        out.append(BackendInfo("flow", "tensorrt", False, "package tensorrt is not installed "
-                                                          "(pip install -r requirements-trt.txt)"))
-    elif not any(engines.glob("flow_estimator*.plan")):
-        out.append(BackendInfo("flow", "tensorrt", False, "no engine built yet: run python -m cosyvoice_fast "
-                                                          "build-engines --model-dir DIR"))
-    else:
-        out.append(BackendInfo("flow", "tensorrt", True))
-    from cosyvoice_fast.flow.fused import why_unavailable as fused_flow_unavailable
-
-    fused_flow_off = fused_flow_unavailable() if cuda else no_cuda
-    out.append(BackendInfo("flow", "fused", fused_flow_off is None, fused_flow_off or ""))
-    if not cuda:
-        out.append(BackendInfo("llm", "trtllm", False, no_cuda))
-    elif not _has("tensorrt_llm"):
-        out.append(BackendInfo("llm", "trtllm", False, "package tensorrt_llm is not installed "
-                                                       "(pip install -r requirements-trt.txt)"))
-    elif not any(engines.glob("llm_trtllm*/")):
-        out.append(BackendInfo("llm", "trtllm", False, "no TensorRT-LLM engine built yet: run python -m "
-                                                       "cosyvoice_fast build-engines --model-dir DIR"))
-    else:
-        out.append(BackendInfo("llm", "trtllm", True))
+    """Every (stage, backend) pair with whether it can run on ``device`` and, if not, the reason (each backend
+    asked through :data:`AVAILABILITY`)."""
+    dev, engines = torch.device(device), Path(engines_dir)
+    out = []
+    for (stage, name), why in AVAILABILITY.items():
+        reason = why(dev, engines)
+        out.append(BackendInfo(stage, name, reason is None, reason or ""))
     return out
 
 

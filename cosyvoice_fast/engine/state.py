@@ -7,6 +7,7 @@ uuid-keyed dicts and even on the shared model object).
 
 from __future__ import annotations
 
+import enum
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -19,6 +20,21 @@ from cosyvoice_fast.frontend.request import ModelInputs, SynthesisRequest
 from cosyvoice_fast.config.schedule import ChunkCall, ChunkCursor
 from cosyvoice_fast.telemetry.record import RequestTelemetry
 from cosyvoice_fast.vocoder.stream import VocoderCache
+
+
+class Phase(enum.Enum):
+    """Where a request stands, as the scheduling policy (:mod:`~cosyvoice_fast.engine.policy`) sees it.
+
+    Derived from the request's fields (:attr:`RequestState.phase`), never stored beside them, so it cannot
+    disagree with them.  A request runs its text segments one after the other, passing OPENING -> PREFILL ->
+    DECODING -> DRAINING for each."""
+
+    WAITING = "waiting"  #: in the admission queue, no stream yet
+    OPENING = "opening"  #: admitted, its next text segment not opened yet
+    PREFILL = "prefill"  #: segment open, its LM waiting to be prefilled (for a free LLM slot)
+    DECODING = "decoding"  #: its LM draws tokens
+    DRAINING = "draining"  #: its LM is done; chunk calls of the segment remain
+    DONE = "done"  #: ended (finished, cancelled or failed)
 
 
 @dataclass(eq=False)
@@ -72,6 +88,18 @@ class RequestState:
     def id(self) -> str:
         return self.request.request_id
 
+    @property
+    def phase(self) -> Phase:
+        """This request's :class:`Phase` once admitted (the admission queue alone knows WAITING)."""
+        seg = self.segment
+        if self.done:
+            return Phase.DONE
+        if seg is None:
+            return Phase.OPENING
+        if not seg.llm_started:
+            return Phase.PREFILL
+        return Phase.DRAINING if seg.llm_done else Phase.DECODING
+
     def playback_deadline(self, sample_rate: int) -> float:
         """The earliest moment this request's listener can run out of audio (``perf_counter`` seconds): receipt
         plus the audio sent so far.  Playback starts at the first chunk's delivery, later than receipt, so the
@@ -80,6 +108,6 @@ class RequestState:
 
     def close(self) -> None:
         if self.segment is not None:
-            self.segment.close(getattr(self.stages, "llm", None))
+            self.segment.close(self.stages.llm if self.stages is not None else None)
         self.segment = None
         self.done = True

@@ -134,16 +134,15 @@ def flow_chunk_mel_batch(flow: torch.nn.Module, items: Sequence[ChunkItem], stre
 class EagerFlow:
     """Full-prefix recomputation per chunk (upstream's behaviour).
 
-    :meth:`solve` shares the CFM solve between up to ``max_batch`` items.  By default only items whose
-    estimator inputs have the same length share one (no padding); with ``share_padded = True`` any lengths
-    share a right-padded solve.  Either way each item equals its own :meth:`chunk` to float rounding (~1e-6 in
-    fp32), but not always bit for bit: padded attention reduces over more keys, and BLAS may block a bigger
-    batch differently (on CPU, 8 items already differ in the last bits, 4 do not).  Bit-for-bit equality with
-    a solo run is this reference backend's contract on CPU, where batching buys nothing (compute-bound), so
-    there ``max_batch`` defaults to 1 (``solve`` is then a loop of :meth:`chunk`); on a GPU, where each
-    chunk is launch-bound, it defaults to 16."""
+    :meth:`solve` shares the CFM solve between up to ``max_batch`` items whose estimator inputs have the same
+    length (no padding: padded attention reduces over more keys, so this reference backend never pads).  Each
+    item equals its own :meth:`chunk` to float rounding (~1e-6 in fp32), but not always bit for bit: BLAS may
+    block a bigger batch differently (on CPU, 8 items already differ in the last bits, 4 do not).  Bit-for-bit
+    equality with a solo run is this reference backend's contract on CPU, where batching buys nothing
+    (compute-bound), so there ``max_batch`` defaults to 1 (``solve`` is then a loop of :meth:`chunk`); on a
+    GPU, where each chunk is launch-bound, it defaults to 16.  It keeps no flow state (``incremental`` None)."""
 
-    share_padded = False
+    incremental = None  # FlowStage: no runner here keeps flow state between chunks
 
     def __init__(self, flow: torch.nn.Module, config: ModelConfig):
         self.flow = flow
@@ -159,5 +158,4 @@ class EagerFlow:
         """Several requests' chunks with shared CFM solves; one mel per item, each equal to its :meth:`chunk`."""
         if len(items) == 1 or self.max_batch <= 1:
             return [self.chunk(*item, stream=stream) for item in items]
-        return flow_chunk_mel_batch(self.flow, items, stream, max_items=self.max_batch,
-                                    same_length=not self.share_padded)
+        return flow_chunk_mel_batch(self.flow, items, stream, max_items=self.max_batch, same_length=True)

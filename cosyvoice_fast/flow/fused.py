@@ -14,36 +14,42 @@ frames after the last committed chunk, reading the earlier frames' keys/values a
 runner's buffers; final chunks, non-streaming requests and streams that join a batched solve recompute.
 A voice with no prompt state yet recomputes its segment (``new_voices = "recompute"``): a window over prompt and
 chunk together costs more than the recompute of the same frames (the window's conv-context launches and
-cached-key writes, BENCHMARKS.md), so incremental pays only from the voice's cached prompt state on.
+cached-key writes, as measured on an H100), so incremental pays only from the voice's cached prompt state on.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import logging
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from cosyvoice_fast.config.model import ModelConfig
 from cosyvoice_fast.config.backends import BackendUnavailable
+from cosyvoice_fast.kernels.graphs import cuda_missing
 from cosyvoice_fast.flow.graph import CudaGraphFlow
 
-log = logging.getLogger(__name__)
 
-
-def why_unavailable(flow: torch.nn.Module | None = None) -> str | None:
-    """The reason the fused flow cannot run here (no CUDA, no Triton, a model it does not support), or None."""
-    if not torch.cuda.is_available():
-        return "flow backend 'fused' needs a CUDA GPU (torch sees none here); choose 'eager' instead"
+def why_unavailable_on(device: torch.device, engines_dir: Path | None = None) -> str | None:
+    """Why the fused flow cannot run on ``device`` (no CUDA, no Triton; the availability registry asks), or None."""
+    missing = cuda_missing(device)
+    if missing is not None:
+        return missing
     if importlib.util.find_spec("triton") is None:
-        return "flow backend 'fused' needs the triton package (pip install triton); choose 'cudagraph' instead"
-    if flow is not None:
-        dev = next(flow.parameters()).device
-        if dev.type != "cuda":
-            return f"flow backend 'fused' needs the model on a CUDA GPU, but it is on {dev}; choose 'eager' instead"
-        if len(flow.decoder.estimator.cfg.channels) != 1:
-            return "flow backend 'fused' supports the one-level estimator of released models; choose 'cudagraph'"
+        return "needs the triton package (pip install triton)"
+    return None
+
+
+def why_unavailable(flow: torch.nn.Module) -> str | None:
+    """The reason the fused flow cannot drive ``flow`` here (no CUDA, no Triton, a model it does not support)."""
+    dev = next(flow.parameters()).device
+    reason = why_unavailable_on(dev)
+    if reason is not None:
+        other = "cudagraph" if dev.type == "cuda" and torch.cuda.is_available() else "eager"
+        return f"flow backend 'fused' {reason}; choose '{other}' instead"
+    if len(flow.decoder.estimator.cfg.channels) != 1:
+        return "flow backend 'fused' supports the one-level estimator of released models; choose 'cudagraph'"
     return None
 
 
@@ -64,20 +70,12 @@ class FusedFlow(CudaGraphFlow):
 
     def __init__(self, flow: torch.nn.Module, config: ModelConfig, fused_encoder: bool = True, **kwargs: Any):
         """``fused_encoder``: the encoder graphs capture :class:`~cosyvoice_fast.flow.kernels.encoder_fused.
-        FusedEncoder` (five kernels per Conformer block) rather than the eager encoder, where the model's sizes
-        allow it (else the eager one, with a log line saying why)."""
+        FusedEncoder` (five kernels per Conformer block) rather than the eager encoder."""
         reason = why_unavailable(flow)
         if reason is not None:
             raise BackendUnavailable(reason)
-        from cosyvoice_fast.flow.kernels.encoder_fused import why_unsupported
         from cosyvoice_fast.flow.kernels.estimator_fused import FusedEstimator
 
-        encoder = None
-        if fused_encoder:
-            unsupported = why_unsupported(flow)
-            if unsupported is None:
-                encoder = _fused_encode
-            else:
-                log.info("flow backend 'fused': the encoder stays eager (%s)", unsupported)
         kwargs.setdefault("incremental", False)
-        super().__init__(flow, config, estimator=FusedEstimator, encoder=encoder, **kwargs)
+        super().__init__(flow, config, estimator=FusedEstimator, encoder=_fused_encode if fused_encoder else None,
+                         **kwargs)

@@ -35,16 +35,22 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
 
-from cosyvoice_fast.config.model import ModelConfig, StreamParams
+from cosyvoice_fast.config.model import ModelConfig
+from cosyvoice_fast.config.stream import StreamParams
 from cosyvoice_fast.config.schedule import ChunkCall, bucket_frames, schedule_frames
 from cosyvoice_fast.config.backends import BackendUnavailable
+from cosyvoice_fast.kernels.graphs import cuda_missing
 from cosyvoice_fast.flow.eager import flow_chunk_mel, flow_chunk_mel_batch
 from cosyvoice_fast.flow.graph_encoder import ENCODER_ROWS, GraphEncoder
+
+if TYPE_CHECKING:
+    from cosyvoice_fast.flow.graph_incremental import GraphIncrementalFlow
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +74,15 @@ def bucket_rows(rows: int, sizes: Sequence[int] = ROW_SIZES) -> int | None:
 # --------------------------------------------------------------------------------------- the graph runner
 
 
+def why_unavailable_on(device: torch.device, engines_dir: Path | None = None) -> str | None:
+    """Why this backend cannot run on ``device`` (the availability registry asks), or None when it can."""
+    return cuda_missing(device)
+
+
 def why_unavailable(flow: torch.nn.Module) -> str | None:
     """The reason this backend cannot drive ``flow`` here, or None when it can."""
-    if not torch.cuda.is_available():
-        return "flow backend 'cudagraph' needs a CUDA GPU (torch sees none here); choose 'eager' instead"
-    dev = next(flow.parameters()).device
-    if dev.type != "cuda":
-        return f"flow backend 'cudagraph' needs a CUDA GPU, but the model is on {dev}; choose 'eager' instead"
-    return None
+    reason = why_unavailable_on(next(flow.parameters()).device)
+    return None if reason is None else f"flow backend 'cudagraph' {reason}; choose 'eager' instead"
 
 
 class GraphEstimator:
@@ -83,23 +90,16 @@ class GraphEstimator:
     pads to the length bucket and to the row bucket (:data:`ROW_SIZES`; 2 = one request's CFG pair) and
     replays a captured graph of ``estimator``; with ``solver`` it also runs whole guided solves as replays of
     one step graph per bucket (:meth:`solve`, :mod:`~cosyvoice_fast.flow.graph_solve`), which are then the
-    graphs captured at start-up.
-
-    ``ragged=True`` with an estimator that supports it (``ragged = True``: the fused kernels) adds one graph
-    input, the ``extent`` ``[rows, frames]`` of each replay (:mod:`~cosyvoice_fast.kernels.common`):
-    the kernels then compute only those rows and frames of the bucket, and the padded parts of the static
-    inputs need no clearing.  Off by default: a part-filled batched solve gets 17-30 % faster, but every
-    kernel reads the extent before its first load, which made full solves (the benchmark's bursts of first
-    chunks) ~3 % slower, and the end-to-end throughput did not move (BENCHMARKS.md, session 18)."""
+    graphs captured at start-up.  A replay always covers its whole bucket: padded rows and frames are zeroed
+    and masked."""
 
     def __init__(self, estimator: torch.nn.Module, device: torch.device, granularity: int = 50,
                  max_frames: int = DEFAULT_MAX_FRAMES, max_graphs: int = 128, buckets: Sequence[int] | None = None,
-                 ragged: bool = False, solver: tuple[float, int] | None = None):
+                 solver: tuple[float, int] | None = None):
         from cosyvoice_fast.flow.graph_solve import StepGraphs
         from cosyvoice_fast.kernels.graphs import GraphCache
 
         self.estimator = estimator
-        self.ragged = ragged and bool(getattr(estimator, "ragged", False))
         self.device = device
         self.granularity = granularity
         #: configured lengths (``EngineConfig.flow_buckets``): a call pads up to the next one; None: every
@@ -110,9 +110,8 @@ class GraphEstimator:
             mode: GraphCache(self._fn(mode), device, max_graphs, f"flow-estimator-{'stream' if mode else 'full'}")
             for mode in (True, False)}
         #: ``solver = (CFG rate, Euler steps)``: whole solves replay one step graph per bucket
-        #: (:mod:`~cosyvoice_fast.flow.graph_solve`, :meth:`solve`), captured instead of single forwards;
-        #: not with ``ragged``
-        self.steps = None if solver is None or self.ragged else StepGraphs(self, *solver, max_graphs=max_graphs)
+        #: (:mod:`~cosyvoice_fast.flow.graph_solve`, :meth:`solve`), captured instead of single forwards
+        self.steps = None if solver is None else StepGraphs(self, *solver, max_graphs=max_graphs)
         self.lock = threading.Lock()
         self.eager_calls = 0
         self._last_replay: torch.cuda.Event | None = None
@@ -120,10 +119,7 @@ class GraphEstimator:
     def _fn(self, streaming: bool):
         est = self.estimator
 
-        def run(x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
-                *extent: Tensor) -> tuple[Tensor]:
-            if extent:
-                return (est(x, mask, mu, t, spks, cond, streaming, extent=extent[0]),)
+        def run(x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor) -> tuple[Tensor]:
             return (est(x, mask, mu, t, spks, cond, streaming),)
 
         return run
@@ -162,12 +158,9 @@ class GraphEstimator:
     def _example(self, frames: int, dtype: torch.dtype, rows: int = 2) -> tuple[Tensor, ...]:
         b, c = rows, self.estimator.cfg.out_channels
         z = torch.zeros(b, c, frames, device=self.device, dtype=dtype)
-        example = (z, torch.ones(b, 1, frames, device=self.device, dtype=dtype), z.clone(),
-                   torch.zeros(b, device=self.device, dtype=dtype), torch.zeros(b, c, device=self.device, dtype=dtype),
-                   z.clone())
-        if self.ragged:  # the whole bucket live while capturing
-            example += (torch.tensor([b, frames], device=self.device, dtype=torch.int32),)
-        return example
+        return (z, torch.ones(b, 1, frames, device=self.device, dtype=dtype), z.clone(),
+                torch.zeros(b, device=self.device, dtype=dtype), torch.zeros(b, c, device=self.device, dtype=dtype),
+                z.clone())
 
     def bucket(self, frames: int) -> int:
         """The captured length serving ``frames`` (may exceed ``max_frames``: then the call runs eagerly)."""
@@ -241,14 +234,11 @@ class GraphEstimator:
             xs, ms, mus, ts, ss, cs = g.inputs[:6]
             for dst, src in ((xs, x), (ms, mask), (mus, mu), (cs, cond)):
                 dst[:rows, ..., :frames].copy_(src)
-                if frames < bucket and not self.ragged:
+                if frames < bucket:
                     dst[:rows, ..., frames:].zero_()  # masked anyway; zeros keep stale values (and NaN*0) out
             ts[:rows].copy_(t.reshape(-1).expand(rows))
             ss[:rows].copy_(spks)
-            if self.ragged:  # the kernels read only this extent: the rest of the buffers is never looked at
-                g.inputs[6][0].fill_(rows)
-                g.inputs[6][1].fill_(frames)
-            elif rows < prows:  # padding rows: all zero, mask 0 (output 0); stale rows of a bigger batch cleared
+            if rows < prows:  # padding rows: all zero, mask 0 (output 0); stale rows of a bigger batch cleared
                 for buf in (xs, ms, mus, ts, ss, cs):
                     buf[rows:].zero_()
             g.graph.replay()
@@ -263,6 +253,8 @@ class CudaGraphFlow:
     docstring for the bucket policy)."""
 
     max_batch = ROW_SIZES[-1] // 2  # requests per batched solve (2 CFG rows each)
+    #: FlowStage: the incremental runner streaming chunks use (set per instance; None: every chunk recomputes)
+    incremental: "GraphIncrementalFlow | None" = None
     #: what a streamed segment of a voice with no prompt state does (``IncrementalFlow``'s ``new_voices``)
     new_voices = "incremental"
 
@@ -270,15 +262,14 @@ class CudaGraphFlow:
                  max_frames: int = DEFAULT_MAX_FRAMES, max_graphs: int = 128, incremental: bool = True,
                  state_frames: int | None = None, buckets: Sequence[int] | None = None,
                  rows: Sequence[int] | None = None, capture_at_start: bool = False, progress: bool = True,
-                 estimator: Callable[[torch.nn.Module], torch.nn.Module] | None = None, ragged: bool = False,
+                 estimator: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
                  encoder: Callable[[torch.nn.Module], Callable[..., Any]] | None = None):
         """``buckets`` / ``rows`` (``EngineConfig.flow_buckets`` / ``flow_rows``): the estimator lengths and
         requests per solve to serve from graphs; with ``capture_at_start`` every one of them (both attention
         modes), every encoder bucket and every incremental shape is captured here and nothing is captured later
         (uncaptured shapes run eagerly).  ``estimator`` maps the
         model's estimator (projections already fused) to the module the graphs capture instead of it (the
-        ``fused`` backend's kernels); ``ragged`` replays its graphs over only each solve's rows and frames when
-        that module supports it (:class:`GraphEstimator`); ``encoder`` maps the flow model to the padded-encode
+        ``fused`` backend's kernels); ``encoder`` maps the flow model to the padded-encode
         function its encoder graphs capture (:class:`GraphEncoder`'s ``encode``; default the model's own)."""
         reason = why_unavailable(flow)
         if reason is not None:
@@ -290,7 +281,7 @@ class CudaGraphFlow:
         gran = granularity or est.cfg.static_chunk_size or 50
         cfm = flow.cfg.cfm
         self.estimator = GraphEstimator(estimator(est) if estimator else est, next(flow.parameters()).device, gran,
-                                        max_frames, max_graphs, buckets, ragged,
+                                        max_frames, max_graphs, buckets,
                                         solver=(cfm.inference_cfg_rate, cfm.n_timesteps))
         if rows:
             self.max_batch = min(max(rows), ROW_SIZES[-1] // 2)

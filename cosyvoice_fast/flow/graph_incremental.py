@@ -14,18 +14,18 @@ list of tensors; instead the runner owns one set of buffers of fixed capacity:
 
 One graph per (frames bucket ``n``, key capacity bucket ``C``) serves every call of that shape for every
 request: positions, mask and commit point are data, not shapes.  The buffers hold one request's state at a
-time ("resident").  By default (``share_buffers=False``) a segment starts incrementally only when no other
-live segment is resident, and otherwise recomputes its chunks (exact, upstream's scheme): swapping states
-costs a copy of every committed frame per chunk plus a saved copy per waiting stream, which measured slower
-than recomputing at 16 streams.  With ``share_buffers=True`` states are swapped: the resident one is saved (a
-copy of its ``[0, n_frames)`` keys/values) unless its request is gone, and the newcomer's copy is loaded.
-Prompt states (the committed prompt frames of a voice) are saved copies, loaded when a request of that voice
-starts: ~2.3 MB per frame at full size in bf16, a ~0.3 ms copy for a 3 s prompt instead of recomputing it.
+time ("resident").  A segment starts incrementally only when no other live segment is resident, and otherwise
+recomputes its chunks (exact, upstream's scheme): swapping states would cost a copy of every committed frame
+per chunk plus a saved copy per waiting stream, which measured slower than recomputing at 16 streams.  When the
+buffers change hands the resident state is saved (a copy of its ``[0, n_frames)`` keys/values) unless its
+request is gone.  Prompt states (the committed prompt frames of a voice) are saved copies, loaded when a
+request of that voice starts: ~2.3 MB per frame at full size in bf16, a ~0.3 ms copy for a 3 s prompt instead
+of recomputing it.
 
 Why this is not faster for the first chunk: each Euler step of the estimator is a chain of ~1000 small
 kernels whose cost barely depends on the frame count at these sizes (measured 3.5 ms per step for 50 frames
 and for 200), so computing only the new frames removes work, not latency; it pays off as the prefix grows
-(flat per-chunk cost instead of a growing one).  See BENCHMARKS.md.
+(flat per-chunk cost instead of a growing one).
 
 Exactness: the maths is :func:`~cosyvoice_fast.flow.model.incremental.estimator_increment` with a
 :class:`~cosyvoice_fast.flow.model.incremental.StaticWindow`; padded query frames sit after every real frame
@@ -34,7 +34,7 @@ same runner executes eagerly (no capture), which is how ``tests/test_incremental
 against upstream's full recompute.
 
 Capacity: a segment whose frames would exceed ``max_frames`` (default 1500 = 30 s of mel including the
-prompt) raises :class:`~cosyvoice_fast.flow.incremental.StateCapacityError`, and that segment continues on
+prompt) raises :class:`~cosyvoice_fast.flow.incremental_state.StateCapacityError`, and that segment continues on
 the full-recompute path (exact, slower); the text frontend splits long texts into sentences well below that.
 """
 
@@ -51,12 +51,13 @@ import torch
 from torch import Tensor, nn
 
 from cosyvoice_fast.flow.model.cfm import NOISE_FRAMES, euler_schedule
-from cosyvoice_fast.flow.model.incremental import (
-    EncoderCache, StaticDecoderCache, StaticWindow, check_estimator, encoder_commit_point, estimator_layout,
-    guided_solve, static_mask,
-)
-from cosyvoice_fast.flow.incremental import FlowState, IncrementalFlow, StateCapacityError
 from cosyvoice_fast.config.schedule import ChunkCall, bucket_frames
+from cosyvoice_fast.flow.incremental import IncrementalFlow
+from cosyvoice_fast.flow.incremental_state import StateCapacityError
+from cosyvoice_fast.flow.model.incremental import (
+    StaticDecoderCache, StaticWindow, check_estimator, estimator_layout, guided_solve, static_mask,
+)
+from cosyvoice_fast.flow.model.incremental_encoder import EncoderCache, encoder_commit_point
 from cosyvoice_fast.kernels.graphs import capture
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class _Graph:
 
 class IncrementalEstimatorGraphs:
     """The estimator half of an incremental flow call (``decode`` of
-    :func:`~cosyvoice_fast.flow.incremental.run_increment`) over fixed-size buffers, replayed as graphs.
+    :func:`~cosyvoice_fast.flow.incremental_state.run_increment`) over fixed-size buffers, replayed as graphs.
 
     ``capture=False`` (always on CPU) runs the same function eagerly on the same buffers.
     """
@@ -279,7 +280,7 @@ class IncrementalEstimatorGraphs:
 
 
 def recompute_encoder(encode: Any):
-    """An ``encode`` for :func:`~cosyvoice_fast.flow.incremental.run_increment` that re-runs the whole
+    """An ``encode`` for :func:`~cosyvoice_fast.flow.incremental_state.run_increment` that re-runs the whole
     (chunk-causal) encoder with ``encode`` (``flow.encode``'s signature, e.g. a graph-replaying
     :class:`~cosyvoice_fast.flow.graph_encoder.GraphEncoder`) and keeps the new frames.
 
@@ -308,36 +309,31 @@ def recompute_encoder(encode: Any):
 
 
 class GraphIncrementalFlow(IncrementalFlow):
-    layout = "static"
-
     """:class:`IncrementalFlow` whose estimator solve is :class:`IncrementalEstimatorGraphs`, with
     ``full`` (a :class:`~cosyvoice_fast.flow.graph.CudaGraphFlow`: its ``recompute``)
     serving final chunks, non-streaming requests and segments past the buffers' capacity."""
 
-    def __init__(self, flow: nn.Module, full: Any, config: Any = None, final: str = "full",
+    layout = "static"
+
+    def __init__(self, flow: nn.Module, full: Any, config: Any = None,
                  max_frames: int = DEFAULT_STATE_FRAMES, max_prompt_states: int = 8, capture: bool | None = None,
-                 encoder: str = "recompute", share_buffers: bool = False,
                  estimator: Callable[..., Tensor] | None = None, new_voices: str = "incremental"):
-        super().__init__(flow, config, final, max_prompt_states, new_voices)
+        super().__init__(flow, config, max_prompt_states, new_voices)
         self.full = full
-        self.share_buffers = share_buffers
         self.busy = 0  # segments that recomputed because another stream held the buffers
-        if encoder not in ("recompute", "incremental"):
-            raise ValueError(f"encoder must be 'recompute' or 'incremental', got {encoder!r}")
-        if encoder == "recompute":
-            self.encoder = recompute_encoder(getattr(full, "encoder", None) or flow.encode)
+        # the captured full encoder (one replay) rather than the eager incremental one (hundreds of launches)
+        self.encoder = recompute_encoder(getattr(full, "encoder", None) or flow.encode)
         self.graphs = self.decoder = IncrementalEstimatorGraphs(flow, max_frames, capture=capture, estimator=estimator)
 
     def chunk(self, seg: Any, inputs: Any, tokens: Tensor, call: ChunkCall, stream: bool = True) -> Tensor:
-        """As :meth:`IncrementalFlow.chunk`; with ``share_buffers`` off (the default) a segment starts
-        incrementally only if no other live segment holds the buffers, else it recomputes throughout.
+        """As :meth:`IncrementalFlow.chunk`, except that a segment starts incrementally only if no other live
+        segment holds the buffers, else it recomputes throughout.
 
         Why: swapping states in and out costs a copy of every committed frame's keys/values per chunk
         (~2.3 MB per frame) and a saved copy per waiting stream; measured at 16 streams that made chunks slower
-        than recomputing (BENCHMARKS.md).  One stream per buffer set keeps the memory bounded by the buffers
-        and gives the solo stream (the latency case) the flat per-chunk cost."""
-        if (not self.share_buffers and stream and not call.finalize and seg is not None
-                and seg.flow_state is None):
+        than recomputing.  One stream per buffer set keeps the memory bounded by the buffers and gives the solo
+        stream (the latency case) the flat per-chunk cost."""
+        if stream and not call.finalize and seg is not None and seg.flow_state is None:
             cur = self.graphs.resident()
             if cur is not None and cur.kv is None:  # a live stream's only copy: leave it there
                 self.busy += 1

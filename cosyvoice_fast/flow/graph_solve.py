@@ -4,7 +4,7 @@ The step loop of :meth:`~cosyvoice_fast.flow.model.cfm.CausalCFM.solve_batch` ar
 runs a dozen small eager operations per Euler step: copies of ``x``, the mask, ``mu``, the condition, the
 speaker rows and the time into the graph's static buffers, a clone of its output, the CFG mix and the Euler
 update.  For one request's first chunk they cost about as much GPU time as half an estimator forward over the
-ten steps (BENCHMARKS.md, session 19).  Here the step itself is the graph: it reads step ``i``'s flow time and
+ten steps (measured on an H200).  Here the step itself is the graph: it reads step ``i``'s flow time and
 step size from two device tables by a device-side step counter, runs the estimator, mixes the CFG rows, advances
 the state in place and moves the counter on.  A solve copies its inputs once and replays that graph once per
 step, with nothing in between.

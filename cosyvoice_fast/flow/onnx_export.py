@@ -18,6 +18,10 @@ The attention mode is fixed at export time (it changes the graph, not just value
 chunk-causal attention (non-final streaming chunks), ``streaming=False`` full attention (final chunks and
 non-streaming requests).  :func:`export_flow_estimators` writes both.  The TorchScript-based exporter
 (``dynamo=False``) is used: it needs no extra packages and handles the dynamic slicing of the chunk mask.
+
+Part of the TensorRT flow backend, which is never run here (TensorRT cannot be installed on the machines this
+project is developed and tested on): the ONNX graph is as far as it is verified (tests export it and compare
+it with the estimator under onnxruntime).  Neither TensorRT nor onnxruntime is needed to import this module.
 """
 
 from __future__ import annotations

@@ -10,17 +10,24 @@ makes its own stream wait on that event before reusing the context's activation 
 Engine choice (:func:`select_engine`): plans in ``engines/`` whose name matches this estimator's architecture,
 this GPU and this TensorRT version, preferring the precision of the module (then fp16, bf16, fp32) and the
 widest shape range; the weight probe beside the plan must match this model's weights (up to a dtype cast).
-When nothing fits, :class:`.base.BackendUnavailable` says which field differs and how to rebuild.
-Inputs longer than the plan's profile run the eager estimator (logged once, counted in ``eager_calls``).
+When nothing fits, :class:`~cosyvoice_fast.config.backends.BackendUnavailable` says which field differs and how
+to rebuild.  Inputs longer than the plan's profile run the eager estimator (logged once, counted in
+``eager_calls``).  A plan serves one request's CFG pair, so calls are not batched (``max_batch`` 1).
+
+Never run here: TensorRT cannot be installed on the machines this project is developed and tested on, so this
+code is verified only up to the ONNX graph (export, shapes, onnxruntime parity, plan naming and selection);
+``tensorrt`` is imported lazily (:func:`~cosyvoice_fast.flow.tensorrt_build.import_tensorrt`), so importing
+this module never needs it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import queue
 import threading
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -28,7 +35,8 @@ from torch import Tensor
 from cosyvoice_fast.config.model import ModelConfig
 from cosyvoice_fast.config.schedule import ChunkCall
 from cosyvoice_fast.config.backends import BackendUnavailable
-from cosyvoice_fast.flow.eager import flow_chunk_mel
+from cosyvoice_fast.kernels.graphs import cuda_missing
+from cosyvoice_fast.flow.eager import ChunkItem, flow_chunk_mel
 from cosyvoice_fast.flow.onnx_export import (
     INPUT_NAMES, OUTPUT_NAME, estimator_fingerprint, probe_matches, weight_probe,
 )
@@ -142,17 +150,30 @@ class TrtEstimatorEngine:
         return out.to(x.dtype)
 
 
-def why_unavailable(flow: torch.nn.Module) -> str | None:
-    if not torch.cuda.is_available():
-        return "flow backend 'tensorrt' needs a CUDA GPU (torch sees none here); choose 'eager' instead"
-    dev = next(flow.parameters()).device
-    if dev.type != "cuda":
-        return f"flow backend 'tensorrt' needs a CUDA GPU, but the model is on {dev}; choose 'eager' instead"
+def why_unavailable_on(device: torch.device, engines_dir: Path | None = None) -> str | None:
+    """Why this backend cannot run on ``device`` (the availability registry asks), or None: a CUDA GPU, and with
+    ``engines_dir`` given the tensorrt package and an engine built there."""
+    missing = cuda_missing(device)
+    if missing is not None or engines_dir is None:
+        return missing
+    if importlib.util.find_spec("tensorrt") is None:
+        return "package tensorrt is not installed (pip install -r requirements-trt.txt)"
+    if not any(Path(engines_dir).glob(f"{ENGINE_PREFIX}*.plan")):
+        return "no engine built yet: run python -m cosyvoice_fast build-engines --model-dir DIR"
     return None
+
+
+def why_unavailable(flow: torch.nn.Module) -> str | None:
+    """The reason this backend cannot drive ``flow`` here (its device), or None when it can."""
+    reason = why_unavailable_on(next(flow.parameters()).device)
+    return None if reason is None else f"flow backend 'tensorrt' {reason}; choose 'eager' instead"
 
 
 class TensorRTFlow:
     """Flow stage: eager encoder, TensorRT estimator (one plan per attention mode)."""
+
+    max_batch = 1  # FlowStage: a plan's batch is one request's CFG pair, so solves are not shared
+    incremental = None  # FlowStage: keeps no flow state between chunks
 
     def __init__(self, flow: torch.nn.Module, config: ModelConfig, engines_dir: str | Path = "engines",
                  n_contexts: int = 2):
@@ -208,3 +229,7 @@ class TensorRTFlow:
 
     def chunk(self, seg: Any, inputs: Any, tokens: Tensor, call: ChunkCall, stream: bool = True) -> Tensor:
         return flow_chunk_mel(self.flow, inputs, tokens, call, stream, self.estimator)
+
+    def solve(self, items: Sequence[ChunkItem], stream: bool = True) -> list[Tensor]:
+        """FlowStage: one :meth:`chunk` per item, in order (the plans take one request at a time)."""
+        return [self.chunk(*item, stream=stream) for item in items]

@@ -9,7 +9,7 @@ built for, and the name says all of them::
 
     flow_estimator_{mode}_{weights}_{gpu}_trt{version}_{dtype}_T{min}-{opt}-{max}.plan
 
-(``weights`` is :func:`.onnx_export.estimator_fingerprint`).  :mod:`.tensorrt_flow` reads the name back to
+(``weights`` is :func:`.onnx_export.estimator_fingerprint`).  :mod:`.tensorrt` reads the name back to
 pick a plan and to say why none fits.
 
 Shape profile (:func:`profile_from_schedule`): ``min`` is one token after the shortest prompt considered,
@@ -20,6 +20,11 @@ prompt included); a longer input runs the eager estimator.
 Precision: on TensorRT 10.x the network is weakly typed and ``fp16``/``bf16`` set the builder flag, with the
 LayerNorms pinned to fp32 (fp16 LayerNorm after attention can overflow).  TensorRT 11 dropped the precision
 flags; there the network is strongly typed and the ONNX is exported in the target dtype instead.
+
+Never run here: TensorRT cannot be installed on the machines this project is developed and tested on, so this
+code is verified only up to the ONNX graph (export, shapes, onnxruntime parity, plan naming and selection);
+``tensorrt`` is imported lazily (:func:`~cosyvoice_fast.flow.tensorrt_build.import_tensorrt`), so importing
+this module never needs it; ``--onnx-only`` is the part that runs here.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from typing import Any, Sequence
 
 import torch
 
-from cosyvoice_fast.config.model import StreamParams
+from cosyvoice_fast.config.stream import StreamParams
 from cosyvoice_fast.config.schedule import schedule_frames
 from cosyvoice_fast.config.backends import BackendUnavailable
 from cosyvoice_fast.flow.graph import DEFAULT_MAX_FRAMES

@@ -17,7 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from cosyvoice_fast.config.model import BackendConfig, ConfigError, StreamParams
+from cosyvoice_fast.config.backends import BackendConfig
+from cosyvoice_fast.config.yamlfile import ConfigError
+from cosyvoice_fast.config.stream import StreamParams
 from cosyvoice_fast.frontend.text_source import SourceLimits
 from cosyvoice_fast.telemetry.record import ChunkTiming, RequestTelemetry
 

@@ -24,6 +24,11 @@ import re
 import unicodedata
 from typing import Any, Callable
 
+from cosyvoice_fast.frontend.number_words import (
+    EN_ONES, ZH_DIGIT, en_below_100, en_int, en_num, en_ordinal, en_year, number_to_chinese, number_to_english,
+    plural_words, zh_digits, zh_num,
+)
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CHARS = 5000
@@ -106,133 +111,6 @@ def has_speech(text: str) -> bool:
     return any(unicodedata.category(c)[0] in "LN" for c in text)
 
 
-# ------------------------------------------------------------------------------------------ Chinese numbers
-
-_ZH_DIGIT = "零一二三四五六七八九"
-
-
-def _zh_below_10000(n: int) -> str:
-    out, zero_pending = [], False
-    for power, unit in ((1000, "千"), (100, "百"), (10, "十"), (1, "")):
-        d = n // power % 10
-        if d == 0:
-            zero_pending = bool(out)
-            continue
-        if zero_pending:
-            out.append("零")
-        out.append(_ZH_DIGIT[d] + unit)
-        zero_pending = False
-    return "".join(out)
-
-
-def number_to_chinese(n: int) -> str:
-    """Cardinal reading of 0 <= n < 10^16: 105 -> 一百零五, 100000001 -> 一亿零一, 12 -> 十二."""
-    if not 0 <= n < 10 ** 16:
-        raise ValueError(f"number out of range for a Chinese cardinal reading: {n}")
-    if n == 0:
-        return "零"
-    groups = []
-    while n:
-        n, g = divmod(n, 10000)
-        groups.append(g)
-    out, gap = "", False
-    for idx in range(len(groups) - 1, -1, -1):
-        g = groups[idx]
-        if g == 0:
-            gap = True
-            continue
-        if out and (gap or g < 1000):
-            out += "零"
-        out += _zh_below_10000(g) + ("", "万", "亿", "万亿")[idx]
-        gap = False
-    return out[1:] if out.startswith("一十") else out
-
-
-def _zh_digits(s: str) -> str:
-    return "".join(_ZH_DIGIT[int(c)] for c in s)
-
-
-def _zh_int(s: str) -> str:
-    # Leading zeros (codes) and runs of 11+ digits (phone numbers, ids) are read digit by digit.
-    return _zh_digits(s) if (len(s) > 1 and s[0] == "0") or len(s) > 10 else number_to_chinese(int(s))
-
-
-def _zh_num(s: str) -> str:
-    whole, _, frac = s.partition(".")
-    return _zh_int(whole) + ("点" + _zh_digits(frac) if frac else "")
-
-
-# ------------------------------------------------------------------------------------------ English numbers
-
-_EN_ONES = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
-            "sixteen seventeen eighteen nineteen").split()
-_EN_TENS = ("", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety")
-_EN_SCALES = ("", " thousand", " million", " billion", " trillion", " quadrillion")
-_EN_ORDINAL = {"one": "first", "two": "second", "three": "third", "five": "fifth", "eight": "eighth",
-               "nine": "ninth", "twelve": "twelfth"}
-
-
-def _en_below_100(n: int) -> str:
-    if n < 20:
-        return _EN_ONES[n]
-    return _EN_TENS[n // 10] + ("-" + _EN_ONES[n % 10] if n % 10 else "")
-
-
-def number_to_english(n: int) -> str:
-    """Cardinal words for 0 <= n < 10^18 in the style of ``inflect`` (British "and", but no commas, which
-    would make the model pause): 1005 -> "one thousand and five", 342 -> "three hundred and forty-two"."""
-    if not 0 <= n < 10 ** 18:
-        raise ValueError(f"number out of range for an English cardinal reading: {n}")
-    if n == 0:
-        return "zero"
-    groups = []
-    while n:
-        n, g = divmod(n, 1000)
-        groups.append(g)
-    words = []
-    for idx in range(len(groups) - 1, -1, -1):
-        g = groups[idx]
-        if g == 0:
-            continue
-        hundreds, rest = divmod(g, 100)
-        part = [_EN_ONES[hundreds] + " hundred"] if hundreds else []
-        if rest:
-            part.append(("and " if hundreds or (idx == 0 and words) else "") + _en_below_100(rest))
-        words.append(" ".join(part) + _EN_SCALES[idx])
-    return " ".join(words)
-
-
-def _en_ordinal(words: str) -> str:
-    head, sep, last = words.rpartition("-") if "-" in words.rsplit(" ", 1)[-1] else words.rpartition(" ")
-    if last in _EN_ORDINAL:
-        last = _EN_ORDINAL[last]
-    else:
-        last = last[:-1] + "ieth" if last.endswith("y") else last + "th"
-    return head + sep + last
-
-
-def _en_year(n: int) -> str:
-    hi, lo = divmod(n, 100)
-    if lo == 0:
-        return number_to_english(hi) + " hundred"
-    return number_to_english(hi) + (" oh " + _EN_ONES[lo] if lo < 10 else " " + _en_below_100(lo))
-
-
-def _en_int(s: str) -> str:
-    if (len(s) > 1 and s[0] == "0") or len(s) > 15:
-        return " ".join(_EN_ONES[int(c)] for c in s)
-    return number_to_english(int(s))
-
-
-def _en_num(s: str) -> str:
-    whole, _, frac = s.partition(".")
-    return _en_int(whole) + (" point " + " ".join(_EN_ONES[int(c)] for c in frac) if frac else "")
-
-
-def _plural(words: str) -> str:
-    return words[:-1] + "ies" if words.endswith("y") else words + "s"
-
-
 # ------------------------------------------------------------------------------------------ number rules
 
 _THOUSANDS = re.compile(r"(?<![\d.,])\d{1,3}(?:,\d{3})+(?![\d]|,\d)")
@@ -257,8 +135,8 @@ def _dates_and_times(text: str, zh: bool) -> str:
         if not (1 <= mo <= 12 and 1 <= d <= 31):
             return m.group(0)
         if zh:
-            return f"{_zh_digits(y)}年{number_to_chinese(mo)}月{number_to_chinese(d)}日"
-        return f"{_MONTHS[mo - 1]} {_en_ordinal(number_to_english(d))} {_en_year_or_int(y)}"
+            return f"{zh_digits(y)}年{number_to_chinese(mo)}月{number_to_chinese(d)}日"
+        return f"{_MONTHS[mo - 1]} {en_ordinal(number_to_english(d))} {_en_year_or_int(y)}"
 
     def time(m: re.Match) -> str:
         h, mi, sec = int(m.group(1)), int(m.group(2)), m.group(3)
@@ -268,27 +146,27 @@ def _dates_and_times(text: str, zh: bool) -> str:
             out = number_to_chinese(h) + "点" + ("" if mi == 0 and sec is None else _zh_minute(mi) + "分")
             return out + (number_to_chinese(int(sec)) + "秒" if sec is not None else "")
         out = number_to_english(h) + (" o'clock" if mi == 0 else
-                                      " oh " + _EN_ONES[mi] if mi < 10 else " " + _en_below_100(mi))
+                                      " oh " + EN_ONES[mi] if mi < 10 else " " + en_below_100(mi))
         return out + (f" and {number_to_english(int(sec))} seconds" if sec is not None else "")
 
     return _TIME.sub(time, _DATE.sub(date, text))
 
 
 def _zh_minute(mi: int) -> str:
-    return "零" + _ZH_DIGIT[mi] if 0 < mi < 10 else number_to_chinese(mi)
+    return "零" + ZH_DIGIT[mi] if 0 < mi < 10 else number_to_chinese(mi)
 
 
 def _en_year_or_int(y: str) -> str:
-    return _en_year(int(y)) if _EN_YEAR.fullmatch(y) else _en_int(y)
+    return en_year(int(y)) if _EN_YEAR.fullmatch(y) else en_int(y)
 
 
 def _spell_numbers_zh(text: str) -> str:
-    text = _MONEY.sub(lambda m: _zh_num(m.group(2)) + ("美元" if m.group(1) == "$" else "元"), text)
-    text = _PERCENT.sub(lambda m: ("负" if m.group(1) else "") + "百分之" + _zh_num(m.group(2)), text)
-    text = _ZH_YEAR.sub(lambda m: _zh_digits(m.group(1)), text)
+    text = _MONEY.sub(lambda m: zh_num(m.group(2)) + ("美元" if m.group(1) == "$" else "元"), text)
+    text = _PERCENT.sub(lambda m: ("负" if m.group(1) else "") + "百分之" + zh_num(m.group(2)), text)
+    text = _ZH_YEAR.sub(lambda m: zh_digits(m.group(1)), text)
     text = _ZH_RANGE.sub(r"\1到\2", text)
     text = _ZH_NEGATIVE.sub("负", text)
-    return _NUMBER.sub(lambda m: _zh_num(m.group(0)), text)
+    return _NUMBER.sub(lambda m: zh_num(m.group(0)), text)
 
 
 def _spell_numbers_en(text: str) -> str:
@@ -297,21 +175,21 @@ def _spell_numbers_en(text: str) -> str:
         unit = {"$": "dollar", "¥": "yuan", "￥": "yuan"}[m.group(1)]
         plural = (lambda w, k: w + ("" if k == 1 or w == "yuan" else "s"))
         if len(cents) == 2:
-            out = f"{_en_int(whole)} {plural(unit, int(whole))}"
+            out = f"{en_int(whole)} {plural(unit, int(whole))}"
             return out + (f" and {number_to_english(int(cents))} {plural('cent', int(cents))}" if int(cents) else "")
-        return f"{_en_num(m.group(2))} {plural(unit, 0 if cents else int(whole))}"
+        return f"{en_num(m.group(2))} {plural(unit, 0 if cents else int(whole))}"
 
     text = _MONEY.sub(money, text)
-    text = _PERCENT.sub(lambda m: ("minus " if m.group(1) else "") + _en_num(m.group(2)) + " percent", text)
-    text = _ORDINAL.sub(lambda m: _en_ordinal(_en_int(m.group(1))), text)
-    text = _DECADE.sub(lambda m: _plural(_en_year_or_int(m.group(1))), text)
-    text = _EN_YEAR.sub(lambda m: _en_year(int(m.group(1))), text)
+    text = _PERCENT.sub(lambda m: ("minus " if m.group(1) else "") + en_num(m.group(2)) + " percent", text)
+    text = _ORDINAL.sub(lambda m: en_ordinal(en_int(m.group(1))), text)
+    text = _DECADE.sub(lambda m: plural_words(_en_year_or_int(m.group(1))), text)
+    text = _EN_YEAR.sub(lambda m: en_year(int(m.group(1))), text)
     text = _EN_NEGATIVE.sub("minus ", text)
 
     def number(m: re.Match) -> str:  # "Windows10" -> "Windows ten", not "Windowsten"
         before = " " if m.start() and text[m.start() - 1].isalpha() else ""
         after = " " if m.end() < len(text) and text[m.end()].isalpha() else ""
-        return before + _en_num(m.group(0)) + after
+        return before + en_num(m.group(0)) + after
 
     return _NUMBER.sub(number, text)
 

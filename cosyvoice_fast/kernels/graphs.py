@@ -26,6 +26,16 @@ _CAPTURES = 0
 _COUNT_LOCK = threading.Lock()
 
 
+def cuda_missing(device: torch.device) -> str | None:
+    """Why a backend that runs CUDA kernels cannot run on ``device``, or None: the requirement every non-eager
+    backend states in its ``why_unavailable_on`` (the registry's question, ``engine.stages``)."""
+    if device.type != "cuda":
+        return f"needs a CUDA GPU (this engine runs on {device.type})"
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU (torch sees none here)"
+    return None
+
+
 def captures() -> int:
     """How many CUDA graphs this process has captured so far (all runners)."""
     return _CAPTURES

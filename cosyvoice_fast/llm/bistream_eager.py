@@ -20,7 +20,7 @@ import torch
 
 from cosyvoice_fast.llm.model.bistream import BistreamSpec, BistreamState, StepPlan
 from cosyvoice_fast.llm.model.speech_lm import Qwen2LM
-from cosyvoice_fast.llm.model.qwen2 import KVCache
+from cosyvoice_fast.llm.model.kv_cache import KVCache
 from cosyvoice_fast.llm.model.sampling import Sampler
 
 

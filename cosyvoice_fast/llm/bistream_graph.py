@@ -29,7 +29,7 @@ import torch
 
 from cosyvoice_fast.llm.model.bistream import BistreamState, StepPlan
 from cosyvoice_fast.llm.model.speech_lm import Qwen2LM
-from cosyvoice_fast.llm.model.qwen2 import KVCacheFullError
+from cosyvoice_fast.llm.model.kv_cache import KVCacheFullError
 from cosyvoice_fast.kernels import graphs
 from cosyvoice_fast.llm.buckets import bucket_for, choose_kv_buckets
 

@@ -55,6 +55,8 @@ class BistreamLLMState(LLMState):
 class BistreamLLM:
     """Batch calls over bi-streamed states on ``runner`` (eager or graph), one lock for schedule updates."""
 
+    prefill_synced = False
+
     def __init__(self, runner: Any, sampler: Sampler | None = None):
         self.runner = runner
         self.llm = runner.llm

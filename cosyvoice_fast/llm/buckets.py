@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
-from cosyvoice_fast.llm.model.qwen2 import KVCacheFullError
+from cosyvoice_fast.llm.model.kv_cache import KVCacheFullError
 
 log = logging.getLogger(__name__)
 

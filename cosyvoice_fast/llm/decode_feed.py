@@ -38,24 +38,15 @@ TOKEN, POS, SEED, OFFSET, WINDOW = 0, 1, 2, 3, 4
 _STAGING = 3
 
 
-#: Merge and advance the step inputs with one launch each (:mod:`..kernels.step_feed`) where Triton runs the
-#: tensors; benchmarks set this False (before building a backend) to time the torch operations.
-USE_KERNELS = True
 #: With the kernels, the graph writes each row's token, fallback flag and position into a ring in pinned host
-#: memory (entry ``pos % RING`` of the row's slot) instead of the host copying the tokens after each replay;
-#: benchmarks set this False (before building a backend) to time the copy.  A slot has at most two steps
-#: pending (the one asked for and the one ahead), so four entries are never overwritten before they are read.
-USE_RING = True
+#: memory (entry ``pos % RING`` of the row's slot) instead of the host copying the tokens after each replay.
+#: A slot has at most two steps pending (the one asked for and the one ahead), so four entries are never
+#: overwritten before they are read.
 RING = 4
-#: Skip a staging copy that would write what the device buffer already holds (:meth:`StepFeed.stage`);
-#: benchmarks set this False (before building a backend) to time the copy every step.
-SKIP_UNCHANGED = True
 
 
 def _feed_kernels(device: torch.device) -> ModuleType | None:
     """The kernel module when it can run on ``device`` (CUDA, or the interpreter on CPU), else None."""
-    if not USE_KERNELS:
-        return None
     try:
         from cosyvoice_fast.llm.kernels import step_feed
         from cosyvoice_fast.kernels.common import can_run_on
@@ -104,9 +95,12 @@ class StepFeed:
 
     Graph side: :meth:`read` at the start of a step and :meth:`advance` at its end.  Host side: :meth:`stage`
     before a replay, :meth:`collect` after it, :meth:`take` to read a row's result, :meth:`drop` when a slot is
-    released.  ``draw_offset``: how far one ``exponential_`` draw moves a generator's offset."""
+    released.  ``draw_offset``: how far one ``exponential_`` draw moves a generator's offset.  The inputs are
+    merged and advanced with one launch each (:mod:`..kernels.step_feed`) where Triton runs the tensors, else
+    (or with ``kernels`` False, the tests' reference) with torch operations and a copy of the tokens."""
 
-    def __init__(self, slots: int, max_len: int, window: int, draw_offset: int, device: torch.device):
+    def __init__(self, slots: int, max_len: int, window: int, draw_offset: int, device: torch.device,
+                 kernels: bool = True):
         self.window, self.max_len, self.draw_offset = window, max_len, draw_offset
         self.rows = WINDOW + window
         self.device = device
@@ -122,18 +116,17 @@ class StepFeed:
         self._turn = 0
         self._sent: np.ndarray | None = None  # the fresh and live flags of the last copy, and its stream
         self._sent_stream: Any = None
-        self.skip_unchanged = SKIP_UNCHANGED
         self.skipped = 0  # stage calls that copied nothing (the device already held their flags)
         self._free: list[Launch] = []
         self._pending: dict[int, deque[tuple[Launch, Row]]] = {}
         self._last: Launch | None = None
         self._stream: Any = None
         self.dropped = 0  # pending results thrown away (their row ended or was released first)
-        self._kernels = _feed_kernels(device)
+        self._kernels = _feed_kernels(device) if kernels else None
         # with the kernels the graph writes each row's result into host memory itself (the advance kernel, the
         # step's last): no copy between two replays.  Pinned memory is mapped into the GPU's address space
         self._ring = self._ring_np = None
-        if self._kernels is not None and USE_RING:
+        if self._kernels is not None:
             self._ring = torch.full((RING, 3, slots + 1), -1, dtype=torch.long, pin_memory=self._cuda)
             self._ring_np = self._ring.numpy()
 
@@ -203,7 +196,7 @@ class StepFeed:
             flags[1, slot] = 1
             flags[0, slot] = col is not None
         stream = torch.cuda.current_stream(self.device) if self._cuda else None
-        if (self.skip_unchanged and not flags[0].any() and self._sent is not None and stream == self._sent_stream
+        if (not flags[0].any() and self._sent is not None and stream == self._sent_stream
                 and np.array_equal(flags, self._sent)):
             self.skipped += 1
             return

@@ -18,6 +18,7 @@ class EagerLLM:
     the same tokens however the engine groups the rows.  No slots: ``capacity`` is ``None``."""
 
     capacity: int | None = None
+    prefill_synced = False  # rows run one after another on the caller's stream
 
     def __init__(self, llm: torch.nn.Module, config: ModelConfig):
         self.llm = llm

@@ -13,6 +13,7 @@ share one row block, each row count picks its attention split count).
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,12 +23,17 @@ from cosyvoice_fast.config.backends import TRITON_MISSING, BackendUnavailable
 from cosyvoice_fast.llm.graph import CudaGraphLLM
 
 
+def why_unavailable_on(device: torch.device, engines_dir: Path | None = None) -> str | None:
+    """Why this backend cannot run on ``device`` (the availability registry asks), or None when it can."""
+    if not torch.cuda.is_available() or device.type != "cuda":
+        return f"needs a CUDA GPU, but the model is on {device}"
+    return TRITON_MISSING if importlib.util.find_spec("triton") is None else None
+
+
 def why_unavailable(llm: torch.nn.Module) -> str | None:
     """The reason this backend cannot drive ``llm`` here, or None when it can."""
-    dev = next(llm.parameters()).device
-    if not torch.cuda.is_available() or dev.type != "cuda":
-        return f"llm backend 'fused' needs a CUDA GPU, but the model is on {dev}; choose 'eager' instead"
-    return TRITON_MISSING if importlib.util.find_spec("triton") is None else None
+    reason = why_unavailable_on(next(llm.parameters()).device)
+    return None if reason is None else f"llm backend 'fused' {reason}; choose 'eager' instead"
 
 
 class _FusedView:
@@ -54,12 +60,16 @@ class _FusedView:
 
 class FusedLLM(CudaGraphLLM):
     """:class:`CudaGraphLLM` over the fused decode step; same constructor arguments and public behaviour, plus
-    ``splits``: the attention's key splits (default: chosen per row count)."""
+    ``splits``: the attention's key splits (default: chosen per row count) and ``tiles``: the kernels' frozen
+    tuning (a :class:`~..kernels.qwen2_proj.Tiles`; None: the GPU default), which a benchmark passes to build a
+    variant."""
 
-    def __init__(self, llm: torch.nn.Module, config: ModelConfig, *, splits: int | None = None, **kwargs: Any):
+    def __init__(self, llm: torch.nn.Module, config: ModelConfig, *, splits: int | None = None,
+                 tiles: Any = None, **kwargs: Any):
         reason = why_unavailable(llm)
         if reason is not None:
             raise BackendUnavailable(reason)
         from cosyvoice_fast.llm.kernels.qwen2_decode import FusedDecoder
 
-        super().__init__(_FusedView(llm, FusedDecoder(llm.decoder, splits)), config, **kwargs)
+        decoder = FusedDecoder(llm.decoder, splits) if tiles is None else FusedDecoder(llm.decoder, splits, tiles)
+        super().__init__(_FusedView(llm, decoder), config, **kwargs)

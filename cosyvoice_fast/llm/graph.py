@@ -9,24 +9,17 @@ slots, see below): a step attends over the first ``bucket`` cache positions, mas
 tokens do not pay for a 2048-long attention.  A decode graph computes:
 token embedding -> decoder -> fp32 log-probs (+ the step's eos mask) -> softmax -> the nucleus draw (the
 stable top-k head, its cut and the draw: one Triton launch where Triton runs, sort-based torch ops elsewhere).
-New requests are prefilled together, a few graph replays per burst (:mod:`.llm_prefill`).  The model is called
+New requests are prefilled together, a few graph replays per burst (:mod:`.prefill`).  The model is called
 through its public methods and does not know it is being captured.
 
 Sampling is the eager RAS sampler's, draw for draw (same seed -> same tokens in fp32): the nucleus draw is
 graph-side tensor math (:mod:`.nucleus`).  In batched decode steps with CUDA generators (``device_ras``, on
-where Triton is) the whole RAS rule runs in the graph too: each row's exponential variates are recomputed from
-its generator's seed and offset (:mod:`..kernels.philox`), both the nucleus draw's and the fallback draw's, the
-repetition check reads the row's last history tokens, and the host only advances each generator by one draw
-(two after a fallback).  A step then costs one replay and one read of the tokens, which the graph writes into
-pinned host memory itself (plus an input copy when rows join, leave or come from the host), whatever the row
-count and however many rows fall back.  The graph also writes each row's next inputs back into its own input
-columns (:mod:`.decode_feed`), so with ``decode_ahead`` (on with device RAS) each call launches the step
-after the one it returns before reading anything: the host's per-token work overlaps the GPU's next step.  A
-prefill does the same for each row's first decode step (its graph writes that step's inputs), so the GPU goes
-from a new request's prefill straight into its first step while the host reads the prefill's tokens.
-Otherwise (prefill, no Triton) the variates are drawn eagerly from each request's generator into a static
-buffer just before the replay, the repetition check runs on the host and a fallback draw runs eagerly
-(:func:`random_sample`, with its own syncs).  A CPU generator falls back to the eager sampler entirely.
+where Triton is) the whole RAS rule runs in the graph too, and with ``decode_ahead`` each call launches the
+step after the one it returns before reading anything (:mod:`.graph_ahead`).  A step then costs one replay and
+one read of the tokens, which the graph writes into pinned host memory itself.  Otherwise (prefill, no Triton)
+the variates are drawn eagerly from each request's generator into a static buffer just before the replay, the
+repetition check runs on the host and a fallback draw runs eagerly (:mod:`.graph_slots`).  A CPU generator
+falls back to the eager sampler entirely.
 
 Batched decoding.  A decode step is GPU-bound by ~600 small kernels, so stepping 16 requests one after another
 costs 16x one step.  Instead all slots share one KV allocation of shape
@@ -65,19 +58,20 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
 from cosyvoice_fast.config.model import ModelConfig
-from cosyvoice_fast.llm.model.qwen2 import KVCache
-from cosyvoice_fast.llm.model.sampling import RasSampler, random_sample
+from cosyvoice_fast.llm.model.sampling import RasSampler
 from cosyvoice_fast.config.backends import BackendUnavailable
 from cosyvoice_fast.llm.stage import LLMState, StepResult, accept_token, new_llm_state
-from cosyvoice_fast.llm.decode_feed import Row, StepFeed, int64
-from cosyvoice_fast.kernels.graphs import capture
+from cosyvoice_fast.llm.decode_feed import StepFeed
+from cosyvoice_fast.llm.graph_ahead import DecodeAhead
+from cosyvoice_fast.llm.graph_slots import Slot, SlotSteps
+from cosyvoice_fast.kernels.graphs import capture, cuda_missing
 from cosyvoice_fast.llm.kv_pool import SlotPool
 from cosyvoice_fast.llm.buckets import bucket_for, choose_kv_buckets, token_budget
 from cosyvoice_fast.llm.prefill import PREFILL_TOKENS, BatchedPrefill, PrefillItem, SlotRows
@@ -85,44 +79,25 @@ from cosyvoice_fast.llm.nucleus import nucleus_pick_rows, ras_pick_into
 
 log = logging.getLogger(__name__)
 
-_NEG_INF = -float("inf")
-
 
 # ------------------------------------------------------------------------------------------ pure helpers
 
 
+def why_unavailable_on(device: torch.device, engines_dir: Path | None = None) -> str | None:
+    """Why this backend cannot run on ``device`` (the availability registry asks), or None when it can."""
+    return cuda_missing(device)
+
+
 def why_unavailable(llm: torch.nn.Module) -> str | None:
     """The reason this backend cannot drive ``llm`` here, or None when it can."""
-    if not torch.cuda.is_available():
-        return "llm backend 'cudagraph' needs a CUDA GPU (torch sees none here); choose 'eager' instead"
-    dev = next(llm.parameters()).device
-    if dev.type != "cuda":
-        return f"llm backend 'cudagraph' needs a CUDA GPU, but the model is on {dev}; choose 'eager' instead"
-    return None
+    reason = why_unavailable_on(next(llm.parameters()).device)
+    return None if reason is None else f"llm backend 'cudagraph' {reason}; choose 'eager' instead"
 
 
 # ------------------------------------------------------------------------------------------ the backend
 
 
-@dataclass
-class _Slot:
-    """One request's static state: its cache and the graphs' per-row inputs and outputs.
-
-    ``cache``, ``bias``, ``q``, ``logp`` and ``token`` are views of row ``index`` of the backend's batched
-    buffers, so the batched decode graphs and the batched prefill graphs (which gather and scatter by slot
-    index) share them.
-    """
-
-    index: int
-    cache: KVCache
-    bias: torch.Tensor  # (V,) fp32: 0 or -inf (the step's eos/stop mask)
-    q: torch.Tensor  # (top_k,) fp32: exponential variates of this step's draw
-    logp: torch.Tensor  # (V,) fp32 out: masked log-probs
-    token: torch.Tensor  # (1,) int64 out: the nucleus draw
-    mask_mode: str = ""
-
-
-class CudaGraphLLM:
+class CudaGraphLLM(SlotSteps, DecodeAhead):
     """Speech-token generation with pooled static KV caches and graph-replayed prefill and decode steps.
 
     ``slots`` requests can run at once, each with room for ``max_len`` LM positions (prompt + text + tokens);
@@ -183,7 +158,7 @@ class CudaGraphLLM:
         self.replays = 0  # batched decode graph replays (with decode_ahead, one per call plus each call's joiners)
         self.ahead_rows = 0  # request-steps launched ahead of their call
         # imported here, once, not at module level: the plain cudagraph backend must not need Triton
-        self._philox = importlib.import_module("..kernels.philox", __package__) if self.device_ras else None
+        self._philox = importlib.import_module("cosyvoice_fast.llm.kernels.philox") if self.device_ras else None
         win = self.sampler.win_size if self.device_ras else 0
         # the eager rule is ``count >= win * tau`` on a whole count: the same as ``count >= ceil(win * tau)``
         self._repeats = math.ceil(win * self.sampler.tau_r) if self.device_ras else 0
@@ -229,8 +204,8 @@ class CudaGraphLLM:
 
         return vocab <= MAX_ELEMENTS
 
-    def _new_slot(self, i: int) -> _Slot:
-        return _Slot(index=i, cache=self._cache.row(i), bias=self._bias[i], q=self._q[i], logp=self._logp[i],
+    def _new_slot(self, i: int) -> Slot:
+        return Slot(index=i, cache=self._cache.row(i), bias=self._bias[i], q=self._q[i], logp=self._logp[i],
                      token=self._token[i:i + 1])
 
     # -------------------------------------------------------------------------------------- capture
@@ -286,106 +261,6 @@ class CudaGraphLLM:
     def slots_in_use(self) -> int:
         return self.pool.in_use
 
-    def _set_mask(self, s: _Slot, step: int, min_len: int, ignore_eos: bool) -> None:
-        """Mirror eager's per-step masking: all stop ids with ``ignore_eos``, else eos for the first ``min_len``."""
-        mode = "stops" if ignore_eos else ("eos" if step < min_len else "none")
-        if mode == s.mask_mode:
-            return
-        cfg = self.llm.cfg
-        s.bias.zero_()
-        if mode == "stops":
-            s.bias[cfg.speech_token_size:] = _NEG_INF
-        elif mode == "eos":
-            s.bias[cfg.eos_token] = _NEG_INF
-        s.mask_mode = mode
-
-    def _take(self, s: _Slot, history: list[int], gen: torch.Generator, token: int,
-              fallback: int | None = None) -> int:
-        """The step's token on the host, with the RAS repetition rule applied exactly as the eager sampler does.
-
-        ``token``: the graph's nucleus draw, read to the host with its step's other rows.  ``fallback`` (device
-        RAS): the graph applied the rule already and says whether it redrew; the generator is advanced past
-        the draws it made."""
-        if gen.device.type != "cuda":  # a CPU generator draws on the CPU: let the eager sampler do all of it
-            return int(self.sampler(s.logp, history, gen))
-        if fallback is not None:
-            gen.set_offset(gen.get_offset() + self._philox.DRAW_OFFSET * (1 + fallback))
-            self.fallback_draws += fallback
-            return token
-        win, tau = self.sampler.win_size, self.sampler.tau_r
-        window = history[-win:] if win > 0 else []
-        if window.count(token) >= win * tau:
-            banned = s.logp.clone()
-            banned[token] = _NEG_INF
-            token = random_sample(banned, gen)
-            self.fallback_draws += 1
-        return token
-
-    def _replay_rows(self, rows: Sequence[LLMState]) -> None:
-        """Feed each state's last token at its position and replay the batched graph (bucket: the largest
-        position); the host samples afterwards.  Rows not listed sit at ``max_len - 1`` (see the module
-        docstring for why that is harmless).  The path without device RAS."""
-        if self._copied is not None:  # the pinned buffer is read by an async copy: wait for the last one
-            self._copied.synchronize()  # (normally long done: every step syncs on its tokens)
-        host = self._host_np
-        host[0, :] = 0
-        host[1, :] = self.max_len - 1
-        slots = [self.pool.item(r.slot) for r in rows]
-        for r, s in zip(rows, slots):
-            s.cache.check_room(r.pos, 1)
-            host[0, s.index] = r.history[-1]
-            host[1, s.index] = r.pos
-        self._step_in.copy_(self._host_in, non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
-        for r, s in zip(rows, slots):
-            self._set_mask(s, r.step, r.min_len, r.ignore_eos)
-            if r.generator.device.type == "cuda":  # each row's draw from its own generator, in its own order
-                s.q.exponential_(1.0, generator=r.generator)
-        self._replay(max(r.pos for r in rows), max(s.index for s in slots))
-
-    def _launch(self, rows: Sequence[LLMState], ahead: bool, prefilled: bool = False) -> None:
-        """Replay one device-RAS step for ``rows``: each at its next step whose result is not pending yet.
-        ``ahead``: one past the step pending for it, with inputs the graph left on the device; else its next
-        step from the host's state (a fresh column).  ``prefilled``: the first decode step of rows whose prefill
-        was just launched and whose token is not read yet (the prefill graph wrote their columns).  Its result
-        becomes pending (:class:`.decode_feed.StepFeed`)."""
-        columns: dict[int, list[int] | None] = {}
-        launched, top = [], 0
-        for st in rows:
-            s = self.pool.item(st.slot)
-            step, pos = (st.step + 1, st.pos + 1) if ahead else (st.step + prefilled, st.pos)
-            s.cache.check_room(pos, 1)
-            self._set_mask(s, step, st.min_len, st.ignore_eos)
-            fresh = not (ahead or prefilled)
-            columns[s.index] = self._feed.column(st.history[-1], pos, st.generator, st.history) if fresh else None
-            launched.append(Row(s.index, st, step, pos))
-            top = max(top, pos)
-        self._feed.stage(columns)
-        self._replay(top, max(columns))
-        self._feed.collect(self._drawn, launched)
-        self.ahead_rows += len(launched) if ahead or prefilled else 0
-
-    def _launch_first(self, group: Sequence[PrefillItem]) -> None:
-        """Between a prefill replay and the read of its tokens: launch the first decode step of each row that
-        will take one (its prefill graph wrote the step's inputs), so the GPU goes on from the prefill to that
-        step while the host reads, accepts and schedules.  A row whose prefill token ends it (a stop id) drops
-        the step when its slot is released.  The inputs assume the prefill's token was drawn with one draw: true
-        whenever the repetition threshold is positive (an empty window never repeats)."""
-        if any(it.state.generator.device.type != "cuda" for it in group):
-            return  # a CPU generator's row is sampled on the host from the prefill's log-probs: keep them
-        if self._repeats <= 0:
-            return  # a rule that redraws even on an empty window moves the generator twice: the column is wrong
-        rows = [it.state for it in group if it.state.max_len > 1 and it.state.pos < self.max_len]
-        if not rows:
-            return
-        try:
-            self._launch(rows, ahead=False, prefilled=True)
-        except Exception:  # noqa: BLE001 - only a head start: the decode call launches these steps itself
-            log.exception("could not launch the first decode step behind a prefill; the decode call launches it")
-            for st in rows:
-                self._feed.drop(st.slot)
-
     def _replay(self, top: int, last_slot: int) -> None:
         """Replay the batched decode graph for positions up to ``top`` (its KV bucket) over slot rows
         ``0 .. last_slot`` (the smallest captured row count that covers them)."""
@@ -393,34 +268,8 @@ class CudaGraphLLM:
         self._batch_graphs[bucket_for(self.buckets, top), n].replay()
         self.replays += 1
 
-    def _decode_fed(self, states: Sequence[LLMState]) -> list[StepResult]:
-        """A device-RAS decode call (caller holds the lock): launch the rows whose step is not pending (new,
-        or back after sitting out), then, with ``decode_ahead``, every row's step after, and only then read
-        and accept the results of the steps asked for.  The step launched ahead is this call's ``states``'s
-        next step: the engine's next call usually asks for it, and finds it computed or computing.  A state with
-        ``no_ahead`` set gets none: the engine pauses it after this step, so a step ahead would only take GPU time
-        from the chunk that paused it (and its next call launches that step from the host, as after sitting
-        out)."""
-        feed = self._feed
-        try:
-            feed.settle()
-            fresh = [st for st in states if not feed.pending(st.slot, st, st.step)]
-            if fresh:
-                self._launch(fresh, ahead=False)
-            # a CPU generator's row is sampled on the host from the step's log-probs: nothing may overwrite them
-            if self.decode_ahead and all(st.generator.device.type == "cuda" for st in states):
-                more = [st for st in states if st.step + 1 < st.max_len and st.pos + 1 < self.max_len
-                        and not st.no_ahead]
-                if more:
-                    self._launch(more, ahead=True)
-        except Exception as e:  # noqa: BLE001 - the launch failed as a whole: each row gets the error
-            for st in states:
-                self.release(st)
-            return [e] * len(states)
-        return self._accept_rows(states, lambda st, s: feed.take(st.slot, st, st.step))
-
     def _accept_rows(self, states: Sequence[LLMState],
-                     drawn: Callable[[LLMState, _Slot], tuple[int, int | None]]) -> list[StepResult]:
+                     drawn: Callable[[LLMState, Slot], tuple[int, int | None]]) -> list[StepResult]:
         """Count the decode call and accept each state's step: ``drawn(state, slot)`` gives the graph's token
         and, with device RAS, whether it fell back (else None: the host applies the rule).  Each row in turn,
         so the rule and any fallback draw run before the row's generator draws again; a row's own failure is
@@ -438,21 +287,6 @@ class CudaGraphLLM:
                 self.release(st)
                 out.append(e)
         return out
-
-    def _prefill_draw(self, it: PrefillItem, in_graph: bool) -> None:
-        """The nucleus variates of a prefill draw: ``exponential_`` of the request's generator into the slot's
-        buffer, or with device RAS the same bits from its seed and offset, drawn by the prefill graph itself
-        (``in_graph``: its item carries them) or here; the generator is advanced past them either way."""
-        gen, s = it.state.generator, it.slot
-        if not self.device_ras:
-            s.q.exponential_(1.0, generator=gen)
-            return
-        offset = gen.get_offset()
-        it.draw = (int64(gen.initial_seed()), offset)
-        if not in_graph:
-            state = torch.tensor([[it.draw[0]], [offset]], dtype=torch.long)
-            self._philox.exponential_rows(state.to(self.device, non_blocking=True), s.q.view(1, -1))
-        gen.set_offset(offset + self._philox.DRAW_OFFSET)
 
     def _check_generator(self, gen: torch.Generator) -> None:
         if gen.device.type == "cuda" and (gen.device.index or 0) != (self.device.index or 0):
@@ -550,33 +384,3 @@ class CudaGraphLLM:
                     self.release(st)
                 return [e] * len(states)
             return self._accept_rows(states, lambda st, s: (drawn[s.index], None))
-
-    def teacher_forced_logp(self, lm_input: torch.Tensor, tokens: Sequence[int]) -> torch.Tensor:
-        """(len(tokens) + 1, V) log-probs: after prefilling ``lm_input``, then after feeding each token through
-        the captured graphs (no masking, no sampling effects).  For parity tests and debugging."""
-        index, s = self.pool.acquire()
-        gen = torch.Generator(device=self.device)
-        try:
-            with torch.inference_mode(), self._lock:
-                if self._feed is not None:
-                    self._feed.settle()
-                self._set_mask(s, 0, 0, False)
-                token_budget(lm_input.shape[1], len(tokens) + 1, self.max_len, True)
-                s.q.exponential_(1.0, generator=gen)
-                (group,) = self.prefiller.groups([PrefillItem(0, None, s, lm_input=lm_input)])
-                self.prefiller.run(*group)
-                rows = [s.logp.clone()]
-                row = LLMState(text=lm_input, prompt_text=None, prompt_speech=None, generator=gen, min_len=0,
-                               max_len=len(tokens) + 1, ignore_eos=False, slot=index)
-                for i, tok in enumerate(tokens):
-                    row.history.append(int(tok))
-                    row.pos = lm_input.shape[1] + i
-                    if self._feed is not None:  # the batched graph, this row alone (others not live)
-                        self._launch([row], ahead=False)
-                        self._feed.take(index, row, row.step)  # only the log-probs are wanted
-                    else:  # the batched graph, this row alone (others idle at max_len - 1)
-                        self._replay_rows([row])
-                    rows.append(s.logp.clone())
-            return torch.stack(rows)
-        finally:
-            self.pool.release(index)

@@ -24,19 +24,12 @@ import torch
 
 _NEG_INF = -float("inf")
 
-#: Draw through the one-launch kernel where it can run; benchmarks set this False to time the torch path.
-USE_KERNEL = True
-#: With it, run the RAS rule and fallback draw as kernels (:func:`ras_pick_into`); benchmarks set this False
-#: to time that tail's torch ops alone.
-USE_RULE_KERNELS = True
-#: With those kernels and generator states, let them compute their own variates (two launches fewer per step,
-#: and the fallback draw's only where a row falls back); benchmarks set this False to launch the Philox kernel.
-RULE_VARIATES = True
 
 
-def _draw_kernel(probs: torch.Tensor, k: int) -> ModuleType | None:
-    """The kernel module when it can draw from ``probs`` (B, V) with ``k`` variates per row here, else None."""
-    if not USE_KERNEL:
+def _draw_kernel(probs: torch.Tensor, k: int, kernel: bool = True) -> ModuleType | None:
+    """The kernel module when it can draw from ``probs`` (B, V) with ``k`` variates per row here, else None
+    (and None with ``kernel`` False: the callers' torch ops, which the tests use as the reference)."""
+    if not kernel:
         return None
     try:
         from cosyvoice_fast.llm.kernels import nucleus_topk
@@ -94,17 +87,18 @@ def nucleus_keep_rows(head_p: torch.Tensor, limit: torch.Tensor) -> torch.Tensor
     return torch.cat((first, run[:, :-1] < limit), dim=1)
 
 
-def nucleus_pick_rows(logp: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, limit: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def nucleus_pick_rows(logp: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, limit: torch.Tensor,
+                      kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`nucleus_pick` for every row: ``logp``/``bias`` (B, V), ``q`` (B, top_k) -> ((B, V) masked
     log-probs, (B,) int64 tokens).  Row ``b``'s result is :func:`nucleus_pick` of row ``b``'s inputs: softmax,
-    the stable sort, the cut and the argmax all work along the row."""
+    the stable sort, the cut and the argmax all work along the row.  ``kernel`` False: the sort-based torch
+    ops even where the one-launch kernel runs (the same tokens)."""
     logp = logp + bias
     probs = logp.softmax(dim=-1)
     k = q.shape[-1]
-    kernel = _draw_kernel(probs, k)
-    if kernel is not None:
-        return logp, kernel.nucleus_draw_rows(probs, q, limit)
+    draw = _draw_kernel(probs, k, kernel)
+    if draw is not None:
+        return logp, draw.nucleus_draw_rows(probs, q, limit)
     sorted_p, sorted_i = probs.sort(dim=-1, descending=True, stable=True)
     head_p, head_i = sorted_p[:, :k], sorted_i[:, :k]
     score = torch.where(nucleus_keep_rows(head_p, limit), head_p / q, _NEG_INF)
@@ -112,7 +106,7 @@ def nucleus_pick_rows(logp: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, l
 
 
 def ras_pick_rows(logp: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, q_again: torch.Tensor,
-                  window: torch.Tensor, limit: torch.Tensor, repeats: int
+                  window: torch.Tensor, limit: torch.Tensor, repeats: int, kernel: bool = True
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The eager RAS sampler for every row, fallback included, as graph-capturable math.
 
@@ -122,9 +116,9 @@ def ras_pick_rows(logp: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, q_aga
     times in its window redraws from the full distribution with that token banned: ``multinomial(softmax,
     1)``, i.e. ``argmax(softmax / q_again)``, exactly the eager ``random_sample``.
     Returns ``(masked log-probs (B, V), tokens (B,), fallback (B,) bool)``: the host advances each row's
-    generator by one draw, or two where ``fallback`` is set.
+    generator by one draw, or two where ``fallback`` is set.  ``kernel``: as for :func:`nucleus_pick_rows`.
     """
-    logp, token = nucleus_pick_rows(logp, bias, q, limit)
+    logp, token = nucleus_pick_rows(logp, bias, q, limit, kernel)
     fallback = (window == token[:, None]).sum(dim=1) >= repeats
     banned = logp.scatter(1, token[:, None], _NEG_INF)
     again = (banned.softmax(dim=-1) / q_again).argmax(dim=1)
@@ -133,7 +127,7 @@ def ras_pick_rows(logp: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, q_aga
 
 def ras_pick_into(logp: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, q_again: torch.Tensor,
                   window: torch.Tensor, limit: torch.Tensor, repeats: int, logp_out: torch.Tensor,
-                  drawn: torch.Tensor, gens: torch.Tensor | None = None) -> None:
+                  drawn: torch.Tensor, gens: torch.Tensor | None = None, kernel: bool = True) -> None:
     """:func:`ras_pick_rows` written into a decode graph's buffers: the masked log-probs into ``logp_out``
     (B, V), the tokens into ``drawn[0]`` and the fallback flags (0/1) into ``drawn[1]`` ((2, B) int64).
 
@@ -143,18 +137,20 @@ def ras_pick_into(logp: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, q_aga
 
     Where the kernels run (:func:`_draw_kernel`), five launches: the masked add, torch's softmax, the draw
     with the rule (:func:`..kernels.ras_rule.ras_rule_rows`), torch's softmax of the banned copy and the
-    fallback draw (:func:`..kernels.ras_rule.ras_redraw_rows`); with ``gens`` (and ``RULE_VARIATES``) the two
-    draw kernels compute their variates themselves, the fallback draw's only for the rows that fall back.
-    The same values as the torch ops bit for bit.  Elsewhere :func:`ras_pick_rows` and three copies."""
-    kernels = USE_RULE_KERNELS and _draw_kernel(logp, q.shape[-1]) is not None
-    if gens is not None and not (kernels and RULE_VARIATES):
+    fallback draw (:func:`..kernels.ras_rule.ras_redraw_rows`); with ``gens`` the two draw kernels compute
+    their variates themselves (two Philox launches fewer), the fallback draw's only for the rows that fall
+    back.  The same values as the torch ops bit for bit.  Elsewhere (or with ``kernel`` False, the tests'
+    reference) the Philox kernel fills ``q`` and ``q_again`` from ``gens``, then :func:`ras_pick_rows` and
+    three copies."""
+    kernels = _draw_kernel(logp, q.shape[-1], kernel) is not None
+    if gens is not None and not kernels:
         from cosyvoice_fast.llm.kernels.philox import DRAW_OFFSET, exponential_rows
 
         exponential_rows(gens, q)
         exponential_rows(gens, q_again, DRAW_OFFSET)
         gens = None
     if not kernels:
-        masked, token, fallback = ras_pick_rows(logp, bias, q, q_again, window, limit, repeats)
+        masked, token, fallback = ras_pick_rows(logp, bias, q, q_again, window, limit, repeats, kernel)
         logp_out.copy_(masked)
         drawn[0].copy_(token)
         drawn[1].copy_(fallback)

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from cosyvoice_fast.llm.model.speech_lm import Qwen2LM
-from cosyvoice_fast.llm.model.qwen2 import KVCache
+from cosyvoice_fast.llm.model.kv_cache import KVCache
 from cosyvoice_fast.llm.buckets import prefill_row_counts
 from cosyvoice_fast.llm.nucleus import nucleus_pick, nucleus_pick_rows
 

@@ -10,7 +10,7 @@ on the :class:`LLMState`, which the request's segment owns, so a backend keeps n
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol, Sequence, Union
+from typing import Any, Protocol, Sequence, Union
 
 import torch
 
@@ -55,6 +55,13 @@ class LLMState:
         return len(self.history)
 
 
+def steppable(state: LLMState | None) -> bool:
+    """Whether a segment's LM ``state`` can take part in a decode call now: it exists and is
+    :attr:`~LLMState.ready` (a bi-streaming state waiting for text is not).  The one place the engine's
+    scheduler and chunk runner ask."""
+    return state is not None and state.ready
+
+
 #: a row's outcome of ``prefill``/``decode``: a token, ``None`` (a stop id was drawn: no token) or the row's error
 StepResult = Union[int, None, BaseException]
 
@@ -87,9 +94,11 @@ class LLMStage(Protocol):
     the prompt and draws each state's first token; ``decode(states)`` feeds each state's last token and draws
     the next (states must not be done).  Both return one :data:`StepResult` per state, in order; a state that
     became done has given its slot back.  ``release(state)`` frees a state's slot and cache (idempotent: the
-    engine calls it on cancellation and errors)."""
+    engine calls it on cancellation and errors).  ``prefill_synced``: ``prefill`` returns only once its GPU work
+    is done (it read the drawn tokens back), so the engine need not wait for the stream to time it."""
 
     capacity: int | None
+    prefill_synced: bool
 
     def new_state(self, inputs: Any, text: torch.Tensor, generator: torch.Generator, max_tokens: int | None,
                   ignore_eos: bool) -> LLMState: ...
@@ -101,29 +110,3 @@ class LLMStage(Protocol):
     def decode(self, states: Sequence[LLMState]) -> list[StepResult]: ...
 
     def release(self, state: LLMState) -> None: ...
-
-
-def iter_alone(stage: LLMStage, inputs: Any, text: torch.Tensor, generator: torch.Generator,
-               max_tokens: int | None = None, ignore_eos: bool = False) -> Iterator[int]:
-    """One request's tokens, run alone through ``stage``'s batch calls, one per ``next`` (tests, profiling).
-
-    Not how the engine drives a backend (it batches every running state into one call); closing the
-    iterator releases the slot."""
-    state = stage.new_state(inputs, text, generator, max_tokens, ignore_eos)
-    try:
-        call = stage.prefill
-        while not state.done:
-            (res,) = call([state])
-            call = stage.decode
-            if isinstance(res, BaseException):
-                raise res
-            if res is not None:
-                yield res
-    finally:
-        stage.release(state)
-
-
-def generate_alone(stage: LLMStage, inputs: Any, text: torch.Tensor, generator: torch.Generator,
-                   max_tokens: int | None = None, ignore_eos: bool = False) -> list[int]:
-    """Every token of one request run alone (see :func:`iter_alone`)."""
-    return list(iter_alone(stage, inputs, text, generator, max_tokens, ignore_eos))

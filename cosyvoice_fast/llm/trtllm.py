@@ -21,11 +21,25 @@ import torch
 
 from cosyvoice_fast.config.model import ModelConfig
 from cosyvoice_fast.config.backends import BackendUnavailable
+from cosyvoice_fast.kernels.graphs import cuda_missing
 from cosyvoice_fast.llm.stage import LLMState, StepResult, accept_token, new_llm_state
 
 log = logging.getLogger(__name__)
 
 ENGINE_GLOB = "llm_trtllm*"
+
+
+def why_unavailable_on(device: torch.device, engines_dir: Path | None = None) -> str | None:
+    """Why this backend cannot run on ``device`` (the availability registry asks), or None: a CUDA GPU, and with
+    ``engines_dir`` given the tensorrt_llm package and an engine built there."""
+    missing = cuda_missing(device)
+    if missing is not None or engines_dir is None:
+        return missing
+    if importlib.util.find_spec("tensorrt_llm") is None:
+        return "package tensorrt_llm is not installed (pip install -r requirements-trt.txt)"
+    if find_engine_dir(engines_dir) is None:
+        return "no TensorRT-LLM engine built yet: run python -m cosyvoice_fast build-engines --model-dir DIR"
+    return None
 
 
 def find_engine_dir(engines_dir: str | Path = "engines") -> Path | None:
@@ -66,6 +80,7 @@ class TrtLlmLLM:
             logits[..., self.offset:self.offset + self.rows] = speech
 
     capacity: int | None = None  # TensorRT-LLM's runner batches its own requests
+    prefill_synced = False
 
     def new_state(self, inputs: Any, text: torch.Tensor, generator: torch.Generator, max_tokens: int | None,
                   ignore_eos: bool) -> LLMState:

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cosyvoice_fast.config.model import ConfigError, ModelConfig
+from cosyvoice_fast.config.yamlfile import ConfigError
+from cosyvoice_fast.config.model import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -11,6 +11,7 @@ chunk are available as soon as the chunk is encoded.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +37,20 @@ CONTAINERS = {
     "flac": Container("flac", "flac", "audio/flac"),
 }
 MEDIA_TYPES = {"pcm": "audio/pcm", **{k: c.media_type for k, c in CONTAINERS.items()}}
+PACKAGES = {k: "av" for k in CONTAINERS}  # the Python package (PyAV) each format's encoder needs; pcm needs none
+
+
+def missing_package(fmt: str) -> str | None:
+    """The package ``fmt``'s encoder needs and this server lacks, else None: checked before a response starts, so
+    a missing PyAV is a 400 naming it rather than a 200 whose body breaks at the first chunk."""
+    name = PACKAGES.get(fmt)
+    if name is None:
+        return None
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return name
+    return None
 
 
 def to_pcm16(samples: np.ndarray) -> np.ndarray:

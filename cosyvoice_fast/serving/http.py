@@ -30,19 +30,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 
 from cosyvoice_fast.serving.speech_request import (
-    MAX_BODY_BYTES, ApiError, SpeechParams, bad, parse_speech, synthesis_request,
+    MAX_BODY_BYTES, ApiError, SpeechParams, bad, parse_speech, require_encoder, synthesis_request,
 )
-from cosyvoice_fast.serving.store import LiveRequest, RequestStore
+from cosyvoice_fast.serving.store import LiveRequest, RequestStore, engine_record
 from cosyvoice_fast.serving.voices import voice_list
 from cosyvoice_fast.serving.audio_encode import MEDIA_TYPES, make_encoder
-from cosyvoice_fast.config.backends import BackendUnavailable
-from cosyvoice_fast.engine.engine import EngineBusy, EngineClosed
-from cosyvoice_fast.frontend.audio import PromptAudioError
-from cosyvoice_fast.frontend.speaker import SpeakerCacheError
-from cosyvoice_fast.frontend.text_normalize import EmptyTextError, TextTooLongError
+from cosyvoice_fast.serving.errors import engine_error
+from cosyvoice_fast.serving.ws import add_ws_routes
 from cosyvoice_fast.frontend.request import AudioChunk
 from cosyvoice_fast.telemetry.record import now
-from cosyvoice_fast.app.queue import engine_record
 
 log = logging.getLogger(__name__)
 
@@ -142,21 +138,6 @@ async def _admit(engine: Any, req: Any, watcher: asyncio.Future) -> Any:
     raise ClientGone
 
 
-def _engine_error(e: BaseException) -> ApiError:
-    if isinstance(e, EngineBusy):
-        return ApiError(429, f"{e}", code="engine_busy")
-    if isinstance(e, EngineClosed):
-        return ApiError(503, "the engine is shutting down: try another server or again later", code="unavailable")
-    if isinstance(e, BackendUnavailable):
-        return bad("backends", str(e))
-    if isinstance(e, ValueError):  # the frontend's and the config's own messages say what to change
-        param = ("prompt_audio" if isinstance(e, PromptAudioError) else "voice" if isinstance(e, SpeakerCacheError)
-                 else "input" if isinstance(e, (EmptyTextError, TextTooLongError)) else "backends"
-                 if "backend" in str(e) else "input")
-        return bad(param, str(e))
-    return ApiError(500, f"synthesis failed: {type(e).__name__}: {e}", code="engine_error")
-
-
 def _sse(event: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
 
@@ -170,9 +151,7 @@ def _usage(live: LiveRequest) -> dict[str, Any]:
 def create_api_router(get_service: Callable[[], Any]) -> APIRouter:
     """Every ``/v1`` route, bound to the service ``get_service()`` returns (no authentication here)."""
     router = APIRouter(route_class=_ApiRoute)
-    from cosyvoice_fast.serving.ws import add_ws_routes  # bi-streaming: text pieces in, audio out, one WebSocket
-
-    add_ws_routes(router, get_service)
+    add_ws_routes(router, get_service)  # bi-streaming: text pieces in, audio out, one WebSocket
 
     @router.post("/v1/audio/speech")
     async def speech(request: Request) -> Response:
@@ -183,6 +162,7 @@ def create_api_router(get_service: Callable[[], Any]) -> APIRouter:
         try:
             body = await _read_body(request)
             params = parse_speech(body)
+            require_encoder(params.response_format)  # the WebSocket route sends pcm16 and needs no encoder
             speakers = svc.frontend.list_speakers() if svc.frontend is not None else []
             req = synthesis_request(params, speakers, svc.engine.default_backend)
         except ApiError as e:
@@ -207,7 +187,7 @@ def create_api_router(get_service: Callable[[], Any]) -> APIRouter:
             return Response(status_code=499)
         except Exception as e:  # noqa: BLE001 - refused or failed before any audio: an HTTP error
             watcher.cancel()
-            err = _engine_error(e)
+            err = engine_error(e)
             if err.status == 500:
                 log.exception("request %s failed before its first chunk", req.request_id)
             store.finish(req.request_id, "rejected", error=err.message)

@@ -29,7 +29,7 @@ from cosyvoice_fast.config.yamlfile import ConfigError
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 APP_NAME = "cosyvoice"
 
 
@@ -92,8 +92,9 @@ class RayServeOptions:
 
 
 def backend_config(name: str, dtype: str) -> Any:
-    """A backend preset of the benchmark (``eager``, ``cudagraph``, ``fused``...) or ``llm:flow:vocoder``."""
-    from cosyvoice_fast.bench.engine_bench import parse_backend
+    """A backend preset (``eager``, ``cudagraph``, ``fused``...) or ``llm:flow:vocoder``.  Imported here: the
+    presets import torch, which the Ray driver does not otherwise need."""
+    from cosyvoice_fast.config.presets import parse_backend
 
     return parse_backend(name, dtype, "RayServeOptions.backend")
 
@@ -102,7 +103,7 @@ def backend_config(name: str, dtype: str) -> Any:
 def load_replica_service(opts: RayServeOptions, device: str) -> Any:
     """Load the models and an engine sized by ``opts.engine`` whose default backend (what requests that name none
     get) is ``opts.backend``: by default cudagraph on a GPU, the eager reference on CPU."""
-    from cosyvoice_fast.config.model import BackendConfig
+    from cosyvoice_fast.config.backends import BackendConfig
     from cosyvoice_fast.serving.service import load_service
 
     dtype = opts.dtype or ("bf16" if device.startswith("cuda") else "fp32")

@@ -26,7 +26,7 @@ import httpx
 import numpy as np
 import torch
 
-from cosyvoice_fast.config.model import BackendConfig
+from cosyvoice_fast.config.backends import BackendConfig
 from cosyvoice_fast.engine.engine import EngineBusy
 from cosyvoice_fast.frontend.request import AudioChunk, SynthesisRequest
 from cosyvoice_fast.telemetry.record import ChunkTiming, RequestTelemetry, now

@@ -16,7 +16,7 @@ import torch
 
 from cosyvoice_fast.telemetry import request_log
 from cosyvoice_fast.config.flags import pick_device
-from cosyvoice_fast.config.model import TORCH_DTYPES, BackendConfig, default_dtype
+from cosyvoice_fast.config.backends import TORCH_DTYPES, BackendConfig, default_dtype
 from cosyvoice_fast.engine.engine import Engine
 from cosyvoice_fast.config.engine import EngineConfig
 from cosyvoice_fast.serving.metrics import EngineMetrics, health

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from cosyvoice_fast.serving.voices import bundled_voices
-from cosyvoice_fast.serving.audio_encode import FORMATS
-from cosyvoice_fast.config.model import BackendConfig, StreamParams
+from cosyvoice_fast.serving.audio_encode import FORMATS, missing_package
+from cosyvoice_fast.config.backends import BackendConfig
+from cosyvoice_fast.config.stream import StreamParams
 from cosyvoice_fast.frontend.request import MODES, SynthesisRequest
 
 MAX_INPUT_CHARS = 4096
@@ -50,6 +51,16 @@ class ApiError(Exception):
 
 def bad(param: str, message: str, code: str = "invalid_value") -> ApiError:
     return ApiError(400, message, param=param, code=code)
+
+
+def require_encoder(response_format: str) -> None:
+    """Refuse (400, naming the package) a ``response_format`` whose encoder's package is not installed here."""
+    name = missing_package(response_format)
+    if name is not None:
+        raise bad("response_format", f"response_format {response_format!r} needs the Python package {name!r}, "
+                                     f"which is not installed on this server (pip install {name}, or pip install "
+                                     "-r requirements.txt): ask for response_format 'pcm', which needs nothing",
+                  code="format_unavailable")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,13 @@ from cosyvoice_fast.frontend.request import AudioChunk
 from cosyvoice_fast.telemetry.record import RequestTelemetry
 
 
+def engine_record(stream: Any) -> RequestTelemetry | None:
+    """The engine's own :class:`RequestTelemetry` of a running request (filled in as it runs), or None when the
+    stream carries none (a remote engine's stream, a test double): readers then degrade to "not measured"."""
+    rec = getattr(stream, "telemetry", None)
+    return rec if isinstance(rec, RequestTelemetry) else None
+
+
 @dataclass
 class LiveRequest:
     """One API request as it streams: chunks so far, and how it ended."""

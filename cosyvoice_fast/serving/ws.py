@@ -26,6 +26,7 @@ from typing import Any, Callable
 import numpy as np
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
+from cosyvoice_fast.serving.errors import engine_error
 from cosyvoice_fast.serving.speech_request import ApiError, bad, parse_speech, synthesis_request
 
 log = logging.getLogger(__name__)
@@ -85,8 +86,6 @@ def add_ws_routes(router: APIRouter, get_service: Callable[[], Any]) -> None:
 
     @router.websocket(PATH)
     async def speech_stream(ws: WebSocket) -> None:
-        from cosyvoice_fast.serving.http import _engine_error
-
         svc = get_service()
         await ws.accept()
         pieces: queue.Queue = queue.Queue()
@@ -141,7 +140,7 @@ def add_ws_routes(router: APIRouter, get_service: Callable[[], Any]) -> None:
                 await ws.close()
         except Exception as e:  # noqa: BLE001 - refused or failed: a JSON error, then close
             if not gone.is_set():
-                err = _engine_error(e)
+                err = engine_error(e)
                 await _send_error(ws, err, 1011 if err.status >= 500 else 1008)
         finally:
             if stream is not None:

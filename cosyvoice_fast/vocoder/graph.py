@@ -22,13 +22,19 @@ a one-row filter graph captured on first use, or one eager filter pass from ``mi
 from __future__ import annotations
 
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
 
 from cosyvoice_fast.config.backends import BackendUnavailable
 from cosyvoice_fast.vocoder.eager import batch_sources
-from cosyvoice_fast.kernels.graphs import CapturedGraph, GraphCache, capture
+from cosyvoice_fast.kernels.graphs import CapturedGraph, GraphCache, capture, cuda_missing
+
+
+def why_unavailable_on(device: torch.device, engines_dir: Path | None = None) -> str | None:
+    """Why this backend cannot run on ``device`` (the availability registry asks), or None when it can."""
+    return cuda_missing(device)
 
 
 @contextmanager
@@ -50,8 +56,9 @@ class CudaGraphVocoder:
         across streams); ``final_lengths``: lengths captured for the smallest row count only (final chunks,
         whose lengths vary per utterance, so they rarely share a batch)."""
         dev = next(hift.parameters()).device
-        if dev.type != "cuda" or not torch.cuda.is_available():
-            raise BackendUnavailable("vocoder backend 'cudagraph' needs the model on a CUDA GPU")
+        reason = why_unavailable_on(dev)
+        if reason is not None:
+            raise BackendUnavailable(f"vocoder backend 'cudagraph' {reason}; choose 'eager' instead")
         self.hift = hift
         self.device = dev
         self.max_batch = max_batch  # chunks of one vocode_batch call

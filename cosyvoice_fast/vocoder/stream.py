@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from cosyvoice_fast.vocoder.crossfade import fade_in_out, hamming_fade_window
 from cosyvoice_fast.config.schedule import MEL_CACHE_FRAMES
+from cosyvoice_fast.vocoder.stage import VocoderStage
 
 log = logging.getLogger(__name__)
 
@@ -105,11 +106,11 @@ def vocode_chunk(vocoder: VocoderFn, mel: torch.Tensor, cache: VocoderCache | No
     return _finish(job, full_mel, speech, source, overlap)
 
 
-def vocode_chunks(vocoder: Any, jobs: Sequence[VocodeJob], samples_per_frame: int = 480
+def vocode_chunks(vocoder: VocoderStage, jobs: Sequence[VocodeJob], samples_per_frame: int = 480
                   ) -> list[Vocoded | Exception]:
     """Vocode several streams' chunks on one vocoder stage: calls of one shape (mel frames, cached source
-    samples) share one ``vocoder.vocode_batch`` forward where the backend offers it (at most its ``max_batch``
-    rows), else each runs alone through ``vocoder.vocode``.  Results are in ``jobs`` order; a job that failed
+    samples) share one ``vocoder.vocode_batch`` forward (at most its ``max_batch`` rows); a lone call runs through
+    ``vocoder.vocode``.  Results are in ``jobs`` order; a job that failed
     gets its exception (the others are unaffected: a failed shared forward is retried row by row)."""
     overlap = MEL_CACHE_FRAMES * samples_per_frame
     out: list[Vocoded | Exception | None] = [None] * len(jobs)
@@ -125,16 +126,15 @@ def vocode_chunks(vocoder: Any, jobs: Sequence[VocodeJob], samples_per_frame: in
             continue
         mel, src = call
         calls.setdefault((mel.shape[2], src.shape[-1]), []).append((i, mel, src))
-    batch = getattr(vocoder, "vocode_batch", None)
-    most = max(1, int(getattr(vocoder, "max_batch", 16)))
+    most = max(1, int(vocoder.max_batch))
     groups = [g[k:k + most] for g in calls.values() for k in range(0, len(g), most)]
     for group in groups:
         results: list[tuple[torch.Tensor, torch.Tensor] | Exception] | None = None
-        if batch is not None and len(group) > 1:
+        if len(group) > 1:
             try:
                 mels = torch.cat([m for _, m, _ in group])
                 srcs = torch.cat([s.to(mels.device) for _, _, s in group])
-                wavs, sources = batch(mels, srcs, [jobs[i].generator for i, _, _ in group])
+                wavs, sources = vocoder.vocode_batch(mels, srcs, [jobs[i].generator for i, _, _ in group])
                 results = [(wavs[k:k + 1], sources[k:k + 1]) for k in range(len(group))]
             except Exception:  # noqa: BLE001 - find the culprit row by row
                 log.exception("batched vocoder call for %d chunks failed; retrying them one by one", len(group))

@@ -29,22 +29,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from cosyvoice_fast.kernels.common import interpreting, pdl_kwargs
+from cosyvoice_fast.flow.kernels.estimator_attention import _lanes, head_lanes
 from cosyvoice_fast.flow.kernels.estimator_linear import _mm
+from cosyvoice_fast.flow.kernels.tuning import FlowTuning, Tiles, default_tuning
 from cosyvoice_fast.kernels.pdl import pdl_start
-
-#: Tiles for 16-bit operands: query rows ``bm``, key rows ``bn`` (the position band is ``bm + bn - 1`` rows),
-#: ``warps``, ``stages`` (``benchmarks/encoder_fused_check.py`` times the encoder with these).
-RELPOS_TUNING = {"bm": 16, "bn": 64, "warps": 4, "stages": 2}
-#: fp32 operands run IEEE dots, which need smaller tiles; under the interpreter every program is a Python loop.
-RELPOS_FP32 = {"bm": 32, "bn": 32, "warps": 4, "stages": 2}
-RELPOS_INTERPRETER = {"bm": 32, "bn": 32, "warps": 4, "stages": 1}
-
 
 @triton.jit
 def _relpos_kernel(qkv_ptr, pos_ptr, u_ptr, v_ptr, len_ptr, o_ptr, T, chunk, len_scale, stride_p, qk_scale,
-                   H: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   BW: tl.constexpr, PDL: tl.constexpr):
+                   H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
+                   BN: tl.constexpr, BW: tl.constexpr, PDL: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -52,16 +45,22 @@ def _relpos_kernel(qkv_ptr, pos_ptr, u_ptr, v_ptr, len_ptr, o_ptr, T, chunk, len
     stride = 3 * H * D
     i0 = pid_m * BM
     ri = i0 + tl.arange(0, BM)
-    rd = tl.arange(0, D)
+    rd = tl.arange(0, DP)  # the head dimension's lanes, padded to a power of two (masked past D)
+    d_ok = rd < D
     rw = tl.arange(0, BW)  # the band's BM + BN - 1 rows, rounded up to a power of two
     i_ok = ri < T
     base = qkv_ptr + b * T * stride
     # lengths and the per-head biases are inputs and parameters, never written by the previous kernel
     n_keys = tl.minimum(tl.load(len_ptr + b).to(tl.int32) * len_scale, T)
-    bias_u = tl.load(u_ptr + h * D + rd).to(tl.float32)
-    bias_v = tl.load(v_ptr + h * D + rd).to(tl.float32)
+    if DP != D:
+        bias_u = tl.load(u_ptr + h * D + rd, mask=d_ok, other=0.0).to(tl.float32)
+        bias_v = tl.load(v_ptr + h * D + rd, mask=d_ok, other=0.0).to(tl.float32)
+    else:
+        bias_u = tl.load(u_ptr + h * D + rd).to(tl.float32)
+        bias_v = tl.load(v_ptr + h * D + rd).to(tl.float32)
+    io_ok = _lanes(i_ok[:, None], d_ok[None, :], DP != D)
     pdl_start(PDL)
-    q = tl.load(base + ri[:, None] * stride + h * D + rd[None, :], mask=i_ok[:, None], other=0.0)
+    q = tl.load(base + ri[:, None] * stride + h * D + rd[None, :], mask=io_ok, other=0.0)
     qu = (q.to(tl.float32) + bias_u[None, :]).to(q.dtype)
     qv = (q.to(tl.float32) + bias_v[None, :]).to(q.dtype)
     if chunk > 0:
@@ -75,15 +74,16 @@ def _relpos_kernel(qkv_ptr, pos_ptr, u_ptr, v_ptr, len_ptr, o_ptr, T, chunk, len
     slot = (BM - 1) - (ri - i0)[:, None] + tl.arange(0, BN)[None, :]
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
-    acc = tl.zeros([BM, D], dtype=tl.float32)
+    acc = tl.zeros([BM, DP], dtype=tl.float32)
     for n0 in range(0, hi, BN):
         rj = n0 + tl.arange(0, BN)
         j_ok = rj < n_keys
-        kt = tl.load(base + rj[None, :] * stride + (H + h) * D + rd[:, None], mask=j_ok[None, :], other=0.0)
+        kt = tl.load(base + rj[None, :] * stride + (H + h) * D + rd[:, None],
+                     mask=_lanes(j_ok[None, :], d_ok[:, None], DP != D), other=0.0)
         s = _mm(qu, kt, IEEE)
         row = T - i0 - BM + n0 + rw  # table rows of the band
         pt = tl.load(pos_ptr + row[None, :] * stride_p + h * D + rd[:, None],
-                     mask=((row >= 0) & (row < 2 * T - 1))[None, :], other=0.0)
+                     mask=_lanes(((row >= 0) & (row < 2 * T - 1))[None, :], d_ok[:, None], DP != D), other=0.0)
         band = _mm(qv, pt, IEEE)
         s = (s + tl.gather(band, slot, axis=1)) * qk_scale
         s = tl.where(j_ok[None, :] & (rj[None, :] < limit[:, None]), s, float("-inf"))
@@ -92,24 +92,25 @@ def _relpos_kernel(qkv_ptr, pos_ptr, u_ptr, v_ptr, len_ptr, o_ptr, T, chunk, len
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(base + rj[:, None] * stride + (2 * H + h) * D + rd[None, :], mask=j_ok[:, None], other=0.0)
+        v = tl.load(base + rj[:, None] * stride + (2 * H + h) * D + rd[None, :],
+                    mask=_lanes(j_ok[:, None], d_ok[None, :], DP != D), other=0.0)
         acc = acc * alpha[:, None] + _mm(p.to(q.dtype), v, IEEE)
         m_i = m_new
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + (b * T + ri[:, None]) * (H * D) + h * D + rd[None, :], o.to(o_ptr.dtype.element_ty),
-             mask=i_ok[:, None])
+             mask=io_ok)
 
 
-def relpos_tiles(dtype: torch.dtype) -> dict:
-    """The tile table :func:`relpos_attention` launches with for operands of ``dtype``."""
-    if interpreting():
-        return RELPOS_INTERPRETER
-    return RELPOS_FP32 if dtype == torch.float32 else RELPOS_TUNING
+def relpos_tiles(dtype: torch.dtype, tuning: FlowTuning | None = None) -> Tiles:
+    """The tile table :func:`relpos_attention` launches with for operands of ``dtype`` (fp32 operands run IEEE
+    dots, which need smaller tiles)."""
+    t = tuning or default_tuning()
+    return t.relpos_fp32 if dtype == torch.float32 else t.relpos
 
 
 def relpos_attention(qkv: Tensor, pos: Tensor, bias_u: Tensor, bias_v: Tensor, lengths: Tensor, batch: int,
                      heads: int, head_dim: int, chunk: int, len_scale: int = 1, out: Tensor | None = None,
-                     tiles: dict | None = None) -> Tensor:
+                     tiles: Tiles | None = None, tuning: FlowTuning | None = None) -> Tensor:
     """Relative-position multi-head attention over ``qkv`` (B·T, 3·H·D); returns (B·T, H·D).
 
     ``pos`` (2T-1, H·D), unit column stride: the projected relative-position table of this block (a column
@@ -122,8 +123,6 @@ def relpos_attention(qkv: Tensor, pos: Tensor, bias_u: Tensor, bias_v: Tensor, l
         raise ValueError(f"relpos_attention: qkv must be contiguous (B*T, {3 * hd}), got {tuple(qkv.shape)}")
     if batch < 1 or rows % batch:
         raise ValueError(f"relpos_attention: {rows} rows do not split into {batch} batch rows")
-    if head_dim & (head_dim - 1) or head_dim < 16:
-        raise ValueError(f"relpos_attention: head_dim must be a power of two >= 16, got {head_dim}")
     t = rows // batch
     if pos.dim() != 2 or pos.shape != (2 * t - 1, hd) or pos.stride(1) != 1:
         raise ValueError(f"relpos_attention: pos must be ({2 * t - 1}, {hd}) with unit column stride, got "
@@ -134,12 +133,14 @@ def relpos_attention(qkv: Tensor, pos: Tensor, bias_u: Tensor, bias_v: Tensor, l
         raise ValueError(f"relpos_attention: lengths must be ({batch},) integers, got {tuple(lengths.shape)} "
                          f"{lengths.dtype}")
     out = torch.empty(rows, hd, device=qkv.device, dtype=qkv.dtype) if out is None else out
-    tiles = relpos_tiles(qkv.dtype) if tiles is None else tiles
+    tn = tuning or default_tuning()
+    tiles = relpos_tiles(qkv.dtype, tn) if tiles is None else tiles
     grid = (triton.cdiv(t, tiles["bm"]), batch * heads)
     _relpos_kernel[grid](qkv, pos, bias_u.contiguous(), bias_v.contiguous(), lengths, out, T=t, chunk=int(chunk),
                          len_scale=int(len_scale), stride_p=pos.stride(0),
                          qk_scale=(1.0 / math.sqrt(head_dim)) * 1.4426950408889634, H=heads, D=head_dim,
+                         DP=head_lanes(head_dim),
                          IEEE=qkv.dtype == torch.float32, BM=tiles["bm"], BN=tiles["bn"],
                          BW=triton.next_power_of_2(tiles["bm"] + tiles["bn"] - 1), num_warps=tiles["warps"],
-                         num_stages=tiles["stages"], **pdl_kwargs(qkv, rows))
+                         num_stages=tiles["stages"], **tn.pdl_kwargs(qkv, rows))
     return out

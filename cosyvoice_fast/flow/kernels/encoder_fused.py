@@ -30,47 +30,20 @@ from torch import Tensor, nn
 from cosyvoice_fast.flow.model.flow import FlowEncoding
 from cosyvoice_fast.flow.model.encoder_layers import relative_position_table
 from cosyvoice_fast.flow.kernels.encoder_attention import relpos_attention
-from cosyvoice_fast.kernels.common import LAUNCH, interpreting
 from cosyvoice_fast.flow.kernels.estimator_fused import _ln
 from cosyvoice_fast.flow.kernels.estimator_linear import ACT_SILU, PRO_LN, linear
 from cosyvoice_fast.flow.kernels.estimator_oneshot import linear_oneshot
-
-#: How each GEMM kind runs at few rows (16-bit operands on a GPU, up to ``LAUNCH["oneshot_max_rows"]`` rows):
-#: one-shot tiles (``bm``, ``bn``, ``warps``, optional ``bk``, ``stages``), ``"rowtiled"`` (``linear``'s K-walking
-#: kernel) or ``"cublas"`` (a plain product, the position projection only); a kind not listed takes ``linear``'s
-#: own choice.  The estimator's one-shot tiles were chosen for its K of 256-1024 and N of 256-1536; the
-#: encoder's GEMMs are wider (K 512 and 2048, N up to 2048), where those tiles were 1.1-2x slower than the
-#: fastest of the candidates that ``benchmarks/encoder_fused_check.py --steps gemms`` times at a first chunk's
-#: 125 and 250 rows (BENCHMARKS.md, session 25); these are the fastest there.
-ENCODER_GEMMS: dict[str, dict | str] = {
-    "qkv": {"bm": 32, "bn": 128, "warps": 8},  # N = 3 D, K = D, LayerNorm prologue
-    "ff1": {"bm": 32, "bn": 128, "warps": 8},  # N = 4 D, K = D, LayerNorm prologue, SiLU
-    "out": {"bm": 32, "bn": 32, "warps": 4},  # N = D, K = D, residual
-    "ff2": "rowtiled",  # N = D, K = 4 D, residual
-    "pos": "cublas",  # every block's position projection of the table: N = blocks x D, 2T - 1 rows
-}
-
-
-def why_unsupported(flow: nn.Module) -> str | None:
-    """Why the fused encoder cannot compute this flow model's encoder (None: it can)."""
-    cfg = flow.encoder.cfg
-    d_k = cfg.output_size // cfg.attention_heads
-    if d_k < 16 or d_k & (d_k - 1):
-        return f"the fused encoder needs a head size that is a power of two >= 16, got {d_k}"
-    return None
-
+from cosyvoice_fast.flow.kernels.tuning import FlowTuning, default_tuning
 
 class FusedEncoder(nn.Module):
     """``encode_padded(ids, full_lens, body_lens, embedding, streaming) -> FlowEncoding``, the flow model's
     padded encode, with the Conformer blocks on fused kernels (CUDA, or the Triton interpreter on CPU)."""
 
-    def __init__(self, flow: nn.Module, gemms: dict[str, dict | str] | None = None):
-        """``gemms`` overrides :data:`ENCODER_GEMMS` (benchmarks)."""
+    def __init__(self, flow: nn.Module, tuning: FlowTuning | None = None):
+        """``tuning``: the kernels' launch settings and tiles, ``tuning.encoder_gemms`` saying how each GEMM kind
+        runs at few rows (``None``: :func:`~.tuning.default_tuning`)."""
         super().__init__()
-        self.gemms = dict(ENCODER_GEMMS) if gemms is None else dict(gemms)
-        reason = why_unsupported(flow)
-        if reason is not None:
-            raise ValueError(f"{reason}; use the 'cudagraph' flow backend instead")
+        self.tuning = tuning or default_tuning()
         self.flow = flow
         self._packed: dict[str, object] | None = None
         self._key: tuple | None = None
@@ -115,19 +88,19 @@ class FusedEncoder(nn.Module):
         return table
 
     def _gemm(self, kind: str, x: Tensor, weight: Tensor, bias: Tensor | None = None, **kw: object) -> Tensor:
-        """``linear(x, weight, bias, **kw)`` run the way :data:`ENCODER_GEMMS` says for ``kind``."""
-        how = self.gemms.get(kind)
-        few = (x.is_cuda and not interpreting() and weight.dtype in (torch.bfloat16, torch.float16)
-               and x.shape[0] <= LAUNCH["oneshot_max_rows"])
+        """``linear(x, weight, bias, **kw)`` run the way ``tuning.encoder_gemms`` says for ``kind``."""
+        t = self.tuning
+        how = t.encoder_gemms.get(kind)
+        few = (x.is_cuda and weight.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= t.oneshot_max_rows)
         if how is None or not few:
-            return linear(x, weight, bias, **kw)
+            return linear(x, weight, bias, tuning=t, **kw)
         if how == "rowtiled":
-            return linear(x, weight, bias, oneshot=False, **kw)
+            return linear(x, weight, bias, oneshot=False, tuning=t, **kw)
         if how == "cublas" and bias is None and not kw:
             return torch.nn.functional.linear(x, weight)
-        if isinstance(how, dict):
-            return linear_oneshot(x, weight, bias, tiles=how, **kw)
-        return linear(x, weight, bias, **kw)
+        if not isinstance(how, str):
+            return linear_oneshot(x, weight, bias, tiles=how, tuning=t, **kw)
+        return linear(x, weight, bias, tuning=t, **kw)
 
     def _stage(self, x: Tensor, blocks: nn.ModuleList, p: dict, lengths: Tensor, len_scale: int,
                chunk: int) -> Tensor:
@@ -141,7 +114,7 @@ class FusedEncoder(nn.Module):
             a, ff = blk.self_attn, blk.feed_forward
             qkv = self._gemm("qkv", h, p["qkv_w"][i], p["qkv_b"][i], prologue=PRO_LN, ln=_ln(blk.norm_mha))
             o = relpos_attention(qkv, pos[:, i * d:(i + 1) * d], a.pos_bias_u, a.pos_bias_v, lengths, b,
-                                 a.n_heads, a.d_k, chunk, len_scale)
+                                 a.n_heads, a.d_k, chunk, len_scale, tuning=self.tuning)
             h = self._gemm("out", o, a.linear_out.weight, a.linear_out.bias, residual=h)
             hid = self._gemm("ff1", h, ff.w_1.weight, ff.w_1.bias, prologue=PRO_LN, ln=_ln(blk.norm_ff), act=ACT_SILU)
             h = self._gemm("ff2", hid, ff.w_2.weight, ff.w_2.bias, residual=h)

@@ -14,12 +14,7 @@ second conv's epilogue.  A ResNet block is thus two kernels.
 
 The LayerNorm epilogue needs whole rows in one program, so those convs run on few programs that each stream
 the whole weight.  :func:`row_epilogue` is the same epilogue as a separate row-wise pass, so a conv can instead
-run as a GEMM spread over N plus that pass (two launches, many more programs).  A *tail* conv (``tail=``, a
-zeroed int32 counter per row tile) is both in one launch: the GEMM spread over N stores its rows before the
-LayerNorm, each program then counts itself in on its row tile's counter, and the program that arrives last
-(every other column tile of those rows is stored by then) applies the row epilogue to the whole rows.  The
-counter's atomic add releases the program's stores and acquires the others' (after a barrier of the program's
-threads, as a split-K reduction's semaphore does), so the last program reads every column tile as stored.
+run as a GEMM spread over N plus that pass (two launches, many more programs).
 """
 
 from __future__ import annotations
@@ -29,23 +24,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from cosyvoice_fast.kernels.common import _live_rows, extent_args, pdl_kwargs
-from cosyvoice_fast.flow.kernels.estimator_linear import _act, _mm, _pow2, interpreting, pick_tiles, spread_tiles
+from cosyvoice_fast.kernels.common import _act, _pow2
+from cosyvoice_fast.flow.kernels.estimator_linear import _mm, spread_tiles
+from cosyvoice_fast.flow.kernels.tuning import FlowTuning, Tiles, default_tuning
 from cosyvoice_fast.kernels.pdl import pdl_start
-
-#: Tile sizes and launch settings for 16-bit operands (see ``estimator_linear.TUNING``); ``ln_*`` apply to
-#: the LayerNorm-epilogue variant, whose programs hold whole rows.  fp32 uses :data:`FP32_TILES`.
-TUNING = {"bm": 32, "bn": 64, "bk": 128, "warps": 4, "ln_bm": 16, "ln_warps": 8, "stages": 3, "min_programs": 132}
-#: Tiles from ``estimator_linear.LARGE_M`` rows on: taller row tiles and wider output tiles, so each weight
-#: tile is read once per 32-64 rows instead of 16-32 (picked by ``benchmarks/estimator_rows_sweep.py``; the
-#: timings are in BENCHMARKS.md).
-TUNING_LARGE = {"bm": 64, "bn": 128, "bk": 64, "warps": 4, "ln_bm": 32, "ln_warps": 8, "stages": 3}
-#: Tiles over ``estimator_common.PAIR_ROWS`` rows (one request's CFG pair): 16-row tiles, chosen together with
-#: that forward's GEMM and attention tiles (BENCHMARKS.md, session 23).
-TUNING_PAIR = {**TUNING, "bm": 16}
-FP32_TILES = {"bm": 32, "bn": 64, "bk": 64, "warps": 4, "ln_bm": 16, "ln_warps": 8, "stages": 2}
-INTERPRETER_TILES = {"bm": 128, "bn": 64, "bk": 64, "warps": 4, "ln_bm": 64, "ln_warps": 4, "stages": 1}
-
 
 @triton.jit
 def _conv_src(acc, racc, x_ptr, C_src, c_base, w_ptr, rw_ptr, mask_ptr, ctx_ptr, s_cb, s_cc, s_ct, b, rm, t_in,
@@ -86,18 +68,13 @@ def _conv_src(acc, racc, x_ptr, C_src, c_base, w_ptr, rw_ptr, mask_ptr, ctx_ptr,
 @triton.jit
 def _row_apply(x_ptr, rm, m_ok, T, N, mask_ptr, lnw_ptr, lnb_ptr, vec_ptr, stride_vec, res_ptr, y_ptr, eps,
                ACT: tl.constexpr, OUT_MASK: tl.constexpr, HAS_VEC: tl.constexpr, HAS_RES: tl.constexpr,
-               BN: tl.constexpr, SHARED: tl.constexpr):
+               BN: tl.constexpr):
     """``act(LayerNorm(x)) (* mask) (+ vec[b]) (+ residual)`` of whole rows ``rm`` of x (M, N) into y (the
-    epilogue of :func:`row_epilogue` and of a tail conv's last program).  ``SHARED``: x was just stored by other
-    programs of this launch, so it is read past the SM's L1 (which is not coherent with their stores)."""
+    epilogue of :func:`row_epilogue`)."""
     rn = tl.arange(0, BN)
     n_ok = rn < N
     ok = m_ok[:, None] & n_ok[None, :]
-    if SHARED:
-        x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=ok, other=0.0, cache_modifier=".cg")
-    else:
-        x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=ok, other=0.0)
-    x = x.to(tl.float32)
+    x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=ok, other=0.0).to(tl.float32)
     mean = tl.sum(x, axis=1) / N
     xc = tl.where(ok, x - mean[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
@@ -116,16 +93,13 @@ def _row_apply(x_ptr, rm, m_ok, T, N, mask_ptr, lnw_ptr, lnb_ptr, vec_ptr, strid
 
 @triton.jit
 def _conv_kernel(x1_ptr, x2_ptr, mask_ptr, w_ptr, b_ptr, lnw_ptr, lnb_ptr, vec_ptr, res_ptr, rw_ptr, rb_ptr,
-                 rout_ptr, y_ptr, ctx_ptr, ext_ptr, raw_ptr, ctr_ptr, M, T, N, C1, C2, stride_vec, s_cb, s_cc, s_ct,
+                 rout_ptr, y_ptr, ctx_ptr, M, T, N, C1, C2, stride_vec, s_cb, s_cc, s_ct,
                  eps, TAPS: tl.constexpr, HAS_X2: tl.constexpr, HAS_LN: tl.constexpr, ACT: tl.constexpr,
                  OUT_MASK: tl.constexpr, HAS_VEC: tl.constexpr, HAS_RES: tl.constexpr, HAS_RW: tl.constexpr,
-                 HAS_CTX: tl.constexpr, IEEE: tl.constexpr, EXT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, TAIL: tl.constexpr, BN_ROW: tl.constexpr, PDL: tl.constexpr):
+                 HAS_CTX: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, PDL: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    # a ragged launch: rows b·T + t of the live extent (a graph input: read before the wait); tiles past it are
-    # capacity
-    M, T = _live_rows(M, T, ext_ptr, EXT)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -136,9 +110,6 @@ def _conv_kernel(x1_ptr, x2_ptr, mask_ptr, w_ptr, b_ptr, lnw_ptr, lnb_ptr, vec_p
     C_all = C1 + C2
     K_total = TAPS * C_all
     pdl_start(PDL)
-    if EXT > 0:
-        if pid_m * BM >= M:
-            return
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     racc = tl.zeros([BM, BN], dtype=tl.float32)
     acc, racc = _conv_src(acc, racc, x1_ptr, C1, 0, w_ptr, rw_ptr, mask_ptr, ctx_ptr, s_cb, s_cc, s_ct, b, rm,
@@ -148,17 +119,6 @@ def _conv_kernel(x1_ptr, x2_ptr, mask_ptr, w_ptr, b_ptr, lnw_ptr, lnb_ptr, vec_p
                               rm, t_in, m_ok, rn, n_ok, rk, K_total, C_all, TAPS, HAS_RW, HAS_CTX, IEEE, BK)
     ok = m_ok[:, None] & n_ok[None, :]
     acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if TAIL:  # this column tile before the LayerNorm; the row tile's last program applies the row epilogue
-        tl.store(raw_ptr + rm[:, None] * N + rn[None, :], acc.to(raw_ptr.dtype.element_ty), mask=ok)
-        if HAS_RW:
-            racc += tl.load(rb_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(rout_ptr + rm[:, None] * N + rn[None, :], racc.to(rout_ptr.dtype.element_ty), mask=ok)
-        tl.debug_barrier()  # every thread's stores before the release below
-        arrived = tl.atomic_add(ctr_ptr + pid_m, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(1) - 1:
-            _row_apply(raw_ptr, rm, m_ok, T, N, mask_ptr, lnw_ptr, lnb_ptr, vec_ptr, stride_vec, res_ptr, y_ptr,
-                       eps, ACT, OUT_MASK, HAS_VEC, HAS_RES, BN_ROW, True)
-        return
     if HAS_LN:  # the whole row is in this program (BN >= N, one program along N)
         mean = tl.sum(tl.where(ok, acc, 0.0), axis=1) / N
         xc = tl.where(ok, acc - mean[:, None], 0.0)
@@ -185,20 +145,26 @@ def pack_conv_weight(weight: Tensor) -> Tensor:
     return weight.detach().permute(0, 2, 1).reshape(n, k * c).contiguous()
 
 
+def conv_tiles(m: int, fp32: bool, tuning: FlowTuning | None = None) -> Tiles:
+    """The tile table of a conv launch over ``m`` rows: fp32 tiles (IEEE dots need smaller ones), else the pair
+    tiles over ``tuning.pair_rows`` rows, the large ones from ``tuning.large_m`` rows, the base ones between."""
+    t = tuning or default_tuning()
+    if fp32:
+        return t.conv_fp32
+    return t.conv_pair if t.pair(m) else t.conv_large if m >= t.large_m else t.conv
+
+
 def causal_conv(x1: Tensor, mask: Tensor, weight: Tensor, bias: Tensor, frames: int, *, x2: Tensor | None = None,
                 taps: int = 3, ln: tuple[Tensor, Tensor, float] | None = None, act: int = 0,
                 out_mask: bool = False, vec: Tensor | None = None, residual: Tensor | None = None,
                 res_weight: Tensor | None = None, res_bias: Tensor | None = None,
-                res_out: Tensor | None = None, ctx: Tensor | None = None, extent: Tensor | None = None,
-                tail: Tensor | None = None) -> Tensor:
+                res_out: Tensor | None = None, ctx: Tensor | None = None,
+                tuning: FlowTuning | None = None) -> Tensor:
     """Causal conv over rows ``b·frames + t`` of ``x1`` (M, C1) [‖ ``x2`` (M, C2)], input masked by ``mask``
     (M,), ``weight`` packed by :func:`pack_conv_weight`; see the module docstring for the epilogue options.
     ``vec`` is (B, >= N) with unit column stride; ``res_weight`` (N, C1 + C2) writes into ``res_out`` (M, N).
     ``ctx`` (B, C1 + C2, taps - 1): the input columns before each row's first frame (an incremental window,
-    :mod:`~cosyvoice_fast.flow.kernels.estimator_window`); zeros when None.  ``extent``: a ragged launch
-    (:mod:`~cosyvoice_fast.kernels.common`), rows ``b·T + t`` of the live frame count ``T``.
-    ``tail``: with ``ln``, run as a tail conv (module docstring): a zeroed int32 tensor of at least
-    :func:`tail_slots` ``(M)`` counters, which the launch leaves counted up (so one per launch)."""
+    :mod:`~cosyvoice_fast.flow.kernels.estimator_window`); zeros when None."""
     m, c1 = x1.shape
     c2 = 0 if x2 is None else x2.shape[1]
     n = weight.shape[0]
@@ -212,70 +178,58 @@ def causal_conv(x1: Tensor, mask: Tensor, weight: Tensor, bias: Tensor, frames: 
         raise ValueError("causal_conv: res_weight, res_bias and res_out go together")
     if ctx is not None and ctx.shape != (m // frames, c1 + c2, taps - 1):
         raise ValueError(f"causal_conv: ctx must be ({m // frames}, {c1 + c2}, {taps - 1}), got {tuple(ctx.shape)}")
-    if tail is not None and (ln is None or tail.dtype != torch.int32 or tail.numel() < tail_slots(m)
-                             or tail.device != x1.device):
-        raise ValueError(f"causal_conv: a tail conv needs ln and a zeroed int32 tensor of {tail_slots(m)} "
-                         f"counters on {x1.device}")
     y = torch.empty(m, n, device=x1.device, dtype=x1.dtype)
     fp32 = weight.dtype == torch.float32
-    tiles = pick_tiles(fp32, TUNING, FP32_TILES, INTERPRETER_TILES, m, TUNING_LARGE, TUNING_PAIR)
-    if ln is not None and tail is None:  # whole rows per program
+    tiles = conv_tiles(m, fp32, tuning)
+    t = tuning or default_tuning()
+    if ln is not None:  # whole rows per program
         bm, bn = _pow2(m, 16, tiles["ln_bm"]), _pow2(n)
     else:
         bm, bn = spread_tiles(m, n, _pow2(m, 16, tiles["bm"]), _pow2(n, 16, tiles["bn"]), tiles.get("min_programs", 0))
     # row-wide tiles (and a second weight) must still fit in shared memory
-    bk = _pow2(max(c1, c2), 16, (32 if fp32 else 64) if ln is not None and tail is None else tiles["bk"])
+    bk = _pow2(max(c1, c2), 16, (32 if fp32 else 64) if ln is not None else tiles["bk"])
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    raw = torch.empty_like(y) if tail is not None else y
     lnw, lnb, eps = ln if ln is not None else (bias, bias, 0.0)
     s_cb, s_cc, s_ct = ctx.stride() if ctx is not None else (0, 0, 0)
     _conv_kernel[grid](
         x1, x2 if x2 is not None else x1, mask, weight, bias, lnw, lnb, vec if vec is not None else bias,
         residual if residual is not None else y, res_weight if res_weight is not None else weight,
         res_bias if res_bias is not None else bias, res_out if res_out is not None else y, y,
-        ctx if ctx is not None else x1, **extent_args(extent, x1), raw_ptr=raw,
-        ctr_ptr=tail if tail is not None else y, M=m, T=frames, N=n, C1=c1, C2=c2,
+        ctx if ctx is not None else x1, M=m, T=frames, N=n, C1=c1, C2=c2,
         stride_vec=vec.stride(0) if vec is not None else 0, s_cb=s_cb, s_cc=s_cc, s_ct=s_ct, eps=float(eps),
         TAPS=taps, HAS_X2=x2 is not None, HAS_LN=ln is not None, ACT=act, OUT_MASK=out_mask,
         HAS_VEC=vec is not None, HAS_RES=residual is not None, HAS_RW=res_weight is not None,
-        HAS_CTX=ctx is not None, IEEE=fp32, BM=bm, BN=bn, BK=bk, TAIL=tail is not None, BN_ROW=_pow2(n),
-        num_warps=tiles["ln_warps"] if ln is not None and tail is None else tiles["warps"],
-        num_stages=tiles["stages"], **pdl_kwargs(x1, m))
+        HAS_CTX=ctx is not None, IEEE=fp32, BM=bm, BN=bn, BK=bk,
+        num_warps=tiles["ln_warps"] if ln is not None else tiles["warps"],
+        num_stages=tiles["stages"], **t.pdl_kwargs(x1, m))
     return y
 
 
-def tail_slots(m: int) -> int:
-    """Counters a tail conv over ``m`` rows needs: one per row tile of the smallest row tile (16)."""
-    return triton.cdiv(m, 16)
-
-
 @triton.jit
-def _row_kernel(x_ptr, mask_ptr, lnw_ptr, lnb_ptr, vec_ptr, res_ptr, y_ptr, ext_ptr, M, T, N, stride_vec, eps,
-                ACT: tl.constexpr, HAS_VEC: tl.constexpr, HAS_RES: tl.constexpr, EXT: tl.constexpr,
+def _row_kernel(x_ptr, mask_ptr, lnw_ptr, lnb_ptr, vec_ptr, res_ptr, y_ptr, M, T, N, stride_vec, eps,
+                ACT: tl.constexpr, HAS_VEC: tl.constexpr, HAS_RES: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
-    M, T = _live_rows(M, T, ext_ptr, EXT)  # a ragged launch: tiles past the live rows are capacity
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     pdl_start(PDL)
-    if EXT > 0:
-        if tl.program_id(0) * BM >= M:
-            return
     _row_apply(x_ptr, rm, rm < M, T, N, mask_ptr, lnw_ptr, lnb_ptr, vec_ptr, stride_vec, res_ptr, y_ptr, eps, ACT,
-               True, HAS_VEC, HAS_RES, BN, False)
+               True, HAS_VEC, HAS_RES, BN)
 
 
 def row_epilogue(x: Tensor, mask: Tensor, ln: tuple[Tensor, Tensor, float], frames: int, *, act: int = 0,
-                 vec: Tensor | None = None, residual: Tensor | None = None, extent: Tensor | None = None) -> Tensor:
+                 vec: Tensor | None = None, residual: Tensor | None = None,
+                 tuning: FlowTuning | None = None) -> Tensor:
     """``act(LayerNorm(x)) * mask (+ vec[b]) (+ residual)`` over rows ``b·frames + t`` of contiguous x (M, N):
-    the LayerNorm epilogue of :func:`causal_conv` as its own pass (``extent``: a ragged launch)."""
+    the LayerNorm epilogue of :func:`causal_conv` as its own pass."""
     m, n = x.shape
     if not x.is_contiguous() or mask.numel() != m or m % frames:
         raise ValueError(f"row_epilogue: need contiguous x (M, N) with a (M,) mask and M a multiple of {frames}")
     y = torch.empty_like(x)
-    bm = 64 if interpreting() else 8
+    t = tuning or default_tuning()
+    bm = t.row_bm
     _row_kernel[(triton.cdiv(m, bm),)](x, mask, ln[0], ln[1], vec if vec is not None else x,
-                                      residual if residual is not None else x, y, **extent_args(extent, x), M=m,
+                                      residual if residual is not None else x, y, M=m,
                                       T=frames, N=n, stride_vec=vec.stride(0) if vec is not None else 0,
                                       eps=float(ln[2]), ACT=act, HAS_VEC=vec is not None,
                                       HAS_RES=residual is not None, BM=bm, BN=_pow2(n), num_warps=4,
-                                      **pdl_kwargs(x, m))
+                                      **t.pdl_kwargs(x, m))
     return y

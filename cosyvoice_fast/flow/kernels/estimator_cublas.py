@@ -4,7 +4,7 @@ A batched solve stacks thousands of frames (16 requests x the CFG pair x 250 fra
 one request's later chunks have several hundred (the CFG pair x 450 frames of a final chunk is 900).  There the
 row-tiled GEMMs of :mod:`~cosyvoice_fast.flow.kernels.estimator_linear` (thin tiles that re-read every weight tile per
 32 rows, right for a launch-bound forward of a few hundred rows) fall far behind the tensor cores, so from
-:data:`MANY_ROWS_M` rows on (16-bit weights) :func:`linear_cublas` computes ``act(prologue(X) @ W^T + bias)
+``FlowTuning.many_rows_m`` rows on (16-bit weights) :func:`linear_cublas` computes ``act(prologue(X) @ W^T + bias)
 (+ residual) (* rowmask)`` as: the LayerNorm prologue (``F.layer_norm``, fp32 statistics), then either
 
 * the product on cuBLAS (``torch.mm``, fp32 accumulation, 16-bit result) and one elementwise Triton pass for
@@ -31,50 +31,34 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from cosyvoice_fast.kernels.common import (
-    PRO_LN, PRO_NONE, _epilogue_store, _live_gemm_rows, _live_rows, _norm_rows_store, _pow2, extent_args,
-    interpreting,
-)
+from cosyvoice_fast.kernels.common import PRO_LN, PRO_NONE, _epilogue_store, _norm_rows_store, _pow2
 from cosyvoice_fast.flow.kernels.estimator_tall import linear_tall
+from cosyvoice_fast.flow.kernels.tuning import FlowTuning, default_tuning
 
-#: Rows from which :func:`~cosyvoice_fast.flow.kernels.estimator_linear.linear` hands 16-bit GEMMs to this path: one
-#: request's 300- and 450-frame chunks (600 and 900 rows) already run faster here; its 206-frame first chunk
-#: (412 rows) is still launch-bound and stays on the row-tiled kernels (``benchmarks/estimator_tall_gemm.py``).
-MANY_ROWS_M = 512
-#: Which kernel computes the product on this path, read at each call: ``"cublas"`` (``torch.mm``, then the
-#: Triton epilogue pass), ``"triton"`` (:func:`~cosyvoice_fast.flow.kernels.estimator_tall.linear_tall`: one
-#: kernel with the epilogue and the next LayerNorm fused in) or ``"auto"`` (:func:`tall_product`).
-MANY_ROWS = {"product": "auto"}
 
 
 def tall_product(act: int, residual: Tensor | None, norm_out: object | None) -> bool:
     """Whether a many-rows GEMM runs as the tall Triton kernel rather than cuBLAS + epilogue pass.
 
-    ``"auto"``: where the epilogue has work of its own (an activation, or a residual with no LayerNorm after
+    Where the epilogue has work of its own (an activation, or a residual with no LayerNorm after
     it) the fused kernel saves the whole write and re-read of the product and wins although its product is
     slower than cuBLAS's; a plain product (q/k/v) is cuBLAS's alone, and a residual with the whole-row
-    LayerNorm (few, wide tiles) measured no faster fused (``benchmarks/estimator_tall_gemm.py``)."""
-    mode = MANY_ROWS["product"]
-    if mode == "auto":
-        return act != 0 or (residual is not None and norm_out is None)
-    return mode == "triton"
+    LayerNorm (few, wide tiles) measured no faster fused.  Forcing either kernel everywhere measured slower
+    (all tall: 32 x 450 frames 14.2 against 12.9 ms a forward; all cuBLAS: 8 x 206 frames 2.77 against 2.65)."""
+    return act != 0 or (residual is not None and norm_out is None)
 
 
-def use_many_rows(m: int, weight: Tensor, prologue: int) -> bool:
+def use_many_rows(m: int, weight: Tensor, prologue: int, tuning: FlowTuning | None = None) -> bool:
     """Whether a ``linear`` call of ``m`` rows takes the many-rows path: 16-bit weights, a plain or LayerNorm
-    prologue, and at least :data:`MANY_ROWS_M` rows."""
-    return (m >= MANY_ROWS_M and weight.dtype in (torch.bfloat16, torch.float16)
+    prologue, and at least ``tuning.many_rows_m`` rows."""
+    return (m >= (tuning or default_tuning()).many_rows_m and weight.dtype in (torch.bfloat16, torch.float16)
             and prologue in (PRO_NONE, PRO_LN))
 
 
 @triton.jit
-def _epilogue_kernel(y_ptr, b_ptr, r_ptr, rowmask_ptr, out_ptr, ext_ptr, M, N, stride_rm, rows_per_b, stride_ob,
+def _epilogue_kernel(y_ptr, b_ptr, r_ptr, rowmask_ptr, out_ptr, M, N, stride_rm, rows_per_b, stride_ob,
                      stride_ot, stride_on, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
-                     ROWMASK: tl.constexpr, EXT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    M, rows_per_b = _live_gemm_rows(M, rows_per_b, ext_ptr, EXT)
-    if EXT > 0:  # a ragged launch: tiles past the live rows are capacity (estimator_common)
-        if tl.program_id(0) * BM >= M:
-            return
+                     ROWMASK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     m_ok = rm < M
@@ -85,16 +69,11 @@ def _epilogue_kernel(y_ptr, b_ptr, r_ptr, rowmask_ptr, out_ptr, ext_ptr, M, N, s
 
 
 @triton.jit
-def _epilogue_norm_kernel(y_ptr, b_ptr, r_ptr, rowmask_ptr, out_ptr, g_ptr, beta_ptr, norm_ptr, ext_ptr, M, N,
+def _epilogue_norm_kernel(y_ptr, b_ptr, r_ptr, rowmask_ptr, out_ptr, g_ptr, beta_ptr, norm_ptr, M, N,
                           stride_rm, stride_om, stride_on, stride_nm, eps, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-                          HAS_RES: tl.constexpr, ROWMASK: tl.constexpr, EXT: tl.constexpr, BM: tl.constexpr,
-                          BN: tl.constexpr):
+                          HAS_RES: tl.constexpr, ROWMASK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """:func:`_epilogue_kernel` for a row-major output whose rows fit one tile (``BN >= N``), which also stores
     ``LayerNorm(row as stored)`` to ``norm_ptr`` (:func:`~cosyvoice_fast.kernels.common._norm_rows_store`)."""
-    if EXT > 0:  # a ragged launch: tiles past the live rows are capacity
-        M, _t = _live_rows(M, 1, ext_ptr, EXT)
-        if tl.program_id(0) * BM >= M:
-            return
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.arange(0, BN)
     m_ok = rm < M
@@ -108,7 +87,7 @@ def _epilogue_norm_kernel(y_ptr, b_ptr, r_ptr, rowmask_ptr, out_ptr, g_ptr, beta
 
 def _launch_epilogue_norm(y: Tensor, bias: Tensor | None, act: int, residual: Tensor | None,
                           rowmask: Tensor | None, out: Tensor,
-                          norm_out: tuple[Tensor, tuple[Tensor, Tensor, float]], extent: Tensor | None = None) -> None:
+                          norm_out: tuple[Tensor, tuple[Tensor, Tensor, float]], tuning: FlowTuning) -> None:
     """The epilogue pass that also writes ``norm_out[0] = LayerNorm(out)`` with ``norm_out[1]``'s parameters.
 
     The LayerNorm normalises each row *as stored* (rounded to ``out``'s dtype), not the fp32 sum it was
@@ -119,12 +98,12 @@ def _launch_epilogue_norm(y: Tensor, bias: Tensor | None, act: int, residual: Te
     m, n = y.shape
     dst, (g, beta, eps) = norm_out
     bn = _pow2(n, 16)
-    bm = 64 if interpreting() else max(1, min(32, 4096 // bn))  # about 4K fp32 values per program
+    bm = tuning.norm_epilogue_bm or max(1, min(32, 4096 // bn))  # about 4K fp32 values per program
     _epilogue_norm_kernel[(triton.cdiv(m, bm),)](
         y, bias if bias is not None else y, residual if residual is not None else y,
         rowmask if rowmask is not None else y, out, g, beta, dst, M=m, N=n,
         stride_rm=residual.stride(0) if residual is not None else 0, stride_om=out.stride(0),
-        stride_on=out.stride(1), stride_nm=dst.stride(0), eps=float(eps), **extent_args(extent, y),
+        stride_on=out.stride(1), stride_nm=dst.stride(0), eps=float(eps),
         HAS_BIAS=bias is not None, ACT=act, HAS_RES=residual is not None, ROWMASK=rowmask is not None,
         BM=bm, BN=bn, num_warps=4 if bn <= 256 else 8)
 
@@ -133,30 +112,30 @@ def linear_cublas(x: Tensor, weight: Tensor, bias: Tensor | None, *, prologue: i
                   ln: tuple[Tensor, Tensor, float] | None, act: int, residual: Tensor | None,
                   rowmask: Tensor | None, out: Tensor, rows_per_b: int, out_strides: tuple[int, int, int],
                   norm_out: tuple[Tensor, tuple[Tensor, Tensor, float]] | None = None,
-                  extent: Tensor | None = None) -> Tensor:
+                  tuning: FlowTuning | None = None) -> Tensor:
     """``linear``'s contract on the many-rows path; ``out`` and its ``(batch, frame, channel)`` strides come from
     :func:`~cosyvoice_fast.flow.kernels.estimator_linear.linear`, which validated the arguments (``norm_out`` only
-    with a row-major ``out``).  Under a ragged ``extent`` the Triton kernels skip the capacity rows; the cuBLAS
-    product and the LayerNorm prologue still cover them."""
+    with a row-major ``out``)."""
     m, k = x.shape
     n = weight.shape[0]
+    t = tuning or default_tuning()
     a = x if prologue == PRO_NONE else F.layer_norm(x, (k,), ln[0], ln[1], ln[2])
     if tall_product(act, residual, norm_out):
         return linear_tall(a, weight, bias, act=act, residual=residual, rowmask=rowmask, out=out,
-                           rows_per_b=rows_per_b, out_strides=out_strides, norm_out=norm_out, extent=extent)
+                           rows_per_b=rows_per_b, out_strides=out_strides, norm_out=norm_out, tuning=t)
     plain = bias is None and act == 0 and residual is None and rowmask is None and norm_out is None
     if plain and out.dim() == 2 and out.is_contiguous():
         return torch.mm(a, weight.t(), out=out)
     y = torch.mm(a, weight.t())
     if norm_out is not None:
-        _launch_epilogue_norm(y, bias, act, residual, rowmask, out, norm_out, extent)
+        _launch_epilogue_norm(y, bias, act, residual, rowmask, out, norm_out, t)
         return out
-    bm, bn = (64, 64) if interpreting() else (32, _pow2(n, 16, 128))
+    bm, bn = t.epilogue_tiles or (32, _pow2(n, 16, 128))
     _epilogue_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
         y, bias if bias is not None else y, residual if residual is not None else y,
         rowmask if rowmask is not None else y, out, M=m, N=n,
         stride_rm=residual.stride(0) if residual is not None else 0, rows_per_b=rows_per_b,
         stride_ob=out_strides[0], stride_ot=out_strides[1], stride_on=out_strides[2],
-        **extent_args(extent, y, out_strides if out_strides[0] else None), HAS_BIAS=bias is not None, ACT=act,
+        HAS_BIAS=bias is not None, ACT=act,
         HAS_RES=residual is not None, ROWMASK=rowmask is not None, BM=bm, BN=bn, num_warps=4)
     return out

@@ -4,15 +4,15 @@
 computes the same function (``(x, mask, mu, t, spks, cond, streaming) -> (B, 80, T)`` velocity) over
 channels-last activations (one row per frame, ``B·T`` rows), so that a transformer block is five kernels
 (LayerNorm+q/k/v, attention, out-projection+residual, the feed-forward as two GEMMs with LayerNorm, GELU and
-the residual fused in, or as one kernel) and a ResNet block two (see
-``estimator_conv``).  The time embedding of every ResNet block is one GEMM for all of them.  The whole
-forward is a fixed sequence of launches with no host synchronisation, so the graph runner of the
-``cudagraph`` flow captures it unchanged.  At many rows (a later chunk, or a batched solve of several
-requests) the GEMMs take the many-rows path (:mod:`~cosyvoice_fast.flow.kernels.estimator_cublas`: cuBLAS, or tall
-Triton tiles with the epilogue fused in): there arithmetic, not launches, sets the time.  That path takes no
-LayerNorm prologue, so there each residual-producing GEMM's epilogue also writes the LayerNorm that the next
-GEMM needs (the block's ``norm3``, the next block's ``norm1``), and only a group's first ``norm1`` is a pass
-of its own.
+the residual fused in) and a ResNet block two (see ``estimator_conv``).  The time embedding of every ResNet
+block is one GEMM for all of them.  The whole forward is a fixed sequence of launches with no host
+synchronisation, so the graph runner of the ``cudagraph`` flow captures it unchanged.  Every launch setting and
+tile comes from the :class:`~cosyvoice_fast.flow.kernels.tuning.FlowTuning` given at construction.  At many
+rows (a later chunk, or a batched solve of several requests) the GEMMs take the many-rows path
+(:mod:`~cosyvoice_fast.flow.kernels.estimator_cublas`: cuBLAS, or tall Triton tiles with the epilogue fused
+in): there arithmetic, not launches, sets the time.  That path takes no LayerNorm prologue, so there each
+residual-producing GEMM's epilogue also writes the LayerNorm that the next GEMM needs (the block's ``norm3``,
+the next block's ``norm1``), and only a group's first ``norm1`` is a pass of its own.
 
 Weights are read from the wrapped modules: linear weights directly (views), convolution weights and the
 concatenated q/k/v and time-embedding weights as packed copies made on first use and re-made whenever the
@@ -31,41 +31,28 @@ import triton
 import triton.language as tl
 from torch import Tensor, nn
 
-from cosyvoice_fast.flow.model.decoder import _GELU_APPROXIMATION, CausalConditionalDecoder, SelfAttention
-from cosyvoice_fast.flow.kernels.estimator_attention import attention, attention_out
-from cosyvoice_fast.kernels.common import LAUNCH, _live_rows, extent_args, pdl_kwargs
-from cosyvoice_fast.flow.kernels.estimator_conv import causal_conv, pack_conv_weight, row_epilogue, tail_slots
+from cosyvoice_fast.flow.model.decoder import GELU_APPROXIMATION, CausalConditionalDecoder, SelfAttention
+from cosyvoice_fast.flow.kernels.estimator_attention import attention
+from cosyvoice_fast.flow.kernels.estimator_conv import causal_conv, pack_conv_weight, row_epilogue
 from cosyvoice_fast.flow.kernels.estimator_cublas import use_many_rows
 from cosyvoice_fast.flow.kernels.estimator_linear import (
-    ACT_GELU, ACT_MISH, ACT_SILU, PRO_LN, PRO_MISH, PRO_NONE, PRO_SINUS, ffn, linear,
+    ACT_GELU, ACT_MISH, ACT_SILU, PRO_LN, PRO_MISH, PRO_NONE, PRO_SINUS, linear,
 )
 from cosyvoice_fast.flow.kernels.estimator_window import attention_cached, update_conv_context
+from cosyvoice_fast.flow.kernels.tuning import FlowTuning, default_tuning
 from cosyvoice_fast.kernels.pdl import pdl_start
 
 
 @triton.jit
-def _pack_kernel(x_ptr, mu_ptr, spk_ptr, cond_ptr, mask_ptr, out_ptr, mout_ptr, ext_ptr, zero_ptr, n_zero, T, C, sxb,
-                 sxc, smb, smc, ssb, scb, scc, skb, BT: tl.constexpr, BC: tl.constexpr, EXT: tl.constexpr,
-                 ZERO: tl.constexpr, PDL: tl.constexpr):
-    """(B, C, T) x, mu, cond and (B, C) speaker -> rows ``b·T + t`` of ``[x | mu | spk | cond]`` (4·C wide);
-    under a ragged extent ``T`` is the live frame count (the inputs keep their capacity strides) and the
-    (B, 1, T) mask is packed into rows the same way.  ``ZERO``: the first program also zeroes ``n_zero`` int32
-    at ``zero_ptr`` (the forward's tail-conv counters, so they cost no launch of their own)."""
+def _pack_kernel(x_ptr, mu_ptr, spk_ptr, cond_ptr, out_ptr, T, C, sxb, sxc, smb, smc, ssb, scb, scc,
+                 BT: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr):
+    """(B, C, T) x, mu, cond and (B, C) speaker -> rows ``b·T + t`` of ``[x | mu | spk | cond]`` (4·C wide)."""
     b = tl.program_id(1)
     rt = tl.program_id(0) * BT + tl.arange(0, BT)
     rc = tl.arange(0, BC)
-    live, T = _live_rows(0, T, ext_ptr, EXT)  # a graph input: read before the wait
     ok = (rt[:, None] < T) & (rc[None, :] < C)
     row = out_ptr + (b * T + rt[:, None]) * (4 * C)
     pdl_start(PDL)
-    if ZERO:
-        if b == 0 and tl.program_id(0) == 0:
-            for z0 in range(0, n_zero, 1024):
-                rz = z0 + tl.arange(0, 1024)
-                tl.store(zero_ptr + rz, tl.zeros([1024], dtype=tl.int32), mask=rz < n_zero)
-    if EXT > 0:
-        if b >= live // T or tl.program_id(0) * BT >= T:
-            return
     x = tl.load(x_ptr + b * sxb + rc[None, :] * sxc + rt[:, None], mask=ok, other=0.0)
     tl.store(row + rc[None, :], x, mask=ok)
     mu = tl.load(mu_ptr + b * smb + rc[None, :] * smc + rt[:, None], mask=ok, other=0.0)
@@ -74,28 +61,10 @@ def _pack_kernel(x_ptr, mu_ptr, spk_ptr, cond_ptr, mask_ptr, out_ptr, mout_ptr, 
     tl.store(row + 2 * C + rc[None, :], tl.zeros([BT, BC], dtype=s.dtype) + s[None, :], mask=ok)
     c = tl.load(cond_ptr + b * scb + rc[None, :] * scc + rt[:, None], mask=ok, other=0.0)
     tl.store(row + 3 * C + rc[None, :], c, mask=ok)
-    if EXT > 0:
-        t_ok = rt < T
-        keep = tl.load(mask_ptr + b * skb + rt, mask=t_ok, other=0.0)
-        tl.store(mout_ptr + b * T + rt, keep.to(mout_ptr.dtype.element_ty), mask=t_ok)
 
 
-def pack_inputs(x: Tensor, mu: Tensor, spks: Tensor, cond: Tensor, zero: Tensor | None = None) -> Tensor:
-    """The estimator's concatenated input ``[x, mu, spks, cond]`` as (B·T, 4·C) channels-last rows; ``zero``
-    (int32, contiguous) is zeroed by the same launch."""
-    return _pack(x, mu, spks, cond, None, None, zero)[0]
-
-
-def pack_inputs_ragged(x: Tensor, mu: Tensor, spks: Tensor, cond: Tensor, mask: Tensor,
-                       extent: Tensor, zero: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """:func:`pack_inputs` under a ragged ``extent`` (:mod:`~cosyvoice_fast.kernels.common`): the
-    live rows ``b·T + t`` of the capacity inputs, and the (B, 1, T) ``mask`` packed the same way (B·T,) in x's
-    dtype.  Rows past the live extent are left unwritten."""
-    return _pack(x, mu, spks, cond, mask, extent, zero)
-
-
-def _pack(x: Tensor, mu: Tensor, spks: Tensor, cond: Tensor, mask: Tensor | None,
-          extent: Tensor | None, zero: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+def pack_inputs(x: Tensor, mu: Tensor, spks: Tensor, cond: Tensor, tuning: FlowTuning | None = None) -> Tensor:
+    """The estimator's concatenated input ``[x, mu, spks, cond]`` as (B·T, 4·C) channels-last rows."""
     b, c, t = x.shape
     for name, z in (("mu", mu), ("cond", cond)):
         if z.shape != (b, c, t):
@@ -105,22 +74,12 @@ def _pack(x: Tensor, mu: Tensor, spks: Tensor, cond: Tensor, mask: Tensor | None
     x, mu, cond = (z if z.stride(2) == 1 else z.contiguous() for z in (x, mu, cond))
     spks = spks if spks.stride(1) == 1 else spks.contiguous()
     out = torch.empty(b * t, 4 * c, device=x.device, dtype=x.dtype)
-    packed = None
-    if extent is not None:
-        if mask is None or mask.shape != (b, 1, t) or mask.stride(2) != 1:
-            raise ValueError(f"a ragged estimator call needs its ({b}, 1, {t}) mask with unit frame stride")
-        packed = torch.empty(b * t, device=x.device, dtype=x.dtype)
-    if zero is not None and (zero.dtype != torch.int32 or not zero.is_contiguous() or zero.device != x.device):
-        raise ValueError(f"pack_inputs: zero must be a contiguous int32 tensor on {x.device}")
     bt = 32
     _pack_kernel[(triton.cdiv(t, bt), b)](
-        x, mu, spks, cond, mask if packed is not None else x, out, packed if packed is not None else out,
-        **extent_args(extent, x), zero_ptr=zero if zero is not None else out,
-        n_zero=zero.numel() if zero is not None else 0, ZERO=zero is not None, T=t, C=c, sxb=x.stride(0),
-        sxc=x.stride(1), smb=mu.stride(0), smc=mu.stride(1), ssb=spks.stride(0), scb=cond.stride(0),
-        scc=cond.stride(1), skb=mask.stride(0) if packed is not None else 0,
-        BT=bt, BC=max(16, triton.next_power_of_2(c)), num_warps=4, **pdl_kwargs(x, b * t))
-    return out, packed
+        x, mu, spks, cond, out, T=t, C=c, sxb=x.stride(0), sxc=x.stride(1), smb=mu.stride(0), smc=mu.stride(1),
+        ssb=spks.stride(0), scb=cond.stride(0), scc=cond.stride(1), BT=bt, BC=max(16, triton.next_power_of_2(c)),
+        num_warps=4, **(tuning or default_tuning()).pdl_kwargs(x, b * t))
+    return out
 
 
 def _frequencies(dim: int, device: torch.device) -> Tensor:
@@ -128,11 +87,6 @@ def _frequencies(dim: int, device: torch.device) -> Tensor:
     expression (so the fused time features are bit-identical before the sin/cos)."""
     half = dim // 2
     return torch.exp(torch.arange(half, device=device, dtype=torch.float32) * -(math.log(10000) / (half - 1)))
-
-
-#: Rows (frames x batch rows) up to which the ResNet convs run split from their LayerNorm by default (one
-#: request's CFG pair is a few hundred rows; at 8 rows x 206 frames the whole-row kernel was as fast).
-SPLIT_LN_MAX_ROWS = 1024
 
 
 def _ln(norm: nn.LayerNorm) -> tuple[Tensor, Tensor, float]:
@@ -163,39 +117,26 @@ class _Window:
 
 class FusedEstimator(nn.Module):
     """``forward(x, mask, mu, t, spks, cond, streaming) -> (B, 80, T)``, the estimator's function and call
-    signature, computed by the fused kernels of ``cosyvoice_fast.kernels.estimator_*`` (CUDA, or the Triton
-    interpreter on CPU)."""
+    signature, computed by the fused kernels of ``cosyvoice_fast.flow.kernels.estimator_*`` (CUDA, or the Triton
+    interpreter on CPU).  Any attention head size: the attention kernels pad it to a power of two inside."""
 
-    #: :meth:`forward` takes ``extent``: ragged replays
-    #: (:class:`~cosyvoice_fast.flow.graph.GraphEstimator`)
-    ragged = True
-
-    def __init__(self, estimator: CausalConditionalDecoder, ffn_one_kernel: bool = False,
-                 attention_out_fused: bool = False, resnet_split_ln: bool | None = None):
-        """``ffn_one_kernel=True`` runs each feed-forward as one kernel (:func:`ffn`, 4 launches per transformer
-        block instead of 5); the default two GEMMs (LN+FF1+GELU, FF2+residual) spread the weights over many
-        more programs and measured faster on an H100 (BENCHMARKS.md).  ``attention_out_fused=True`` folds the
-        out-projection and residual into the attention kernel (:func:`attention_out`; one launch fewer per
-        block, but each program walks every head in turn: slower on an H100, hence off).
-        ``resnet_split_ln=True`` runs each ResNet conv as a GEMM spread over output channels plus a row-wise
+    def __init__(self, estimator: CausalConditionalDecoder, resnet_split_ln: bool | None = None,
+                 tuning: FlowTuning | None = None):
+        """``resnet_split_ln=True`` runs each ResNet conv as a GEMM spread over output channels plus a row-wise
         LayerNorm pass (:func:`row_epilogue`) instead of one whole-row kernel that streams the whole weight
         from few programs (two launches more per ResNet block); ``None`` (default) splits for forwards of at
-        most :data:`SPLIT_LN_MAX_ROWS` rows, where the whole-row kernel has too few programs to fill the GPU.
-        A split conv runs as a tail conv (its LayerNorm pass in its own last programs, so no extra launch)
-        when ``estimator_common.LAUNCH["conv_tail"]`` is on (read at each forward; off by default)."""
+        most ``tuning.split_ln_max_rows`` rows, where the whole-row kernel has too few programs to fill the GPU
+        (one request's CFG pair is a few hundred rows; at 8 rows x 206 frames the whole-row kernel was as fast).
+        ``tuning``: every kernel's launch settings and tiles (``None``: :func:`~.tuning.default_tuning`)."""
         super().__init__()
         self.resnet_split_ln = resnet_split_ln
-        self.ffn_one_kernel = ffn_one_kernel
-        self.attention_out_fused = attention_out_fused
+        self.tuning = tuning or default_tuning()
         cfg = estimator.cfg
         if len(cfg.channels) != 1:
             raise ValueError(f"the fused estimator supports one U-Net level (channels of length 1), got "
                              f"channels={tuple(cfg.channels)}; use the 'cudagraph' flow backend instead")
-        if _GELU_APPROXIMATION.get(cfg.act_fn) != "none":
+        if GELU_APPROXIMATION.get(cfg.act_fn) != "none":
             raise ValueError(f"the fused estimator computes the erf GELU; act_fn {cfg.act_fn!r} is not supported")
-        if cfg.attention_head_dim < 16 or cfg.attention_head_dim & (cfg.attention_head_dim - 1):
-            raise ValueError(f"the fused estimator needs attention_head_dim a power of two >= 16, got "
-                             f"{cfg.attention_head_dim}")
         self.est = estimator
         self._packed: dict[str, object] | None = None
         self._key: tuple | None = None
@@ -240,52 +181,47 @@ class FusedEstimator(nn.Module):
         self._packed, self._key = p, key
         return p
 
-    @staticmethod
-    def _conv(win: _Window | None, x: Tensor, mask: Tensor, weight: Tensor, bias: Tensor, frames: int,
-              extent: Tensor | None = None, **kw: object) -> Tensor:
+    def _conv(self, win: _Window | None, x: Tensor, mask: Tensor, weight: Tensor, bias: Tensor, frames: int,
+              **kw: object) -> Tensor:
         """:func:`causal_conv`; in an incremental window it reads the conv's context columns and then stores
-        the new ones (after the conv has read the old).  ``extent``: a ragged call (never a window)."""
+        the new ones (after the conv has read the old)."""
         if win is None:
-            return causal_conv(x, mask, weight, bias, frames, extent=extent, **kw)
+            return causal_conv(x, mask, weight, bias, frames, tuning=self.tuning, **kw)
         ctx = win.next_ctx()
-        y = causal_conv(x, mask, weight, bias, frames, ctx=ctx, **kw)
-        update_conv_context(x, ctx, win.commit[ctx.shape[2]], frames, x2=kw.get("x2"))
+        y = causal_conv(x, mask, weight, bias, frames, ctx=ctx, tuning=self.tuning, **kw)
+        update_conv_context(x, ctx, win.commit[ctx.shape[2]], frames, x2=kw.get("x2"), tuning=self.tuning)
         return y
+
+    def _linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, **kw: object) -> Tensor:
+        """:func:`linear` under this estimator's tuning."""
+        return linear(x, weight, bias, tuning=self.tuning, **kw)
 
     def _split(self, rows: int) -> bool:
         """Whether a forward over ``rows`` rows runs its ResNet convs spread over output channels."""
-        return self.resnet_split_ln if self.resnet_split_ln is not None else rows <= SPLIT_LN_MAX_ROWS
+        return self.resnet_split_ln if self.resnet_split_ln is not None else rows <= self.tuning.split_ln_max_rows
 
     def _resnet(self, i: int, r: nn.Module, h: Tensor, skip: Tensor | None, mask: Tensor, frames: int,
-                tall: Tensor, p: dict, win: _Window | None = None, ext: Tensor | None = None,
-                tails: Tensor | None = None) -> Tensor:
-        """ResNet block ``i``; ``tails``: its two tail convs' zeroed counters (rows of (2, slots)), when its convs
-        run as tail convs."""
+                tall: Tensor, p: dict, win: _Window | None = None) -> Tensor:
+        """ResNet block ``i``: two convs, each with its LayerNorm in its epilogue or (:meth:`_split`) as a pass."""
         w = p["resnets"][i]
         n = r.block1.block[0].weight.shape[0]
         res = torch.empty(h.shape[0], n, device=h.device, dtype=h.dtype)
         vec = tall[:, i * n:(i + 1) * n]
-        conv = self._conv
-        if tails is not None:
-            h1 = conv(win, h, mask, w["w1"], r.block1.block[0].bias, frames, ext, x2=skip, ln=_ln(r.block1.block[2]),
-                      act=ACT_MISH, out_mask=True, vec=vec, res_weight=w["wr"], res_bias=r.res_conv.bias,
-                      res_out=res, tail=tails[0])
-            return conv(win, h1, mask, w["w2"], r.block2.block[0].bias, frames, ext, ln=_ln(r.block2.block[2]),
-                        act=ACT_MISH, out_mask=True, residual=res, tail=tails[1])
+        b1, b2, conv = r.block1.block, r.block2.block, self._conv
         if self._split(h.shape[0]):
-            y1 = conv(win, h, mask, w["w1"], r.block1.block[0].bias, frames, ext, x2=skip, res_weight=w["wr"],
+            y1 = conv(win, h, mask, w["w1"], b1[0].bias, frames, x2=skip, res_weight=w["wr"],
                       res_bias=r.res_conv.bias, res_out=res)
-            h1 = row_epilogue(y1, mask, _ln(r.block1.block[2]), frames, act=ACT_MISH, vec=vec, extent=ext)
-            y2 = conv(win, h1, mask, w["w2"], r.block2.block[0].bias, frames, ext)
-            return row_epilogue(y2, mask, _ln(r.block2.block[2]), frames, act=ACT_MISH, residual=res, extent=ext)
-        h1 = conv(win, h, mask, w["w1"], r.block1.block[0].bias, frames, ext, x2=skip, ln=_ln(r.block1.block[2]),
-                  act=ACT_MISH, out_mask=True, vec=vec, res_weight=w["wr"], res_bias=r.res_conv.bias, res_out=res)
-        return conv(win, h1, mask, w["w2"], r.block2.block[0].bias, frames, ext, ln=_ln(r.block2.block[2]),
-                    act=ACT_MISH, out_mask=True, residual=res)
+            h1 = row_epilogue(y1, mask, _ln(b1[2]), frames, act=ACT_MISH, vec=vec, tuning=self.tuning)
+            y2 = conv(win, h1, mask, w["w2"], b2[0].bias, frames)
+            return row_epilogue(y2, mask, _ln(b2[2]), frames, act=ACT_MISH, residual=res, tuning=self.tuning)
+        h1 = conv(win, h, mask, w["w1"], b1[0].bias, frames, x2=skip, ln=_ln(b1[2]), act=ACT_MISH, out_mask=True,
+                  vec=vec, res_weight=w["wr"], res_bias=r.res_conv.bias, res_out=res)
+        return conv(win, h1, mask, w["w2"], b2[0].bias, frames, ln=_ln(b2[2]), act=ACT_MISH, out_mask=True,
+                    residual=res)
 
     def _transformer(self, blk: nn.Module, h: Tensor, mask: Tensor, batch: int, chunk: int, p: dict,
                      normed: Tensor | None = None, next_ln: tuple[Tensor, Tensor, float] | None = None,
-                     win: _Window | None = None, ext: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                     win: _Window | None = None) -> tuple[Tensor, Tensor | None]:
         """One transformer block over the rows ``h``; returns the new rows and, when this block's last GEMM took
         the many-rows path with ``next_ln`` given, ``LayerNorm_next(new rows)`` written by its epilogue (else
         None).
@@ -295,68 +231,48 @@ class FusedEstimator(nn.Module):
         its own, so each residual-producing GEMM (out-projection, second feed-forward GEMM) also writes the
         following LayerNorm of its output and the next GEMM runs without a prologue; below that the fused
         GEMMs apply the LayerNorm in their prologue for free, so nothing changes there.  In an incremental
-        window (``win``) attention also reads and extends the layer's cached keys and values, and the
-        out-projection is never folded into it.  ``ext``: a ragged call, passed to every kernel."""
-        a, ff = blk.attn1, blk.ff.net
-        fuse_ln = use_many_rows(h.shape[0], ff[2].weight, PRO_NONE)
+        window (``win``) attention also reads and extends the layer's cached keys and values."""
+        a, ff, tn, linear = blk.attn1, blk.ff.net, self.tuning, self._linear
+        fuse_ln = use_many_rows(h.shape[0], ff[2].weight, PRO_NONE, tn)
         if normed is None:
-            qkv = linear(h, p["qkv"][id(a)], prologue=PRO_LN, ln=_ln(blk.norm1), extent=ext)
+            qkv = linear(h, p["qkv"][id(a)], prologue=PRO_LN, ln=_ln(blk.norm1))
         else:
-            qkv = linear(normed, p["qkv"][id(a)], extent=ext)
-        if self.attention_out_fused and win is None:
-            h = attention_out(qkv, mask, batch, a.heads, a.head_dim, chunk, a.to_out[0].weight, a.to_out[0].bias, h,
-                              extent=ext)
-            n3 = None
+            qkv = linear(normed, p["qkv"][id(a)])
+        if win is not None:
+            o = attention_cached(qkv, win.next_kv(), win.start, win.valid, a.heads, a.head_dim, chunk, tuning=tn)
         else:
-            if win is not None:
-                o = attention_cached(qkv, win.next_kv(), win.start, win.valid, a.heads, a.head_dim, chunk)
-            else:
-                o = attention(qkv, mask, batch, a.heads, a.head_dim, chunk, extent=ext)
-            n3 = torch.empty_like(h) if fuse_ln and not self.ffn_one_kernel else None
-            h = linear(o, a.to_out[0].weight, a.to_out[0].bias, residual=h,
-                       norm_out=None if n3 is None else (n3, _ln(blk.norm3)), extent=ext)
-        if self.ffn_one_kernel:  # on the many-rows path it also writes the next block's norm1
-            n1 = torch.empty_like(h) if fuse_ln and next_ln is not None else None
-            h = ffn(h, _ln(blk.norm3), ff[0].proj.weight, ff[0].proj.bias, ff[2].weight, ff[2].bias,
-                    norm_out=None if n1 is None else (n1, next_ln), extent=ext)
-            return h, n1
+            o = attention(qkv, mask, batch, a.heads, a.head_dim, chunk, tuning=tn)
+        n3 = torch.empty_like(h) if fuse_ln else None
+        h = linear(o, a.to_out[0].weight, a.to_out[0].bias, residual=h,
+                   norm_out=None if n3 is None else (n3, _ln(blk.norm3)))
         if n3 is not None:
-            hid = linear(n3, ff[0].proj.weight, ff[0].proj.bias, act=ACT_GELU, extent=ext)
+            hid = linear(n3, ff[0].proj.weight, ff[0].proj.bias, act=ACT_GELU)
         else:
-            hid = linear(h, ff[0].proj.weight, ff[0].proj.bias, prologue=PRO_LN, ln=_ln(blk.norm3), act=ACT_GELU,
-                         extent=ext)
+            hid = linear(h, ff[0].proj.weight, ff[0].proj.bias, prologue=PRO_LN, ln=_ln(blk.norm3), act=ACT_GELU)
         n1 = torch.empty_like(h) if fuse_ln and next_ln is not None else None
-        h = linear(hid, ff[2].weight, ff[2].bias, residual=h, norm_out=None if n1 is None else (n1, next_ln),
-                   extent=ext)
+        h = linear(hid, ff[2].weight, ff[2].bias, residual=h, norm_out=None if n1 is None else (n1, next_ln))
         return h, n1
 
     def _transformers(self, tblocks: nn.ModuleList, h: Tensor, mask: Tensor, batch: int, chunk: int,
-                      p: dict, win: _Window | None = None, ext: Tensor | None = None) -> Tensor:
+                      p: dict, win: _Window | None = None) -> Tensor:
         """One group of consecutive transformer blocks; each block's last GEMM may write the next block's
         ``norm1`` of its output (see :meth:`_transformer`), which is why the group is walked here as a unit."""
         normed = None
         for j, blk in enumerate(tblocks):
             next_ln = _ln(tblocks[j + 1].norm1) if j + 1 < len(tblocks) else None
-            h, normed = self._transformer(blk, h, mask, batch, chunk, p, normed=normed, next_ln=next_ln, win=win,
-                                          ext=ext)
+            h, normed = self._transformer(blk, h, mask, batch, chunk, p, normed=normed, next_ln=next_ln, win=win)
         return h
 
     def forward(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
-                streaming: bool = False, extent: Tensor | None = None, tall: Tensor | None = None) -> Tensor:
-        """The velocity (B, 80, T).  With a ragged ``extent`` ([live batch rows, live frames], int32 on x's
-        device; :mod:`~cosyvoice_fast.kernels.common`) the inputs are capacity buffers and only their
-        live part ``[:rows, :, :frames]`` is read and written: a graph captured at its bucket computes just
-        the frames and rows of each replay.  ``tall``: this forward's row of :meth:`time_table` (then ``t`` is
-        not read)."""
+                streaming: bool = False, tall: Tensor | None = None) -> Tensor:
+        """The velocity (B, 80, T).  ``tall``: this forward's row of :meth:`time_table` (then ``t`` is not
+        read)."""
         b, _, frames = x.shape
         if mask.shape != (b, 1, frames):
             raise ValueError(f"estimator mask must be ({b}, 1, {frames}), got {tuple(mask.shape)}")
         if tall is not None and tall.shape != (b, self.time_width()):
             raise ValueError(f"estimator tall must be ({b}, {self.time_width()}), got {tuple(tall.shape)}")
         chunk = self.est.cfg.static_chunk_size if streaming else 0
-        if extent is not None:
-            mask = mask if mask.stride(2) == 1 else mask.contiguous()
-            return self._run(x, mask, mu, t, spks, cond, chunk, None, extent, tall)
         m = mask.reshape(b * frames)
         if m.dtype != x.dtype or not m.is_contiguous():
             m = m.to(x.dtype).contiguous()
@@ -369,7 +285,7 @@ class FusedEstimator(nn.Module):
     def _time_rows(self, t: Tensor, p: dict) -> Tensor:
         """(rows, :meth:`time_width`) for the flow times ``t`` (rows,): sinusoid -> SiLU -> linear -> Mish -> every
         ResNet block's projection, three GEMMs that read nothing but ``t``."""
-        tm = self.est.time_mlp
+        tm, linear = self.est.time_mlp, self._linear
         temb = linear(t, tm.linear_1.weight, tm.linear_1.bias, prologue=PRO_SINUS, act=ACT_SILU, freqs=p["freqs"])
         temb = linear(temb, tm.linear_2.weight, tm.linear_2.bias)
         return linear(temb, p["temb_w"], p["temb_b"], prologue=PRO_MISH)
@@ -397,52 +313,30 @@ class FusedEstimator(nn.Module):
         return self._run(x, m, mu, t, spks, cond, chunk, _Window(win), tall=getattr(win, "tall", None))
 
     def _run(self, x: Tensor, m: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, chunk: int,
-             win: _Window | None, ext: Tensor | None = None, tall: Tensor | None = None) -> Tensor:
-        """The forward over packed rows; ``m`` is the (B·T,) row mask, or under a ragged ``ext`` the (B, 1, T)
-        mask that the input pack packs; ``tall`` the time projections when given (else computed from ``t``)."""
+             win: _Window | None, tall: Tensor | None = None) -> Tensor:
+        """The forward over packed rows; ``m`` is the (B·T,) row mask; ``tall`` the time projections when given
+        (else computed from ``t``)."""
         est = self.est
         p = self.packed()
         b, _, frames = x.shape
         if tall is None:
             tall = self._time_rows(t.reshape(b), p)
-        tails = ctr = None
-        if LAUNCH["conv_tail"] and self._split(b * frames):  # two tail convs per ResNet block, zeroed by the pack
-            n_res = 2 + len(est.mid_blocks)
-            ctr = torch.empty(n_res, 2, tail_slots(b * frames), device=x.device, dtype=torch.int32)
-            tails = iter(ctr)
-        if ext is None:
-            h = pack_inputs(x, mu, spks, cond, zero=ctr)
-        else:
-            h, m = pack_inputs_ragged(x, mu, spks, cond, m, ext, zero=ctr)
+        h = pack_inputs(x, mu, spks, cond, self.tuning)
         resnet, tblocks, down = est.down_blocks[0]
         i = 0
-        h = self._resnet(i, resnet, h, None, m, frames, tall, p, win, ext, next(tails) if tails else None)
-        h = self._transformers(tblocks, h, m, b, chunk, p, win, ext)
+        h = self._resnet(i, resnet, h, None, m, frames, tall, p, win)
+        h = self._transformers(tblocks, h, m, b, chunk, p, win)
         skip = h
-        h = self._conv(win, h, m, p["down"], down.bias, frames, ext)
+        h = self._conv(win, h, m, p["down"], down.bias, frames)
         for resnet, tblocks in est.mid_blocks:
             i += 1
-            h = self._resnet(i, resnet, h, None, m, frames, tall, p, win, ext, next(tails) if tails else None)
-            h = self._transformers(tblocks, h, m, b, chunk, p, win, ext)
+            h = self._resnet(i, resnet, h, None, m, frames, tall, p, win)
+            h = self._transformers(tblocks, h, m, b, chunk, p, win)
         resnet, tblocks, up = est.up_blocks[0]
         i += 1
-        h = self._resnet(i, resnet, h, skip, m, frames, tall, p, win, ext, next(tails) if tails else None)
-        h = self._transformers(tblocks, h, m, b, chunk, p, win, ext)
-        h = self._conv(win, h, m, p["up"], up.bias, frames, ext)
+        h = self._resnet(i, resnet, h, skip, m, frames, tall, p, win)
+        h = self._transformers(tblocks, h, m, b, chunk, p, win)
+        h = self._conv(win, h, m, p["up"], up.bias, frames)
         fb = est.final_block.block
-        h = self._conv(win, h, m, p["final"], fb[0].bias, frames, ext, ln=_ln(fb[2]), act=ACT_MISH, out_mask=True)
-        return linear(h, p["proj"], est.final_proj.bias, rowmask=m, out_btc=(b, frames), extent=ext)
-
-
-def kernels_per_forward(n_blocks: int, num_mid_blocks: int, ffn_one_kernel: bool = False,
-                        attention_out_fused: bool = False, resnet_split_ln: bool = False,
-                        conv_tail: bool = False) -> int:
-    """Launches of one fused forward of the one-level U-Net below ``estimator_cublas.MANY_ROWS_M`` rows (above it
-    an epilogue pass joins each GEMM left on cuBLAS, and a LayerNorm pass each group's first transformer block): 3
-    time-embedding GEMMs (3 fewer when the forward is given its row of a :meth:`FusedEstimator.time_table`), the
-    input pack, 2 per ResNet block (4 when its convs are split from their LayerNorm passes and not run as tail
-    convs), 3 to 5 per transformer block, the down/up/final convs and the output projection."""
-    resnets = 2 + num_mid_blocks
-    per_block = 5 - int(ffn_one_kernel) - int(attention_out_fused)
-    per_resnet = 4 if resnet_split_ln and not conv_tail else 2
-    return 3 + 1 + per_resnet * resnets + per_block * n_blocks * resnets + 4
+        h = self._conv(win, h, m, p["final"], fb[0].bias, frames, ln=_ln(fb[2]), act=ACT_MISH, out_mask=True)
+        return self._linear(h, p["proj"], est.final_proj.bias, rowmask=m, out_btc=(b, frames))

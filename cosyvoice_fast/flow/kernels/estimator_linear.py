@@ -4,15 +4,12 @@
   first pass over K, so K is not limited by a tile), or a Mish prologue, or the sinusoidal time features
   computed from the flow time itself; bias, GELU/SiLU, a residual add, a row mask and a strided store (the
   estimator's last projection writes the (B, 80, T) layout directly) in the epilogue; from
-  :data:`~cosyvoice_fast.flow.kernels.estimator_cublas.MANY_ROWS_M` rows (16-bit weights) the call takes the
+  ``FlowTuning.many_rows_m`` rows (16-bit weights) the call takes the
   many-rows path (:mod:`~cosyvoice_fast.flow.kernels.estimator_cublas`: cuBLAS or a tall Triton kernel), whose
   epilogue can also write the next LayerNorm of its output (``norm_out``); below it, with
-  ``LAUNCH["oneshot"]`` (up to ``LAUNCH["oneshot_max_rows"]`` rows), the one-shot GEMM of
+  ``FlowTuning.oneshot`` (up to ``FlowTuning.oneshot_max_rows`` rows), the one-shot GEMM of
   :mod:`~cosyvoice_fast.flow.kernels.estimator_oneshot` (one dependent load round per launch), and the row-tiled
   kernel here for the Mish and sinusoidal prologues (the time embedding), ``norm_out`` and more rows.
-* :func:`ffn` — the whole feed-forward half of a transformer block in one kernel:
-  ``X + b2 + GELU(LN(X) @ W1^T + b1) @ W2^T``; the 4x-wide hidden activation lives only in registers, chunk
-  by chunk.
 
 Accumulation is fp32 everywhere; with fp32 operands the dots run as IEEE fp32 (not TF32) so that the fused
 estimator matches eager PyTorch to 1e-4.  Why these fusions: the estimator is launch-bound (hundreds of tiny
@@ -29,42 +26,13 @@ from torch import Tensor
 
 # re-exported: the codes and helpers are imported from here by the other estimator modules and the tests
 from cosyvoice_fast.kernels.common import (
-    ACT_GELU, ACT_MISH, ACT_NONE, ACT_SILU, LAUNCH, PRO_LN, PRO_MISH, PRO_NONE, PRO_SINUS, _act, _epilogue_store,
-    _live_gemm_rows, _live_rows, _norm_rows_store, _pow2, extent_args, gemm_output, interpreting, pair_rows,
-    pdl_kwargs,
+    ACT_GELU, ACT_MISH, ACT_NONE, ACT_SILU, PRO_LN, PRO_MISH, PRO_NONE, PRO_SINUS, _act, _epilogue_store, _pow2,
+    gemm_output,
 )
 from cosyvoice_fast.flow.kernels.estimator_cublas import linear_cublas, use_many_rows
 from cosyvoice_fast.flow.kernels.estimator_oneshot import linear_oneshot
+from cosyvoice_fast.flow.kernels.tuning import FlowTuning, default_tuning
 from cosyvoice_fast.kernels.pdl import pdl_start
-
-#: Tile sizes and launch settings for 16-bit operands (the fastest of the few named variants that
-#: ``benchmarks/fused_flow_check.py`` times on an H100, see BENCHMARKS.md; the script changes these before
-#: the kernels compile).  fp32 operands use :data:`FP32_TILES` (IEEE fp32 dots need smaller tiles).
-TUNING = {"bm": 32, "bn": 64, "bk": 128, "warps": 4, "stages": 3, "ffn_bm": 16, "ffn_bh": 64, "min_programs": 132}
-FP32_TILES = {"bm": 32, "bn": 64, "bk": 64, "warps": 4, "stages": 3}
-#: Under the CPU interpreter every program is a Python loop iteration: fewer, taller tiles run much faster.
-INTERPRETER_TILES = {"bm": 128, "bn": 64, "bk": 64, "warps": 4, "stages": 1}
-
-
-#: Rows from which 16-bit launches that offer a ``large`` tile setting use it (a batched solve: 16 requests x
-#: the CFG pair x 250 frames is 8000 rows).  Thin 32-row tiles are best while the launch dominates; with
-#: thousands of rows they re-read every weight tile per 32 rows, so taller tiles win
-#: (``benchmarks/estimator_rows_sweep.py``, BENCHMARKS.md).
-LARGE_M = 2048
-
-
-def pick_tiles(fp32: bool, tuning: dict, fp32_tiles: dict, interp_tiles: dict, m: int = 0,
-               large: dict | None = None, pair: dict | None = None) -> dict:
-    """The tile settings for one launch: interpreter, fp32, or 16-bit (``large`` from :data:`LARGE_M` rows on,
-    ``pair`` over :data:`~.estimator_common.PAIR_ROWS` rows)."""
-    if interpreting():
-        return interp_tiles
-    if fp32:
-        return fp32_tiles
-    if pair is not None and pair_rows(m):
-        return pair
-    return large if large is not None and m >= LARGE_M else tuning
-
 
 def spread_tiles(m: int, n: int, bm: int, bn: int, min_programs: int) -> tuple[int, int]:
     """Narrow the (bm, bn) tile -- columns first, down to 32, then rows, down to 16 -- until the launch has at
@@ -111,16 +79,14 @@ def _a_tile(x_ptr, rm, m_ok, kk, K, stride_xm, lnw_ptr, lnb_ptr, mean, rstd, tva
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, lnw_ptr, lnb_ptr, rowmask_ptr, ext_ptr,
+def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, lnw_ptr, lnb_ptr, rowmask_ptr,
                    M, N, K, stride_xm, stride_rm, rows_per_b, stride_yb, stride_yt, stride_yn,
                    eps, sinus_scale,
                    PRO: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
-                   ROWMASK: tl.constexpr, IEEE: tl.constexpr, EXT: tl.constexpr,
+                   ROWMASK: tl.constexpr, IEEE: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    # a ragged launch (estimator_common); the extent is a graph input, so it may be read before the wait
-    M, rows_per_b = _live_gemm_rows(M, rows_per_b, ext_ptr, EXT)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -134,9 +100,6 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, lnw_ptr, lnb_ptr, rowmask_
     w = tl.load(w_ptr + rn[None, :] * K + rk[:, None], mask=n_ok[None, :] & (rk[:, None] < K), other=0.0)
     if EARLY:
         pdl_start(PDL)
-    if EXT > 0:  # tiles past the live rows are capacity: nothing to compute
-        if pid_m * BM >= M:
-            return
     mean = tl.zeros([BM], dtype=tl.float32)
     rstd = mean
     tval = mean
@@ -168,7 +131,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: i
            rowmask: Tensor | None = None, out: Tensor | None = None, out_btc: tuple[int, int] | None = None,
            freqs: Tensor | None = None, sinus_scale: float = 1000.0,
            norm_out: tuple[Tensor, tuple[Tensor, Tensor, float]] | None = None,
-           extent: Tensor | None = None, oneshot: bool | None = None) -> Tensor:
+           oneshot: bool | None = None, tuning: FlowTuning | None = None) -> Tensor:
     """``act(prologue(x) @ weight.T + bias) (+ residual) (* rowmask)`` for x (M, K) row-major, weight (N, K).
 
     ``prologue``: :data:`PRO_LN` (``ln`` = (gamma, beta, eps)), :data:`PRO_MISH`, or :data:`PRO_SINUS`, where
@@ -184,7 +147,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: i
     is a separate pass, so callers pass it only where :func:`use_many_rows` holds (elsewhere the next GEMM's
     LayerNorm prologue is free) -- it is filled on either path so that a wrong guess costs time, not results.
 
-    ``oneshot``: whether a call of few rows may take the one-shot GEMM (``None``: ``LAUNCH["oneshot"]``).
+    ``oneshot``: whether a call of few rows may take the one-shot GEMM (``None``: ``tuning.oneshot``).
+    ``tuning``: the launch settings and tiles (``None``: :func:`~.tuning.default_tuning`).
     """
     n, k = weight.shape
     m = x.shape[0]
@@ -204,15 +168,16 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: i
         lnw = freqs
     if norm_out is not None:
         _check_norm_out(norm_out, m, n, out_btc)
-    if use_many_rows(m, weight, prologue):
+    t = tuning or default_tuning()
+    if use_many_rows(m, weight, prologue, t):
         return linear_cublas(x, weight, bias, prologue=prologue, ln=ln, act=act, residual=residual, rowmask=rowmask,
                              out=out, rows_per_b=rows_per_b, out_strides=(syb, syt, syn), norm_out=norm_out,
-                             extent=extent)
-    if (LAUNCH["oneshot"] if oneshot is None else oneshot) and m <= LAUNCH["oneshot_max_rows"] \
+                             tuning=t)
+    if (t.oneshot if oneshot is None else oneshot) and m <= t.oneshot_max_rows \
             and prologue in (PRO_NONE, PRO_LN) and norm_out is None:
         return linear_oneshot(x, weight, bias, prologue=prologue, ln=ln, act=act, residual=residual,
-                              rowmask=rowmask, out=out, out_btc=out_btc, extent=extent)
-    tiles = pick_tiles(weight.dtype == torch.float32, TUNING, FP32_TILES, INTERPRETER_TILES)
+                              rowmask=rowmask, out=out, out_btc=out_btc, tuning=t)
+    tiles = t.linear_fp32 if weight.dtype == torch.float32 else t.linear
     bm, bn = spread_tiles(m, n, _pow2(m, 16, tiles["bm"]), _pow2(n, 16, tiles["bn"]), tiles.get("min_programs", 0))
     bk = _pow2(k, 16, tiles["bk"])
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
@@ -223,8 +188,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: i
         stride_yt=syt, stride_yn=syn, eps=float(eps), sinus_scale=float(sinus_scale),
         PRO=prologue, HAS_BIAS=bias is not None, ACT=act, HAS_RES=residual is not None,
         ROWMASK=rowmask is not None, IEEE=weight.dtype == torch.float32, BM=bm, BN=bn, BK=bk,
-        EARLY=LAUNCH["early_weights"], num_warps=tiles["warps"], num_stages=tiles["stages"], **pdl_kwargs(x, m),
-        **extent_args(extent, x, out_btc))
+        EARLY=t.early_weights, num_warps=tiles["warps"], num_stages=tiles["stages"], **t.pdl_kwargs(x, m))
     if norm_out is not None:
         dst, (g, beta, norm_eps) = norm_out
         dst.copy_(F.layer_norm(out, (n,), g, beta, norm_eps))
@@ -233,7 +197,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: i
 
 def _check_norm_out(norm_out: tuple[Tensor, tuple[Tensor, Tensor, float]], m: int, n: int,
                     out_btc: tuple[int, int] | None, who: str = "linear") -> None:
-    """``norm_out`` (of ``linear`` or ``ffn``) must be a row-major (M, N) tensor with N-long gamma and beta: the
+    """``norm_out`` must be a row-major (M, N) tensor with N-long gamma and beta: the
     normed rows feed the next GEMM as its ``x``, and a whole-row epilogue tile stores them with one row stride."""
     dst, (g, beta, _) = norm_out
     if out_btc is not None:
@@ -243,76 +207,3 @@ def _check_norm_out(norm_out: tuple[Tensor, tuple[Tensor, Tensor, float]], m: in
     if g.shape != (n,) or beta.shape != (n,):
         raise ValueError(f"{who}: norm_out's gamma and beta must be ({n},), got {tuple(g.shape)}, "
                          f"{tuple(beta.shape)}")
-
-
-@triton.jit
-def _ffn_kernel(x_ptr, y_ptr, lnw_ptr, lnb_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, ng_ptr, nb_ptr, norm_ptr, ext_ptr, M, C,
-                H, eps, eps_next, stride_nm, IEEE: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
-                BH: tl.constexpr, NORM: tl.constexpr, EXT: tl.constexpr, PDL: tl.constexpr):
-    pid = tl.program_id(0)
-    rm = pid * BM + tl.arange(0, BM)
-    rc = tl.arange(0, BC)
-    rh = tl.arange(0, BH)
-    m_ok = rm < M
-    c_ok = rc < C
-    ok = m_ok[:, None] & c_ok[None, :]
-    wdt = w1_ptr.dtype.element_ty
-    if EXT > 0:  # a ragged launch: tiles past the live rows are capacity
-        M, _t = _live_rows(M, 1, ext_ptr, EXT)
-        m_ok = rm < M
-        ok = m_ok[:, None] & c_ok[None, :]
-    pdl_start(PDL)
-    if EXT > 0:
-        if pid * BM >= M:
-            return
-    x = tl.load(x_ptr + rm[:, None] * C + rc[None, :], mask=ok, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=1) / C
-    xc = tl.where(ok, x - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / C + eps)
-    g = tl.load(lnw_ptr + rc, mask=c_ok, other=0.0).to(tl.float32)
-    bb = tl.load(lnb_ptr + rc, mask=c_ok, other=0.0).to(tl.float32)
-    a = (xc * rstd[:, None] * g[None, :] + bb[None, :]).to(wdt)
-    acc = tl.zeros([BM, BC], dtype=tl.float32)
-    for h0 in range(0, H, BH):
-        hh = h0 + rh
-        h_ok = hh < H
-        w1 = tl.load(w1_ptr + hh[None, :] * C + rc[:, None], mask=h_ok[None, :] & c_ok[:, None], other=0.0)
-        hid = _mm(a, w1, IEEE) + tl.load(b1_ptr + hh, mask=h_ok, other=0.0).to(tl.float32)[None, :]
-        hid = _act(hid, 1).to(wdt)
-        w2 = tl.load(w2_ptr + rc[None, :] * H + hh[:, None], mask=c_ok[None, :] & h_ok[:, None], other=0.0)
-        acc += _mm(hid, w2, IEEE)
-    acc += tl.load(b2_ptr + rc, mask=c_ok, other=0.0).to(tl.float32)[None, :] + x
-    y = acc.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + rm[:, None] * C + rc[None, :], y, mask=ok)
-    if NORM:  # the next block's LayerNorm of the row as stored (the tile spans whole rows)
-        _norm_rows_store(y.to(tl.float32), rm, rc, m_ok, c_ok, C, ng_ptr, nb_ptr, norm_ptr, stride_nm, eps_next)
-
-
-def ffn(x: Tensor, ln: tuple[Tensor, Tensor, float], w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,
-        out: Tensor | None = None, norm_out: tuple[Tensor, tuple[Tensor, Tensor, float]] | None = None,
-        tiles: dict | None = None, extent: Tensor | None = None) -> Tensor:
-    """``x + b2 + GELU(LN(x) @ w1.T + b1) @ w2.T`` for contiguous x (M, C), w1 (H, C), w2 (C, H), one kernel;
-    with ``norm_out=(dst, (gamma, beta, eps))`` it also writes the next LayerNorm of the result into ``dst``.
-    ``tiles`` (``bm``, ``bh``, ``warps``, ``stages``) overrides the table (benchmarks); ``extent``: a ragged
-    launch (:mod:`~cosyvoice_fast.kernels.common`), only the live rows are computed."""
-    m, c = x.shape
-    h = w1.shape[0]
-    if not x.is_contiguous() or w1.shape != (h, c) or w2.shape != (c, h):
-        raise ValueError(f"ffn: need contiguous x (M, C), w1 (H, C), w2 (C, H); got {tuple(x.shape)}, "
-                         f"{tuple(w1.shape)}, {tuple(w2.shape)}")
-    out = torch.empty_like(x) if out is None else out
-    fp32 = w1.dtype == torch.float32
-    if tiles is None:
-        tiles = {"bm": 64 if interpreting() else TUNING["ffn_bm"], "bh": 32 if fp32 else TUNING["ffn_bh"],
-                 "warps": 8 if c > 128 else 4, "stages": 2 if fp32 else TUNING["stages"]}
-    if norm_out is None:
-        dst, (ng, nb, eps_next) = out, (b2, b2, 0.0)  # placeholders, never read (NORM off)
-    else:
-        _check_norm_out(norm_out, m, c, None, who="ffn")
-        dst, (ng, nb, eps_next) = norm_out
-    _ffn_kernel[(triton.cdiv(m, tiles["bm"]),)](
-        x, out, ln[0], ln[1], w1, b1, w2, b2, ng, nb, dst, M=m, C=c, H=h, eps=float(ln[2]),
-        eps_next=float(eps_next), stride_nm=dst.stride(0), IEEE=fp32, BM=tiles["bm"], BC=_pow2(c),
-        BH=_pow2(h, 16, tiles["bh"]), NORM=norm_out is not None, num_warps=tiles["warps"],
-        num_stages=tiles["stages"], **pdl_kwargs(x, m), **extent_args(extent, x))
-    return out

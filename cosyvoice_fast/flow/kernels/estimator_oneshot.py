@@ -19,67 +19,45 @@ tile loaded together with the activations instead of after the product.
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from cosyvoice_fast.kernels.common import (
-    ACT_NONE, PRO_LN, PRO_NONE, _act, _grouped_tile, _live_gemm_rows, _pow2, extent_args, gemm_output, interpreting,
-    pair_rows, pdl_kwargs,
-)
+from cosyvoice_fast.kernels.common import ACT_NONE, PRO_LN, PRO_NONE, _act, _grouped_tile, _pow2, gemm_output
+from cosyvoice_fast.flow.kernels.tuning import FlowTuning, default_tuning
 from cosyvoice_fast.kernels.pdl import pdl_start
 
-#: Rows up to which a launch counts as "few" for the tile choice (one request's CFG pair of up to 128 frames);
-#: within ``estimator_common.PAIR_ROWS`` the pair tiles come first.
-FEW_ROWS = 256
-#: Tiles per GEMM kind over :data:`~.estimator_common.PAIR_ROWS` rows (one request's CFG pair of 100 to 250
-#: frames), told apart by N and K: chosen together with the attention and convolution tiles of such forwards
-#: by a search over the whole forward (BENCHMARKS.md, session 23).
-PAIR_TILES = {
-    "qkv": {"bm": 32, "bn": 256, "warps": 8},  # N = 3 x heads x head_dim, K = C, LayerNorm prologue
-    "ff1": {"bm": 32, "bn": 128, "warps": 8},  # N = 4 C, K = C, LayerNorm prologue, GELU
-    "out": {"bm": 32, "bn": 32, "warps": 4},  # N = C, K = heads x head_dim, residual
-    "ff2": {"bm": 64, "bn": 16, "warps": 4, "bk": 256, "stages": 2},  # N = C, K = 4 C, residual
-}
-#: fp32 operands (IEEE dots, parity runs): small tiles and K steps of 256 keep the registers in bounds.
-FP32_ONESHOT = {"bm": 16, "bn": 16, "warps": 4, "bk": 256, "stages": 2}
-#: Under the CPU interpreter every program is a Python loop iteration: fewer, taller tiles run much faster.
-INTERPRETER_ONESHOT = {"bm": 64, "bn": 64, "warps": 4}
-
-
-def oneshot_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> dict:
+def oneshot_tiles(m: int, n: int, k: int, dtype: torch.dtype, tuning: FlowTuning | None = None) -> Mapping:
     """The tiles (``bm``, ``bn``, ``warps``, optional ``bk`` and ``stages``) of a :func:`linear_oneshot` launch
-    for an (m, k) x (k, n) product: the fastest of the variants ``benchmarks/oneshot_check.py`` timed on an H100
-    at 112 and 412 rows for the estimator's shapes (BENCHMARKS.md); over ``PAIR_ROWS`` rows :data:`PAIR_TILES`,
-    chosen over the whole forward.  K of 1024 runs in one step at few rows and in pipelined steps of 256 beyond."""
-    if interpreting():
-        return INTERPRETER_ONESHOT
+    for an (m, k) x (k, n) product, from ``tuning.oneshot_tiles``: the fastest of the variants timed on an H100
+    at 112 and 412 rows for the estimator's shapes; over ``tuning.pair_rows`` rows the pair tiles, chosen over
+    the whole forward.  K of 1024 runs in one step at few rows and in pipelined steps of 256 beyond."""
+    t = tuning or default_tuning()
+    table = t.oneshot_tiles
     if dtype == torch.float32:
-        return FP32_ONESHOT
-    few = m <= FEW_ROWS
-    if pair_rows(m):  # (the final 80-wide projection keeps the tiles below)
+        return table["fp32"]
+    few = m <= t.few_rows
+    if t.pair(m):  # (the final 80-wide projection keeps the tiles below)
         if k <= 256 and n >= 1024:
-            return PAIR_TILES["qkv"] if n >= 1536 else PAIR_TILES["ff1"]
+            return table["pair_qkv"] if n >= 1536 else table["pair_ff1"]
         if k > 256:
-            return PAIR_TILES["out"] if k <= 512 else PAIR_TILES["ff2"]
+            return table["pair_out"] if k <= 512 else table["pair_ff2"]
     if k <= 256:  # q/k/v (N = 1536) and FF1 (N = 1024), both with the LayerNorm prologue
-        return {"bm": 64, "bn": 128, "warps": 8} if not few and n >= 1536 else {"bm": 32, "bn": 64, "warps": 4}
+        return table["small_k_wide"] if not few and n >= 1536 else table["small_k"]
     if k <= 512:  # the attention out-projection (K = heads x head_dim)
-        return {"bm": 16, "bn": 16, "warps": 4} if few else {"bm": 64, "bn": 64, "warps": 4}
-    # FF2 and the time embedding (K = 1024)
-    return ({"bm": 32, "bn": 16, "warps": 4, "bk": 1024, "stages": 1} if few
-            else {"bm": 64, "bn": 16, "warps": 4, "bk": 256, "stages": 2})
+        return table["out_few"] if few else table["out_many"]
+    return table["ff2_few"] if few else table["ff2_many"]  # FF2 and the time embedding (K = 1024)
 
 
 @triton.jit
-def _oneshot_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, lnw_ptr, lnb_ptr, rowmask_ptr, ext_ptr,
+def _oneshot_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, lnw_ptr, lnb_ptr, rowmask_ptr,
                     M, N, K, stride_xm, stride_rm, rows_per_b, stride_yb, stride_yt, stride_yn, eps,
                     PRO: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
-                    ROWMASK: tl.constexpr, IEEE: tl.constexpr, EXT: tl.constexpr, BM: tl.constexpr,
+                    ROWMASK: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
                     BN: tl.constexpr, BK: tl.constexpr, KSTEPS: tl.constexpr, PDL: tl.constexpr):
-    # a ragged launch (estimator_common); the extent is a graph input, so it may be read before the wait
-    M, rows_per_b = _live_gemm_rows(M, rows_per_b, ext_ptr, EXT)
     rm, rn, m_ok, n_ok = _grouped_tile(M, N, BM, BN)
     rk = tl.arange(0, BK)
     k_ok = rk < K
@@ -92,9 +70,6 @@ def _oneshot_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, lnw_ptr, lnb_ptr, rowmask
         g = tl.load(lnw_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
         beta = tl.load(lnb_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
     pdl_start(PDL)
-    if EXT > 0:  # tiles past the live rows are capacity: nothing to compute
-        if tl.min(rm, axis=0) >= M:
-            return
     # one round of activation loads: the row tile (its first K step) and the residual tile together
     a = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
     if HAS_RES:
@@ -136,14 +111,14 @@ def _oneshot_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, lnw_ptr, lnb_ptr, rowmask
 def linear_oneshot(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: int = PRO_NONE,
                    ln: tuple[Tensor, Tensor, float] | None = None, act: int = ACT_NONE,
                    residual: Tensor | None = None, rowmask: Tensor | None = None, out: Tensor | None = None,
-                   out_btc: tuple[int, int] | None = None, tiles: dict | None = None,
-                   extent: Tensor | None = None) -> Tensor:
+                   out_btc: tuple[int, int] | None = None, tiles: Mapping | None = None,
+                   tuning: FlowTuning | None = None) -> Tensor:
     """``act(prologue(x) @ weight.T + bias) (+ residual) (* rowmask)`` for x (M, K) row-major and weight (N, K):
     ``linear``'s contract for the prologues :data:`PRO_NONE` and :data:`PRO_LN` (``ln = (gamma, beta, eps)``;
     the Mish prologue stays on the row-tiled kernel, which measured 3.6x faster for the time embedding's
-    2-row GEMM, BENCHMARKS.md); ``out_btc = (B, T)`` stores row ``b·T + t`` at ``out[b, n, t]`` of a (B, N, T)
-    tensor.  ``tiles`` (``bm``, ``bn``, ``warps``, optional ``bk``, ``stages``) overrides :func:`oneshot_tiles`
-    (benchmarks); ``extent``: a ragged launch (:mod:`~cosyvoice_fast.kernels.common`)."""
+    2-row GEMM on an H100); ``out_btc = (B, T)`` stores row ``b·T + t`` at ``out[b, n, t]`` of a (B, N, T)
+    tensor.  ``tiles`` (``bm``, ``bn``, ``warps``, optional ``bk``, ``stages``) overrides :func:`oneshot_tiles`;
+    ``tuning``: the launch settings (``None``: :func:`~.tuning.default_tuning`)."""
     if prologue not in (PRO_NONE, PRO_LN):
         raise ValueError(f"linear_oneshot: prologue {prologue} is not PRO_NONE or PRO_LN; use linear()")
     if prologue == PRO_LN and ln is None:
@@ -155,7 +130,8 @@ def linear_oneshot(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, pro
     out, rows_per_b, syb, syt, syn = gemm_output("linear_oneshot", m, weight, residual, out, out_btc, x.device,
                                                  x.dtype)
     lnw, lnb, eps = ln if prologue == PRO_LN else (weight, weight, 0.0)
-    tiles = oneshot_tiles(m, n, k, weight.dtype) if tiles is None else tiles
+    t = tuning or default_tuning()
+    tiles = oneshot_tiles(m, n, k, weight.dtype, t) if tiles is None else tiles
     bm, bn = _pow2(m, 16, tiles["bm"]), _pow2(n, 16, tiles["bn"])
     # the LayerNorm needs the whole row in one tile; otherwise K is walked in steps of at most bk
     bk = _pow2(k) if prologue == PRO_LN else _pow2(k, 16, tiles.get("bk", 1 << 30))
@@ -164,8 +140,8 @@ def linear_oneshot(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, pro
         x, weight, bias if bias is not None else weight, residual if residual is not None else x, out, lnw, lnb,
         rowmask if rowmask is not None else x, M=m, N=n, K=k, stride_xm=x.stride(0),
         stride_rm=residual.stride(0) if residual is not None else 0, rows_per_b=rows_per_b, stride_yb=syb,
-        stride_yt=syt, stride_yn=syn, eps=float(eps), **extent_args(extent, x, out_btc), PRO=prologue,
+        stride_yt=syt, stride_yn=syn, eps=float(eps), PRO=prologue,
         HAS_BIAS=bias is not None, ACT=act, HAS_RES=residual is not None,
         ROWMASK=rowmask is not None, IEEE=weight.dtype == torch.float32, BM=bm, BN=bn, BK=bk,
-        KSTEPS=triton.cdiv(k, bk), num_warps=tiles["warps"], num_stages=tiles.get("stages", 2), **pdl_kwargs(x, m))
+        KSTEPS=triton.cdiv(k, bk), num_warps=tiles["warps"], num_stages=tiles.get("stages", 2), **t.pdl_kwargs(x, m))
     return out

@@ -22,31 +22,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from cosyvoice_fast.kernels.common import (
-    _epilogue_store, _grouped_tile, _live_gemm_rows, _norm_rows_store, _pow2, extent_args, interpreting,
-)
-
-#: Tiles of the tall GEMM for 16-bit operands on a GPU (``benchmarks/estimator_tall_gemm.py`` times a few and
-#: changes these before the kernels compile).  ``norm``: the tiles of launches that also write the next
-#: LayerNorm, whose column tile is the whole row (``bn`` = the row width).
-TILES = {"bm": 64, "bn": 128, "bk": 64, "warps": 4, "stages": 3}
-NORM_TILES = {"bm": 64, "bk": 64, "warps": 8, "stages": 3}
-#: Under the CPU interpreter every program is a Python loop iteration: few, tall tiles.
-INTERPRETER_TILES = {"bm": 64, "bn": 64, "bk": 32, "warps": 4, "stages": 1}
-
+from cosyvoice_fast.kernels.common import _epilogue_store, _grouped_tile, _norm_rows_store, _pow2, interpreting
+from cosyvoice_fast.flow.kernels.tuning import FlowTuning, default_tuning
 
 @triton.jit
-def _tall_kernel(x_ptr, w_ptr, b_ptr, r_ptr, rowmask_ptr, y_ptr, g_ptr, beta_ptr, norm_ptr, ext_ptr,
+def _tall_kernel(x_ptr, w_ptr, b_ptr, r_ptr, rowmask_ptr, y_ptr, g_ptr, beta_ptr, norm_ptr,
                  M, N, K, stride_xm, stride_rm, rows_per_b, stride_yb, stride_yt, stride_yn, stride_nm, eps,
                  HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr, ROWMASK: tl.constexpr,
-                 NORM: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, EXT: tl.constexpr,
+                 NORM: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    # a ragged launch: tiles past the live rows are capacity (estimator_common)
-    M, rows_per_b = _live_gemm_rows(M, rows_per_b, ext_ptr, EXT)
     rm, rn, m_ok, n_ok = _grouped_tile(M, N, BM, BN)
-    if EXT > 0:
-        if tl.min(rm, axis=0) >= M:
-            return
     rk = tl.arange(0, BK)
     # out-of-range rows and columns read row / column 0 instead of a masked load (unmasked loads pipeline
     # better); their results are never stored
@@ -71,27 +56,24 @@ def _tall_kernel(x_ptr, w_ptr, b_ptr, r_ptr, rowmask_ptr, y_ptr, g_ptr, beta_ptr
         _norm_rows_store(stored, rm, rn, m_ok, n_ok, N, g_ptr, beta_ptr, norm_ptr, stride_nm, eps)
 
 
-def tall_tiles(norm: bool) -> dict:
+def tall_tiles(norm: bool, tuning: FlowTuning | None = None) -> dict:
     """The tile settings of one launch (``norm``: it writes the next LayerNorm, so its column tile is the whole
     row, whatever ``bn`` says)."""
-    if interpreting():
-        return INTERPRETER_TILES
-    return NORM_TILES if norm else TILES
+    t = tuning or default_tuning()
+    return t.tall_norm if norm else t.tall
 
 
 def linear_tall(x: Tensor, weight: Tensor, bias: Tensor | None, *, act: int, residual: Tensor | None,
                 rowmask: Tensor | None, out: Tensor, rows_per_b: int, out_strides: tuple[int, int, int],
                 norm_out: tuple[Tensor, tuple[Tensor, Tensor, float]] | None = None,
-                tiles: dict | None = None, extent: Tensor | None = None) -> Tensor:
+                tiles: dict | None = None, tuning: FlowTuning | None = None) -> Tensor:
     """``act(x @ weight.T + bias) (+ residual) (* rowmask)`` into ``out`` (strides ``(batch, frame, channel)``
     as :func:`~cosyvoice_fast.flow.kernels.estimator_linear.linear` computed them, which validated the arguments),
     and ``norm_out[0] = LayerNorm(out)`` when given; x (M, K) with unit column stride, weight (N, K)
-    contiguous.  ``tiles`` overrides the settings :func:`tall_tiles` picks (benchmarks).  ``extent``: a ragged
-    launch (:mod:`~cosyvoice_fast.kernels.common`); ``out_strides`` with a batch stride mean the
-    (B, N, T) store, split by the live frame count."""
+    contiguous.  ``tiles`` overrides the settings :func:`tall_tiles` picks (benchmarks)."""
     m, k = x.shape
     n = weight.shape[0]
-    t = tiles if tiles is not None else tall_tiles(norm_out is not None)
+    t = tiles if tiles is not None else tall_tiles(norm_out is not None, tuning)
     bm, bk = _pow2(m, 16, t["bm"]), _pow2(k, 16, t["bk"])
     bn = _pow2(n, 16, t["bn"]) if norm_out is None else _pow2(n, 16)
     if norm_out is not None:
@@ -104,7 +86,7 @@ def linear_tall(x: Tensor, weight: Tensor, bias: Tensor | None, *, act: int, res
         rowmask if rowmask is not None else x, out, g, beta, dst, M=m, N=n, K=k, stride_xm=x.stride(0),
         stride_rm=residual.stride(0) if residual is not None else 0, rows_per_b=rows_per_b,
         stride_yb=out_strides[0], stride_yt=out_strides[1], stride_yn=out_strides[2], stride_nm=dst.stride(0),
-        eps=float(eps), **extent_args(extent, x, out_strides if out_strides[0] else None),
+        eps=float(eps),
         HAS_BIAS=bias is not None, ACT=act, HAS_RES=residual is not None, ROWMASK=rowmask is not None,
         NORM=norm_out is not None, EVEN_K=k % bk == 0, IEEE=weight.dtype == torch.float32 or interpreting(),
         BM=bm, BN=bn, BK=bk, num_warps=t["warps"], num_stages=t["stages"])

@@ -28,35 +28,41 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from cosyvoice_fast.flow.kernels.estimator_attention import _online_update, _query_tile, attention_tiles
-from cosyvoice_fast.kernels.common import pdl_kwargs
+from cosyvoice_fast.flow.kernels.estimator_attention import (
+    _lanes, _online_update, _query_tile, attention_tiles, head_lanes,
+)
+from cosyvoice_fast.flow.kernels.tuning import FlowTuning, Tiles, default_tuning
 from cosyvoice_fast.kernels.pdl import pdl_start
 
 
 @triton.jit
 def _attn_cached_kernel(qkv_ptr, kv_ptr, o_ptr, start_ptr, valid_ptr, T, chunk, qk_scale,
-                        s_kind, s_b, s_h, s_t, H: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
-    pid_m, b, h, stride, ri, rd, i_ok, base = _query_tile(qkv_ptr, T, H, D, BM)
+                        s_kind, s_b, s_h, s_t, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                        IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
+    pid_m, b, h, stride, ri, rd, i_ok, base = _query_tile(qkv_ptr, T, H, D, DP, BM)
+    d_ok = rd < D
+    io_ok = _lanes(i_ok[:, None], d_ok[None, :], DP != D)
     cache = kv_ptr + b * s_b + h * s_h
     start = tl.load(start_ptr)
     end = start + tl.load(valid_ptr)
     pdl_start(PDL)
-    q = tl.load(base + ri[:, None] * stride + h * D + rd[None, :], mask=i_ok[:, None], other=0.0)
+    q = tl.load(base + ri[:, None] * stride + h * D + rd[None, :], mask=io_ok, other=0.0)
     # this tile's own keys and values, kept for later calls (no program of this launch reads the buffer there)
     for kind in tl.static_range(2):
-        kv = tl.load(base + ri[:, None] * stride + (H * (kind + 1) + h) * D + rd[None, :], mask=i_ok[:, None])
-        tl.store(cache + kind * s_kind + (start + ri)[:, None] * s_t + rd[None, :], kv, mask=i_ok[:, None])
+        kv = tl.load(base + ri[:, None] * stride + (H * (kind + 1) + h) * D + rd[None, :], mask=io_ok)
+        tl.store(cache + kind * s_kind + (start + ri)[:, None] * s_t + rd[None, :], kv, mask=io_ok)
     limit = tl.minimum(((start + ri) // chunk + 1) * chunk, end) - start  # window-local key bound per query
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
-    acc = tl.zeros([BM, D], dtype=tl.float32)
+    acc = tl.zeros([BM, DP], dtype=tl.float32)
     for n0 in range(0, start, BN):  # cached keys: all visible
         rj = n0 + tl.arange(0, BN)
         j_ok = rj < start
         m_i, l_i, acc = _online_update(q, cache + rj[None, :] * s_t + rd[:, None],
-                                       cache + s_kind + rj[:, None] * s_t + rd[None, :], j_ok[None, :],
-                                       j_ok[:, None], j_ok[None, :] & i_ok[:, None], qk_scale, m_i, l_i, acc, IEEE)
+                                       cache + s_kind + rj[:, None] * s_t + rd[None, :],
+                                       _lanes(j_ok[None, :], d_ok[:, None], DP != D),
+                                       _lanes(j_ok[:, None], d_ok[None, :], DP != D),
+                                       j_ok[None, :] & i_ok[:, None], qk_scale, m_i, l_i, acc, IEEE)
     last = tl.minimum(pid_m * BM + BM, T) - 1
     hi = tl.minimum(((start + last) // chunk + 1) * chunk, end) - start
     for n0 in range(0, hi, BN):  # the window's keys, chunk-causal
@@ -64,20 +70,21 @@ def _attn_cached_kernel(qkv_ptr, kv_ptr, o_ptr, start_ptr, valid_ptr, T, chunk, 
         j_ok = rj < T
         m_i, l_i, acc = _online_update(q, base + rj[None, :] * stride + (H + h) * D + rd[:, None],
                                        base + rj[:, None] * stride + (2 * H + h) * D + rd[None, :],
-                                       j_ok[None, :], j_ok[:, None], rj[None, :] < limit[:, None], qk_scale,
-                                       m_i, l_i, acc, IEEE)
+                                       _lanes(j_ok[None, :], d_ok[:, None], DP != D),
+                                       _lanes(j_ok[:, None], d_ok[None, :], DP != D),
+                                       rj[None, :] < limit[:, None], qk_scale, m_i, l_i, acc, IEEE)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + (b * T + ri[:, None]) * (H * D) + h * D + rd[None, :], o.to(o_ptr.dtype.element_ty),
-             mask=i_ok[:, None])
+             mask=io_ok)
 
 
 def attention_cached(qkv: Tensor, kv: Tensor, start: Tensor, valid: Tensor, heads: int, head_dim: int,
-                     chunk: int, tiles: dict | None = None) -> Tensor:
+                     chunk: int, tiles: Tiles | None = None, tuning: FlowTuning | None = None) -> Tensor:
     """Attention of a window's ``qkv`` rows (B·T, 3·H·D) against the cached keys/values ``kv`` (2, B, H, C, D)
     of positions ``[0, start)`` and its own chunk-causal keys below ``start + valid``; also writes its keys
     and values into ``kv`` at ``[start, start + T)``.  Returns (B·T, H·D).  ``tiles`` overrides the full
     attention's tile table (:func:`~cosyvoice_fast.flow.kernels.estimator_attention.attention_tiles`; narrower query
-    tiles measured slower here too, BENCHMARKS.md)."""
+    tiles measured slower here too)."""
     if kv.dim() != 5 or kv.shape[0] != 2 or kv.shape[2] != heads or kv.shape[4] != head_dim or kv.stride(4) != 1:
         raise ValueError(f"attention_cached: kv must be (2, B, {heads}, C, {head_dim}) with unit last stride, "
                          f"got {tuple(kv.shape)}")
@@ -92,12 +99,13 @@ def attention_cached(qkv: Tensor, kv: Tensor, start: Tensor, valid: Tensor, head
         raise ValueError("attention_cached: start and valid must be one-element device tensors")
     t = rows // batch
     out = torch.empty(rows, heads * head_dim, device=qkv.device, dtype=qkv.dtype)
-    tiles = tiles or attention_tiles(t)
+    tn = tuning or default_tuning()
+    tiles = tiles or attention_tiles(t, tuning=tn)
     _attn_cached_kernel[(triton.cdiv(t, tiles["bm"]), batch * heads)](
         qkv, kv, out, start, valid, t, int(chunk), (1.0 / math.sqrt(head_dim)) * 1.4426950408889634,
-        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), H=heads, D=head_dim,
+        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), H=heads, D=head_dim, DP=head_lanes(head_dim),
         IEEE=qkv.dtype == torch.float32, BM=tiles["bm"], BN=tiles["bn"], num_warps=tiles["warps"],
-        num_stages=tiles["stages"], **pdl_kwargs(qkv, rows))
+        num_stages=tiles["stages"], **tn.pdl_kwargs(qkv, rows))
     return out
 
 
@@ -125,7 +133,8 @@ def _ctx_kernel(x1_ptr, x2_ptr, ctx_ptr, commit_ptr, T, C1, C2, s_b, s_c, s_t, L
     tl.store(cptr + rj[:, None] * s_t, val, mask=j_ok[:, None] & c_ok[None, :])
 
 
-def update_conv_context(x1: Tensor, ctx: Tensor, commit: Tensor, frames: int, x2: Tensor | None = None) -> None:
+def update_conv_context(x1: Tensor, ctx: Tensor, commit: Tensor, frames: int, x2: Tensor | None = None,
+                        tuning: FlowTuning | None = None) -> None:
     """After a causal conv read ``ctx`` (B, C1 + C2, taps - 1): replace it, in place, by the input columns
     just before window frame ``commit`` (the conv's input rows ``b·frames + t`` of ``x1`` (M, C1) [‖ ``x2``
     (M, C2)]), taking old context columns where ``commit < taps - 1`` (nothing committed keeps the context)."""
@@ -141,4 +150,4 @@ def update_conv_context(x1: Tensor, ctx: Tensor, commit: Tensor, frames: int, x2
     _ctx_kernel[(b, triton.cdiv(c, bc))](x1, x2 if x2 is not None else x1, ctx, commit, frames, c1, c2,
                                          ctx.stride(0), ctx.stride(1), ctx.stride(2), LEFT=left,
                                          LP=max(2, triton.next_power_of_2(left)), HAS_X2=x2 is not None, BC=bc,
-                                         num_warps=4, **pdl_kwargs(x1, m))
+                                         num_warps=4, **(tuning or default_tuning()).pdl_kwargs(x1, m))

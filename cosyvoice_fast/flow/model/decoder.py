@@ -117,7 +117,7 @@ class SelfAttention(nn.Module):
 # The estimator's ``act_fn`` names the feed-forward nonlinearity; CosyVoice2 ships "gelu" (erf form).  Other
 # names upstream accepts (gated or snake variants) would need different weights, so they are refused loudly
 # rather than silently computed with the wrong function.
-_GELU_APPROXIMATION = {"gelu": "none", "gelu-approximate": "tanh"}
+GELU_APPROXIMATION = {"gelu": "none", "gelu-approximate": "tanh"}
 
 
 class GELUProj(nn.Module):
@@ -137,10 +137,10 @@ class FeedForward(nn.Module):
 
     def __init__(self, dim: int, act_fn: str = "gelu", mult: int = 4):
         super().__init__()
-        if act_fn not in _GELU_APPROXIMATION:
+        if act_fn not in GELU_APPROXIMATION:
             raise ValueError(f"estimator act_fn {act_fn!r} is not supported; CosyVoice2 uses 'gelu' "
-                             f"(supported: {', '.join(_GELU_APPROXIMATION)})")
-        self.net = nn.ModuleList([GELUProj(dim, dim * mult, _GELU_APPROXIMATION[act_fn]), nn.Dropout(0.0),
+                             f"(supported: {', '.join(GELU_APPROXIMATION)})")
+        self.net = nn.ModuleList([GELUProj(dim, dim * mult, GELU_APPROXIMATION[act_fn]), nn.Dropout(0.0),
                                   nn.Linear(dim * mult, dim)])
 
     def forward(self, x: Tensor) -> Tensor:

@@ -9,16 +9,12 @@ exactly like the stable descending sort (larger probability first, smaller id fi
 The head is taken one candidate at a time, each a max-reduction over the whole row; once the running sum
 reaches ``top_p`` every later candidate is cut, so the walk stops there.  That is ``top_k`` block-wide reductions
 in a row for a flat row; the variates are held in registers and the scores taken after the walk, so nothing in
-it waits on memory.  ``USE_FLOOR`` cuts the row first instead: split into groups of consecutive ids, the
-``top_k`` largest group maxima are ``top_k`` distinct keys, so the ``top_k``-th largest of them is a floor no
-head key is below.  The keys at or above it (a few dozen on a speech-token row) are packed into the program's
-workspace, ranked against each other in one comparison, and the head is written back in order; a row the floor
-does not cut to ``CANDIDATES`` keys (many exact ties) walks instead.  Both give the same head.  The cut is off
-by default: it is faster alone but measured no faster inside a decode step (BENCHMARKS.md, session 28).
+it waits on memory.  (Cutting the row at a floor first and ranking the few dozen keys above it was faster alone
+but measured no faster inside a decode step's rule kernel, so the walk is the only way.)
 
 The running sum, the cut, the IEEE division (``div_rn``: Triton's ``/`` may be approximate) and the first-wins
 argmax follow the order the torch path computes them in, so the tokens are the same bit for bit (the CPU tests
-compare both ways of cutting with a numpy reference, the GPU tests with the torch path on CUDA).
+compare it with a numpy reference, the GPU tests with the torch path on CUDA).
 """
 
 from __future__ import annotations
@@ -33,16 +29,6 @@ from cosyvoice_fast.kernels.common import can_run_on
 MAX_TOP_K = 64
 #: the widest row one program holds in registers (the speech vocabulary is 6564)
 MAX_VOCAB = 16384
-#: at most this many keys at or above the floor are ranked directly; a row with more walks all of its keys
-CANDIDATES = tl.constexpr(128)
-#: ids per group for the floor is the row's power-of-two width over this (at most this many groups)
-GROUPS = 128
-#: int64 workspace per row: the packed candidates, then the ordered head
-SCRATCH = tl.constexpr(CANDIDATES.value + MAX_TOP_K)
-#: cut rows at the floor before ranking (read at launch).  Off by default: faster than the walk on its own, but
-#: slower inside a decode step's rule kernel (BENCHMARKS.md, sessions 28 and 32, has the measurements)
-USE_FLOOR = False
-
 
 @triton.jit
 def _keys(probs_ptr, row, stride_p, cols, V):
@@ -52,12 +38,6 @@ def _keys(probs_ptr, row, stride_p, cols, V):
     bits = tl.where(p == 0.0, 0, p.to(tl.int32, bitcast=True))  # -0.0 ranks as +0.0, like the sort
     keys = (bits.to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64)  # smaller ids rank first among ties
     return tl.where(valid, keys, -1)  # below every real key (those are > 0)
-
-
-@triton.jit
-def _row_keys(probs_ptr, row, V, stride_p, G: tl.constexpr, S: tl.constexpr):
-    """Row ``row`` as (G, S) keys: group ``g`` holds ids ``g·S .. g·S + S - 1``."""
-    return _keys(probs_ptr, row, stride_p, tl.arange(0, G)[:, None] * S + tl.arange(0, S)[None, :], V)
 
 
 @triton.jit
@@ -103,21 +83,6 @@ def _walk_all(probs_ptr, q, limit, row, V, K, stride_p, BLOCK_V: tl.constexpr, B
 
 
 @triton.jit
-def _walk_head(head_ptr, q, limit, K, BLOCK_K: tl.constexpr):
-    """The head's first argmax of ``p / q`` over the kept candidates, from the sorted head keys at
-    ``head_ptr`` (K of them): the running sums one scalar at a time, in order, the rest on vectors."""
-    kk = tl.arange(0, BLOCK_K)
-    inside = kk < K
-    head = tl.load(head_ptr + kk, mask=inside, other=0, cache_modifier=".cg")
-    run = tl.zeros([], dtype=tl.float32)
-    before = tl.zeros([BLOCK_K], dtype=tl.float32)  # fp32 sum of the candidates before each, added in order
-    for j in tl.static_range(BLOCK_K):
-        before = tl.where(kk == j, run, before)
-        run = run + _key_p(tl.load(head_ptr + j, mask=j < K, other=0, cache_modifier=".cg"))
-    return _first_best(head, q, inside & ((kk == 0) | (before < limit)), kk)
-
-
-@triton.jit
 def row_variates(q_ptr, row, K, stride_q, BLOCK_K: tl.constexpr):
     """Row ``row``'s ``K`` draw variates from a (B, K) buffer as (BLOCK_K,), 1.0 past K."""
     kk = tl.arange(0, BLOCK_K)
@@ -125,61 +90,24 @@ def row_variates(q_ptr, row, K, stride_q, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def draw_row(probs_ptr, q, limit_ptr, scratch_ptr, row, V, K, stride_p, G: tl.constexpr, S: tl.constexpr,
-             BLOCK_K: tl.constexpr, CUT: tl.constexpr):
+def draw_row(probs_ptr, q, limit_ptr, row, V, K, stride_p, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
     """Row ``row``'s token: ``argmax_j keep[j] ? head_p[j] / q[j] : -inf`` over the stable top-K head, ``q``
-    the row's variates as (BLOCK_K,) (shared by this module's kernel and the RAS kernels of :mod:`.ras_rule`).
-    ``scratch_ptr`` is the row's ``SCRATCH`` int64 of workspace."""
-    limit = tl.load(limit_ptr)
-    if CUT:
-        keys = _row_keys(probs_ptr, row, V, stride_p, G, S)
-        # the K-th largest group maximum bounds the head from below: the K largest groups hold K keys >= it
-        most = tl.max(keys, axis=1)
-        above = tl.sum((most[None, :] > most[:, None]).to(tl.int32), axis=1)  # (G,): group maxima above each
-        floor = tl.min(tl.where(above < K, most, 0x7FFFFFFFFFFFFFFF), axis=0)
-        floor = tl.where(K > G, 1, tl.maximum(floor, 1))  # fewer groups than K: every real key (all are > 0)
-        pick = (keys >= floor).to(tl.int32)
-        count = tl.sum(tl.sum(pick, axis=1), axis=0)
-        if count <= CANDIDATES:
-            # pack the candidates (row-major order), rank them against each other, write the head in order
-            per_group = tl.sum(pick, axis=1)
-            slot = (tl.cumsum(per_group, axis=0) - per_group)[:, None] + tl.cumsum(pick, axis=1) - 1
-            tl.store(scratch_ptr + slot, keys, mask=pick != 0)
-            tl.debug_barrier()
-            c = tl.arange(0, CANDIDATES)
-            cand = tl.load(scratch_ptr + c, mask=c < count, other=-1, cache_modifier=".cg")
-            rank = tl.sum((cand[None, :] > cand[:, None]).to(tl.int32), axis=1)
-            tl.store(scratch_ptr + CANDIDATES + rank, cand, mask=(c < count) & (rank < K))
-            tl.debug_barrier()
-            token = _walk_head(scratch_ptr + CANDIDATES, q, limit, K, BLOCK_K)
-        else:
-            token = _walk_all(probs_ptr, q, limit, row, V, K, stride_p, G * S, BLOCK_K)
-    else:
-        token = _walk_all(probs_ptr, q, limit, row, V, K, stride_p, G * S, BLOCK_K)
-    return token
+    the row's variates as (BLOCK_K,) (shared by this module's kernel and the RAS kernels of :mod:`.ras_rule`)."""
+    return _walk_all(probs_ptr, q, tl.load(limit_ptr), row, V, K, stride_p, BLOCK_V, BLOCK_K)
 
 
 @triton.jit
-def _nucleus_draw_kernel(probs_ptr, q_ptr, limit_ptr, scratch_ptr, out_ptr, V, K, stride_p, stride_q,
-                         G: tl.constexpr, S: tl.constexpr, BLOCK_K: tl.constexpr, CUT: tl.constexpr):
+def _nucleus_draw_kernel(probs_ptr, q_ptr, limit_ptr, out_ptr, V, K, stride_p, stride_q,
+                         BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     q = row_variates(q_ptr, row, K, stride_q, BLOCK_K)
-    token = draw_row(probs_ptr, q, limit_ptr, scratch_ptr + row * SCRATCH, row, V, K, stride_p, G, S, BLOCK_K,
-                     CUT)
-    tl.store(out_ptr + row, token)
+    tl.store(out_ptr + row, draw_row(probs_ptr, q, limit_ptr, row, V, K, stride_p, BLOCK_V, BLOCK_K))
 
 
 def draw_shape(vocab: int, k: int) -> dict[str, int]:
-    """The draw's block sizes for rows of ``vocab`` and a head of ``k``: ``G`` groups of ``S`` ids (``G * S``
-    is the row's power-of-two width) and ``BLOCK_K``."""
-    block = triton.next_power_of_2(vocab)
-    s = max(1, block // GROUPS)
-    return {"G": block // s, "S": s, "BLOCK_K": triton.next_power_of_2(k), "CUT": USE_FLOOR}
-
-
-def draw_scratch(rows: int, device: torch.device) -> torch.Tensor:
-    """The draw's workspace for ``rows`` rows (every launch writes what it reads: no clearing needed)."""
-    return torch.empty(rows, SCRATCH.value, dtype=torch.int64, device=device)
+    """The draw's block sizes for rows of ``vocab`` and a head of ``k``: the row's power-of-two width
+    ``BLOCK_V`` and ``BLOCK_K``."""
+    return {"BLOCK_V": triton.next_power_of_2(vocab), "BLOCK_K": triton.next_power_of_2(k)}
 
 
 def row_warps(block: int) -> int:
@@ -229,24 +157,7 @@ def nucleus_draw_rows(probs: torch.Tensor, q: torch.Tensor, limit: torch.Tensor,
         out = torch.empty(rows, dtype=torch.int64, device=probs.device)
     if rows == 0:
         return out
-    _nucleus_draw_kernel[(rows,)](probs, q, limit, draw_scratch(rows, probs.device), out, vocab, q.shape[1],
-                                  probs.stride(0), q.stride(0), **draw_shape(vocab, q.shape[1]),
+    _nucleus_draw_kernel[(rows,)](probs, q, limit, out, vocab, q.shape[1], probs.stride(0), q.stride(0),
+                                  **draw_shape(vocab, q.shape[1]),
                                   num_warps=row_warps(triton.next_power_of_2(vocab)))
     return out
-
-
-def candidate_count(probs: torch.Tensor, k: int) -> torch.Tensor:
-    """How many keys of each row of ``probs`` (B, V) the draw's floor keeps for a head of ``k``, (B,) int64 (the
-    same rule in torch ops): at most ``CANDIDATES`` are ranked directly, more take the walk over the row."""
-    rows, vocab = probs.shape
-    shape = draw_shape(vocab, k)
-    ids = torch.arange(shape["G"] * shape["S"], device=probs.device)
-    p = torch.zeros(rows, ids.numel(), dtype=torch.float32, device=probs.device)
-    p[:, :vocab] = probs
-    bits = torch.where(p == 0.0, 0, p.view(torch.int32)).to(torch.int64)
-    keys = torch.where(ids < vocab, (bits << 32) | (0x7FFFFFFF - ids), -1)
-    most = keys.view(rows, shape["G"], shape["S"]).amax(dim=2)
-    if k > shape["G"]:
-        return (keys > 0).sum(dim=1)
-    floor = most.sort(dim=1, descending=True).values[:, k - 1].clamp(min=1)
-    return (keys >= floor[:, None]).sum(dim=1)

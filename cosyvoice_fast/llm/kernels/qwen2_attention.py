@@ -20,9 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from cosyvoice_fast.llm.kernels import qwen2_proj
 from cosyvoice_fast.kernels.pdl import pdl_start
-from cosyvoice_fast.llm.kernels.qwen2_proj import dot_precision, launch_options
+from cosyvoice_fast.llm.kernels.qwen2_proj import TILES, Tiles, dot_precision, launch_options
 
 
 @triton.jit
@@ -122,17 +121,17 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, o_ptr, m_ptr, l_
             tl.atomic_xchg(cnt_ptr + b * HKV + kvh, 0)
 
 
-def attention_splits(rows: int, n_kv: int) -> int:
+def attention_splits(rows: int, n_kv: int, tiles: Tiles = TILES) -> int:
     """Key splits per (row, kv head): about ``Tiles.attn_programs`` programs in all, at most 16, so few rows
     still fill the GPU with attention programs while many rows do not pay a merge per split (power of two: it
     is a tile dimension)."""
-    target = max(1, qwen2_proj.TILES.attn_programs // (rows * n_kv))
+    target = max(1, tiles.attn_programs // (rows * n_kv))
     return min(16, 1 << (target.bit_length() - 1))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                      kv_len: int, out: torch.Tensor, o_part: torch.Tensor, m_part: torch.Tensor,
-                     l_part: torch.Tensor, counters: torch.Tensor) -> None:
+                     l_part: torch.Tensor, counters: torch.Tensor, tiles: Tiles = TILES) -> None:
     """``out`` (B, Hq, D) <- softmax attention of q (B, Hq, D) over cache rows 0..B-1, positions
     ``< min(pos[b] + 1, kv_len)``.  Scratch: ``o_part`` (B, Hq, S, D), ``m_part``/``l_part`` (B, Hq, S) fp32 with
     S the split count, ``counters`` (B, Hkv) int32, zero on entry and on return."""
@@ -144,5 +143,5 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, pos, out, o_part, m_part, l_part, counters, kv_len, head_dim ** -0.5,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HQ=n_heads, HKV=n_kv, D=head_dim, SPLITS=splits, QB=max(16, triton.next_power_of_2(rep)),
-        RB=triton.next_power_of_2(rep), BLOCK_S=qwen2_proj.TILES.attn_keys, PREC=dot_precision(q.dtype),
+        RB=triton.next_power_of_2(rep), BLOCK_S=tiles.attn_keys, PREC=dot_precision(q.dtype),
         **launch_options(q, 2))

@@ -12,15 +12,15 @@ the input embeddings into the fp32 residual stream, the zeroing of the merge cou
 kernel (:mod:`.qwen2_head`); a GEMV step also gathers the embeddings and zeroes the counters in one, so the whole
 step to its logits is one chain.
 Steps of one or two rows (``Tiles.gemv_rows``) take the projections of :mod:`.qwen2_gemv` (weights loaded
-before each kernel waits for the previous one, no tensor cores; ``Tiles.gemv``), larger steps the looped ones
-of :mod:`.qwen2_proj`.
+before each kernel waits for the previous one, no tensor cores), larger steps the looped ones of
+:mod:`.qwen2_proj`.  The tuning (a frozen :class:`~.qwen2_proj.Tiles`) is passed in, by default the GPU one.
 
 :class:`FusedDecoder` is a drop-in for :class:`~cosyvoice_fast.llm.model.qwen2.Qwen2Decoder` *as a CUDA-graph
 runner calls it*: ``decoder(inputs_embeds, pos, cache, kv_len=...)``.  One-token calls with a cache take the
 fused path; everything else (cache-less passes, the eager prefill of inputs longer than every prefill
 graph) goes to the wrapped decoder unchanged.  :meth:`FusedDecoder.prefill_rows` is the prefill the batched
 prefill graphs replay (:mod:`.qwen2_hybrid`).  The cache is
-the model's own :class:`~cosyvoice_fast.llm.model.qwen2.KVCache` (per layer (B, Hkv, max_len, D) buffers, rows may
+the model's own :class:`~cosyvoice_fast.llm.model.kv_cache.KVCache` (per layer (B, Hkv, max_len, D) buffers, rows may
 be views of a larger pool), written at the row's position as the eager path writes it.  Nothing here reads a
 tensor on the host, so the step can be captured in a CUDA graph; scratch tensors come from the caching
 allocator (or the graph's pool while capturing), like any PyTorch op's outputs.
@@ -33,11 +33,13 @@ from typing import Any
 import torch
 import triton
 
-from cosyvoice_fast.llm.model.qwen2 import KVCache, Qwen2Decoder
+from cosyvoice_fast.llm.model.kv_cache import KVCache
+from cosyvoice_fast.llm.model.qwen2 import Qwen2Decoder
 from cosyvoice_fast.llm.kernels import qwen2_attention as attn_k
 from cosyvoice_fast.llm.kernels import qwen2_gemv as gemv_k
 from cosyvoice_fast.llm.kernels import qwen2_head as head_k
 from cosyvoice_fast.llm.kernels import qwen2_proj as proj_k
+from cosyvoice_fast.llm.kernels.qwen2_proj import TILES, Tiles
 from cosyvoice_fast.kernels.common import can_run_on
 from cosyvoice_fast.llm.kernels.qwen2_hybrid import decode_rows, prefill_rows
 
@@ -60,7 +62,7 @@ def _positions(pos: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def decode_step(decoder: Qwen2Decoder, inputs_embeds: torch.Tensor, pos: torch.Tensor, cache: KVCache,
-                kv_len: int | None = None, splits: int | None = None) -> torch.Tensor:
+                kv_len: int | None = None, splits: int | None = None, tiles: Tiles = TILES) -> torch.Tensor:
     """``decoder(inputs_embeds, pos, cache, kv_len)`` for one token per row, on the fused kernels.
 
     ``inputs_embeds`` (B, 1, H) in the model dtype; ``pos`` (B, 1) or (1,); the cache's batch must be B.  Returns
@@ -71,9 +73,9 @@ def decode_step(decoder: Qwen2Decoder, inputs_embeds: torch.Tensor, pos: torch.T
     rows, t, hidden = inputs_embeds.shape
     if t != 1:
         raise ValueError(f"the fused decode step takes one token per row, got {t}")
-    step = _Step(decoder, inputs_embeds, rows, pos, cache, kv_len, splits)
+    step = _Step(decoder, inputs_embeds, rows, pos, cache, kv_len, splits, tiles)
     if step.hybrid:  # many rows: cuBLAS GEMMs with the Triton glue
-        return decode_rows(decoder, inputs_embeds, step.positions, cache, step.kv_len, step.splits)
+        return decode_rows(decoder, inputs_embeds, step.positions, cache, step.kv_len, step.splits, tiles)
     counters = torch.zeros(step.counter_count, dtype=torch.int32, device=inputs_embeds.device)
     resid = torch.empty(rows, hidden, dtype=torch.float32, device=inputs_embeds.device)
     resid.copy_(inputs_embeds.reshape(rows, hidden))
@@ -84,25 +86,24 @@ def decode_step(decoder: Qwen2Decoder, inputs_embeds: torch.Tensor, pos: torch.T
 
 
 def step_logits(decoder: Qwen2Decoder, table: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor,
-                pos: torch.Tensor, cache: KVCache, kv_len: int | None = None, splits: int | None = None
-                ) -> torch.Tensor | None:
+                pos: torch.Tensor, cache: KVCache, kv_len: int | None = None, splits: int | None = None,
+                tiles: Tiles = TILES) -> torch.Tensor | None:
     """``head(decoder(table[tokens], pos, cache, kv_len))`` as fp32 (B, V) logits for a step of the GEMV kernels
-    (``Tiles.gemv_head``) or the looped ones (``Tiles.looped_head``), or None where the step is neither (a
-    head without a bias, or cuBLAS rows): then embed, step and head apart.
+    or the looped ones, or None where the step is neither (a head without a bias, or cuBLAS rows): then embed,
+    step and head apart.
 
     The step ends with one kernel that applies the final norm and the head (with its bias) inside the
     programmatic-dependent-launch chain: two launches fewer than the norm, cuBLAS's GEMM and a cast.  A GEMV step
     also starts with one kernel that gathers each row's embedding into the fp32 residual stream and zeroes the
     counters (three launches fewer: gather, cast, memset).  A looped step keeps those torch ops: ahead of the
-    looped projections the gather kernel measured slower on an H100 (BENCHMARKS.md, round 2 session 32).
+    looped projections the gather kernel measured slower on an H100.
     ``tokens``: (B, 1) or (B,) int64 ids."""
     rows = tokens.numel()
-    tiles = proj_k.TILES
-    if head.bias is None or not (tiles.gemv_head or tiles.looped_head):
+    if head.bias is None:
         return None
     hidden = table.shape[1]
-    step = _Step(decoder, table, rows, pos, cache, kv_len, splits)
-    if step.hybrid or not (tiles.gemv_head if step.gemv else tiles.looped_head):
+    step = _Step(decoder, table, rows, pos, cache, kv_len, splits, tiles)
+    if step.hybrid:
         return None
     dev = table.device
     counters = torch.empty(step.counter_count, dtype=torch.int32, device=dev)
@@ -112,9 +113,9 @@ def step_logits(decoder: Qwen2Decoder, table: torch.Tensor, head: torch.nn.Linea
     logits = torch.empty(rows, head.weight.shape[0], dtype=torch.float32, device=dev)
     head_args = (resid, decoder.norm.weight, _contig(head.weight), head.bias, logits, decoder.norm.eps)
     if step.gemv:
-        gemv_k.head(*head_args)
+        gemv_k.head(*head_args, tiles=tiles)
     else:
-        head_k.head(*head_args, sums=sums)
+        head_k.head(*head_args, sums=sums, tiles=tiles)
     return logits
 
 
@@ -133,7 +134,7 @@ class _Step:
     """One fused decode step's plan: its checks, positions, splits and kernels (the layers' part of it)."""
 
     def __init__(self, decoder: Qwen2Decoder, like: torch.Tensor, rows: int, pos: torch.Tensor, cache: KVCache,
-                 kv_len: int | None, splits: int | None):
+                 kv_len: int | None, splits: int | None, tiles: Tiles):
         cfg = decoder.cfg
         if not can_run_on(like.device):
             raise RuntimeError("the fused Qwen2 kernels need CUDA tensors (on CPU, set TRITON_INTERPRET=1 to run "
@@ -143,40 +144,37 @@ class _Step:
         if cache.dtype != like.dtype:
             raise ValueError(f"cache dtype {cache.dtype} differs from the model's {like.dtype}")
         decoder.fuse_projections()  # idempotent: re-links q/k/v and gate/up after a .to() gave them new storage
-        self.decoder, self.cache, self.rows, self.dtype = decoder, cache, rows, like.dtype
+        self.decoder, self.cache, self.rows, self.dtype, self.tiles = decoder, cache, rows, like.dtype, tiles
         self.kv_len = cache.max_len if kv_len is None else min(int(kv_len), cache.max_len)
         self.positions = _positions(pos, rows)
         n_kv = cfg.num_key_value_heads
-        self.splits = attn_k.attention_splits(rows, n_kv) if splits is None else int(splits)
+        self.splits = attn_k.attention_splits(rows, n_kv, tiles) if splits is None else int(splits)
         if self.splits < 1 or self.splits & (self.splits - 1):
             raise ValueError(f"attention splits must be a power of two >= 1, got {self.splits}")
-        self.hybrid = 0 < proj_k.TILES.cublas_rows <= rows
-        self.gemv = rows <= proj_k.TILES.gemv_rows and proj_k.TILES.gemv
+        self.hybrid = 0 < tiles.cublas_rows <= rows
+        self.gemv = rows <= tiles.gemv_rows
         hidden = cfg.hidden_size
-        self.qkv_split = self.gate_up_split = 1
-        self.qkv_counters = self.gate_up_counters = 0
+        self.qkv_split = 1
+        self.qkv_counters = 0
         if self.gemv:  # weights loaded before each kernel's wait (.qwen2_gemv); the down projection in K pieces
-            self.split = gemv_k.split_count(cfg.intermediate_size)
+            self.split = gemv_k.split_count(cfg.intermediate_size, tiles)
             down_tiles = hidden  # counters: at most one per output column
         else:
-            tiles = proj_k.TILES
-            self.split, self.qkv_split, self.gate_up_split = tiles.down_split, tiles.qkv_split, tiles.gate_up_split
+            self.split, self.qkv_split = tiles.down_split, tiles.qkv_split
             down_tiles = triton.cdiv(hidden, tiles.down) * triton.cdiv(rows, proj_k.row_block(rows))
             if self.qkv_split > 1:
-                self.qkv_counters = proj_k.qkv_tiles(rows, cfg.num_attention_heads, n_kv, cfg.head_dim)
-            if self.gate_up_split > 1:
-                self.gate_up_counters = proj_k.gate_up_tiles(rows, cfg.intermediate_size)
+                self.qkv_counters = proj_k.qkv_tiles(rows, cfg.num_attention_heads, n_kv, cfg.head_dim, tiles)
         self.attn_counters = rows * n_kv
         self.down_counters = down_tiles
-        self.counter_count = self.attn_counters + down_tiles + self.qkv_counters + self.gate_up_counters
+        self.counter_count = self.attn_counters + down_tiles + self.qkv_counters
 
     def layers(self, resid: torch.Tensor, counters: torch.Tensor) -> torch.Tensor | None:
         """Every layer over the fp32 residual ``resid`` (B, H), in place.  ``counters`` holds the attention's
-        merge counters, then the down projection's split counters, then those of the q/k/v and gate/up
-        projections where they are split, all zero; each kernel puts its counters back to zero, so every layer
-        (and the next replay) finds them so.  Returns the sums of squares the last down projection left for the
-        final norm (``Tiles.norm_sums``, looped steps), else None."""
-        decoder, rows, dtype = self.decoder, self.rows, self.dtype
+        merge counters, then the down projection's split counters, then those of the q/k/v projection where it
+        is split, all zero; each kernel puts its counters back to zero, so every layer (and the next replay)
+        finds them so.  Returns the sums of squares the last down projection left for the final norm (looped
+        steps), else None."""
+        decoder, rows, dtype, tiles = self.decoder, self.rows, self.dtype, self.tiles
         cfg, dev = decoder.cfg, resid.device
         n_heads, n_kv, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         hidden = cfg.hidden_size
@@ -186,24 +184,21 @@ class _Step:
         m_part = torch.empty(rows, n_heads, self.splits, dtype=torch.float32, device=dev)
         l_part = torch.empty(rows, n_heads, self.splits, dtype=torch.float32, device=dev)
         h = torch.empty(rows, cfg.intermediate_size, dtype=dtype, device=dev)
-        attn_counters, down_counters, qkv_counters, gate_up_counters = counters.split(
-            [self.attn_counters, self.down_counters, self.qkv_counters, self.gate_up_counters])
+        attn_counters, down_counters, qkv_counters = counters.split(
+            [self.attn_counters, self.down_counters, self.qkv_counters])
         attn_counters = attn_counters.view(rows, n_kv)
         parts = torch.empty(self.split, rows, hidden, dtype=torch.float32, device=dev) if self.split > 1 else None
         n_qkv = (n_heads + 2 * n_kv) * head_dim
         qkv_split = {} if self.qkv_split == 1 else {
             "parts": torch.empty(self.qkv_split, rows, n_qkv, dtype=torch.float32, device=dev),
             "counters": qkv_counters}
-        gate_up_split = {} if self.gate_up_split == 1 else {
-            "parts": torch.empty(self.gate_up_split, rows, 2 * cfg.intermediate_size, dtype=torch.float32,
-                                 device=dev), "counters": gate_up_counters}
         proj = gemv_k if self.gemv else proj_k
         # looped steps: the o- and down projections leave per-tile sums of squares of the residual they finish,
         # which the next norm reads instead of the rows (the first layer's q/k/v reads the rows)
-        sums = not self.gemv and proj_k.TILES.norm_sums
-        o_sums = torch.empty(triton.cdiv(hidden, proj_k.TILES.oproj), rows, dtype=torch.float32, device=dev) \
+        sums = not self.gemv
+        o_sums = torch.empty(triton.cdiv(hidden, tiles.oproj), rows, dtype=torch.float32, device=dev) \
             if sums else None
-        down_sums = torch.empty(triton.cdiv(hidden, proj_k.TILES.down), rows, dtype=torch.float32, device=dev) \
+        down_sums = torch.empty(triton.cdiv(hidden, tiles.down), rows, dtype=torch.float32, device=dev) \
             if sums else None
         qkv_sums = {}
         inv_freq = decoder.rotary.inv_freq
@@ -212,21 +207,21 @@ class _Step:
             kc, vc = self.cache.k[i], self.cache.v[i]
             proj.qkv_rope(resid, layer.input_layernorm.weight, _contig(a.qkv_weight), _contig(a.qkv_bias),
                           inv_freq, self.positions, q, kc, vc, layer.input_layernorm.eps, n_heads, n_kv, head_dim,
-                          **qkv_split, **qkv_sums)
+                          **qkv_split, **qkv_sums, tiles=tiles)
             attn_k.decode_attention(q, kc, vc, self.positions, self.kv_len, attn, o_part, m_part, l_part,
-                                    attn_counters)
+                                    attn_counters, tiles)
             o_in, wo = attn.view(rows, n_heads * head_dim), _contig(a.o_proj.weight)
             gate_in = (resid, layer.post_attention_layernorm.weight, _contig(mlp.gate_up_weight), h,
                        layer.post_attention_layernorm.eps)
             if self.gemv:
-                gemv_k.proj_residual(o_in, wo, resid)
-                gemv_k.gate_up(*gate_in)
-                gemv_k.proj_residual(h, _contig(mlp.down_proj.weight), resid, parts, down_counters)
+                gemv_k.proj_residual(o_in, wo, resid, tiles=tiles)
+                gemv_k.gate_up(*gate_in, tiles=tiles)
+                gemv_k.proj_residual(h, _contig(mlp.down_proj.weight), resid, parts, down_counters, tiles=tiles)
             else:
-                proj_k.proj_residual(o_in, wo, resid, block_n=proj_k.TILES.oproj, sums=o_sums)
-                proj_k.gate_up(*gate_in, **gate_up_split, sums=o_sums)
+                proj_k.proj_residual(o_in, wo, resid, block_n=tiles.oproj, sums=o_sums, tiles=tiles)
+                proj_k.gate_up(*gate_in, sums=o_sums, tiles=tiles)
                 proj_k.proj_residual(h, _contig(mlp.down_proj.weight), resid, parts, down_counters,
-                                     block_n=proj_k.TILES.down, sums=down_sums)
+                                     block_n=tiles.down, sums=down_sums, tiles=tiles)
                 qkv_sums = {"sums": down_sums}
         return down_sums if decoder.layers else None
 
@@ -239,11 +234,13 @@ def _contig(t: torch.Tensor) -> torch.Tensor:
 
 class FusedDecoder:
     """Wraps a :class:`Qwen2Decoder`: one-token steps over a cache run :func:`decode_step`, the rest runs the
-    decoder itself; every other attribute is the decoder's (``fuse_projections``, ``layers``, ``cfg`` ...)."""
+    decoder itself; every other attribute is the decoder's (``fuse_projections``, ``layers``, ``cfg`` ...).
+    ``tiles``: the kernels' tuning (the GPU default unless a benchmark passes another)."""
 
-    def __init__(self, decoder: Qwen2Decoder, splits: int | None = None):
+    def __init__(self, decoder: Qwen2Decoder, splits: int | None = None, tiles: Tiles = TILES):
         self.decoder = decoder
         self.splits = splits
+        self.tiles = tiles
         decoder.fuse_projections()
 
     def __getattr__(self, name: str) -> Any:
@@ -253,12 +250,12 @@ class FusedDecoder:
                  kv_len: int | None = None) -> torch.Tensor:
         if cache is None or inputs_embeds.shape[1] != 1:
             return self.decoder(inputs_embeds, pos, cache, kv_len)
-        return decode_step(self.decoder, inputs_embeds, pos, cache, kv_len, self.splits)
+        return decode_step(self.decoder, inputs_embeds, pos, cache, kv_len, self.splits, self.tiles)
 
     def step_logits(self, table: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor, pos: torch.Tensor,
                     cache: KVCache, kv_len: int | None = None) -> torch.Tensor | None:
         """:func:`step_logits` on the wrapped decoder (None where the step does not end in the fused head)."""
-        return step_logits(self.decoder, table, head, tokens, pos, cache, kv_len, self.splits)
+        return step_logits(self.decoder, table, head, tokens, pos, cache, kv_len, self.splits, self.tiles)
 
     def prefill_rows(self, inputs_embeds: torch.Tensor, slots: torch.Tensor, last: torch.Tensor,
                      cache: KVCache) -> torch.Tensor:

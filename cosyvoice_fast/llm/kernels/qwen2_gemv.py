@@ -16,12 +16,12 @@ broadcast-and-sum in fp32.  Each program holds its slice in registers, so slices
 columns; ``Tiles.gemv_small_cols`` for the ~2 MB q/k/v and o-projection matrices, which at 8 columns a program
 would leave SMs idle) and the down projection is split over K in ``Tiles.down_chunk`` pieces whose partial sums
 the last split adds (:func:`~.qwen2_pieces.split_add`).  The same whole-K tiles through ``tl.dot`` for 2..16 rows
-spilled and ran three times slower than the looped kernels (BENCHMARKS.md).
+spilled and ran three times slower than the looped kernels on an H100.
 
 A program multiplies its weight slice by each row of the step in turn (broadcast-and-sum per row), so a row's
 result does not depend on how many rows share the step.  That per-row work grows with the rows while the
 weight stream does not: on an H100 two rows still beat the looped kernels and four no longer do, hence
-``Tiles.gemv_rows`` = 2 (BENCHMARKS.md has the sweep).
+``Tiles.gemv_rows`` = 2 (a sweep of 1..16 rows on an H100).
 
 Same numerics as the looped kernels: RMSNorm in fp32, rounded to the weight dtype before the product, fp32
 products and accumulation, fp32 residual stream.
@@ -33,11 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
-from cosyvoice_fast.llm.kernels import qwen2_proj
 from cosyvoice_fast.kernels.pdl import pdl_start
 from cosyvoice_fast.llm.kernels.qwen2_head import check_head
 from cosyvoice_fast.llm.kernels.qwen2_pieces import rope_inputs, rope_store, split_add
-from cosyvoice_fast.llm.kernels.qwen2_proj import launch_options
+from cosyvoice_fast.llm.kernels.qwen2_proj import TILES, Tiles, launch_options
 
 
 @triton.jit
@@ -188,30 +187,29 @@ def _embed_kernel(tok_ptr, table_ptr, x_ptr, cnt_ptr, K, C, KP: tl.constexpr, CP
 # ------------------------------------------------------------------------------------------ launchers
 
 
-def _check_rows(rows: int) -> int:
+def _check_rows(rows: int, tiles: Tiles) -> int:
     """The program's row block (a power of two) for a step of ``rows`` rows, which must be 1..``Tiles.gemv_rows``."""
-    most = qwen2_proj.TILES.gemv_rows
+    most = tiles.gemv_rows
     if not 1 <= rows <= most:
         raise ValueError(f"the GEMV decode kernels take 1 to {most} rows (Tiles.gemv_rows), got {rows}; steps of "
                          "more rows use the looped kernels of qwen2_proj")
     return triton.next_power_of_2(rows)
 
 
-def _cols(cols: int, small: bool = False) -> int:
-    tiles = qwen2_proj.TILES
+def _cols(cols: int, tiles: Tiles, small: bool = False) -> int:
     return max(1, min(tiles.gemv_small_cols if small else tiles.gemv_cols, cols))
 
 
 def qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, b: torch.Tensor, inv_freq: torch.Tensor,
              pos: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, eps: float,
-             n_heads: int, n_kv: int, head_dim: int) -> None:
+             n_heads: int, n_kv: int, head_dim: int, tiles: Tiles = TILES) -> None:
     """:func:`.qwen2_proj.qkv_rope` for up to ``Tiles.gemv_rows`` rows (same arguments, same results)."""
     rows, k_dim = x.shape
-    block = _check_rows(rows)
+    block = _check_rows(rows, tiles)
     half = head_dim // 2
     if half < 1 or half & (half - 1):
         raise ValueError(f"head_dim {head_dim}: the fused kernels need a power-of-two head_dim >= 2")
-    bn = _cols(half, small=True)
+    bn = _cols(half, tiles, small=True)
     grid = ((n_heads + 2 * n_kv) * triton.cdiv(half, bn),)
     _qkv_gemv_kernel[grid](x, norm_w, w, b, inv_freq, pos, q_out, k_cache, v_cache, rows, k_dim, eps,
                            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), HQ=n_heads, HKV=n_kv,
@@ -219,31 +217,32 @@ def qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, b: torch.Te
                            **launch_options(x, 1))
 
 
-def gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, h_out: torch.Tensor, eps: float) -> None:
+def gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, h_out: torch.Tensor, eps: float,
+            tiles: Tiles = TILES) -> None:
     """:func:`.qwen2_proj.gate_up` for up to ``Tiles.gemv_rows`` rows."""
     rows, k_dim = x.shape
-    block = _check_rows(rows)
+    block = _check_rows(rows, tiles)
     n = w.shape[0] // 2
-    bn = _cols(n)
+    bn = _cols(n, tiles)
     _gate_up_gemv_kernel[(triton.cdiv(n, bn),)](x, norm_w, w, h_out, rows, k_dim, n, eps, BLOCK_N=bn,
                                                 KP=triton.next_power_of_2(k_dim), ROWS=block,
                                                 **launch_options(x, 1))
 
 
 def proj_residual(a: torch.Tensor, w: torch.Tensor, resid: torch.Tensor, parts: torch.Tensor | None = None,
-                  counters: torch.Tensor | None = None) -> None:
+                  counters: torch.Tensor | None = None, tiles: Tiles = TILES) -> None:
     """resid (B, N) fp32 += a (B, K) @ w (N, K)^T for up to ``Tiles.gemv_rows`` rows.  With ``parts`` (S, B, N)
     fp32 scratch and ``counters`` (>= column blocks) int32 zeros, K is split into S = ``split_count(K)`` pieces
     of ``Tiles.down_chunk``; without, one piece of all of K, and then ``resid`` is read before the PDL wait: the
     kernel launched just before this one must not write it (in the decode step it is the attention or gate/up)."""
     rows, k_dim = a.shape
-    block = _check_rows(rows)
+    block = _check_rows(rows, tiles)
     n = w.shape[0]
-    bn = _cols(n, small=parts is None)
+    bn = _cols(n, tiles, small=parts is None)
     if parts is None:
         split, kp = 1, triton.next_power_of_2(k_dim)
     else:
-        split, kp = split_count(k_dim), qwen2_proj.TILES.down_chunk
+        split, kp = split_count(k_dim, tiles), tiles.down_chunk
         if parts.shape != (split, rows, n) or counters is None or counters.numel() < triton.cdiv(n, bn):
             raise ValueError(f"proj_residual: K {k_dim} in pieces of {kp} needs parts ({split}, {rows}, {n}) and "
                              f"{triton.cdiv(n, bn)} counters, got {tuple(parts.shape)} and "
@@ -255,12 +254,12 @@ def proj_residual(a: torch.Tensor, w: torch.Tensor, resid: torch.Tensor, parts: 
 
 
 def head(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
-         eps: float) -> None:
+         eps: float, tiles: Tiles = TILES) -> None:
     """out (B, N) fp32 <- the speech head over the final norm: ``linear(rmsnorm(x), w, b)`` in the weight dtype,
     as fp32, for up to ``Tiles.gemv_rows`` rows of the fp32 residual ``x`` (B, K)."""
     rows, k_dim, n = check_head(x, w, b, out)
-    block = _check_rows(rows)
-    bn = _cols(n)
+    block = _check_rows(rows, tiles)
+    bn = _cols(n, tiles)
     _head_gemv_kernel[(triton.cdiv(n, bn),)](x, norm_w, w, b, out, rows, k_dim, n, eps, BLOCK_N=bn,
                                              KP=triton.next_power_of_2(k_dim), ROWS=block, **launch_options(x, 1))
 
@@ -276,6 +275,6 @@ def embed(tokens: torch.Tensor, table: torch.Tensor, x: torch.Tensor, counters: 
                            CP=triton.next_power_of_2(max(c, 1)), **launch_options(x, 1))
 
 
-def split_count(k_dim: int) -> int:
+def split_count(k_dim: int, tiles: Tiles = TILES) -> int:
     """K pieces of the GEMV down projection: ``Tiles.down_chunk`` elements each (the last one partial)."""
-    return triton.cdiv(k_dim, qwen2_proj.TILES.down_chunk)
+    return triton.cdiv(k_dim, tiles.down_chunk)

@@ -20,22 +20,23 @@ import torch
 import triton
 import triton.language as tl
 
-from cosyvoice_fast.llm.kernels import qwen2_proj
 from cosyvoice_fast.kernels.pdl import pdl_start
 from cosyvoice_fast.llm.kernels.qwen2_pieces import normed_gemm
-from cosyvoice_fast.llm.kernels.qwen2_proj import dot_precision, k_block, launch_options, normed_options, row_block
+from cosyvoice_fast.llm.kernels.qwen2_proj import (
+    TILES, Tiles, dot_precision, k_block, launch_options, normed_options, row_block,
+)
 
 
 @triton.jit
 def _head_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, ss_ptr, B, K: tl.constexpr, N, eps, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
-                 EARLY: tl.constexpr, ROLLED: tl.constexpr, NT: tl.constexpr, NTP: tl.constexpr):
+                 NT: tl.constexpr, NTP: tl.constexpr):
     """Program (column block, row block): ``out[b, n] = float(round(norm(x[b]) @ W[n, :]^T + bias[n]))``."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     bias = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)  # a weight: read before the wait
     rows, rmask, acc, _ = normed_gemm(x_ptr, nw_ptr, w_ptr, cols, cols, cmask, B, K, eps, BLOCK_M, BLOCK_K, PREC,
-                                      PDL, EARLY, PAIR=False, ROLLED=ROLLED, ss_ptr=ss_ptr, NT=NT, NTP=NTP)
+                                      PDL, PAIR=False, ss_ptr=ss_ptr, NT=NT, NTP=NTP)
     y = (acc + bias[None, :]).to(w_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], y, mask=rmask[:, None] & cmask[None, :])
 
@@ -55,17 +56,17 @@ def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, N, eps, BLOCK: tl.constexpr, PDL: tl.
 
 
 def head(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
-         eps: float, sums: torch.Tensor | None = None) -> None:
+         eps: float, sums: torch.Tensor | None = None, tiles: Tiles = TILES) -> None:
     """out (B, N) fp32 <- ``linear(rmsnorm(x), w, b)`` rounded to the weight dtype, for any number of rows of
     the fp32 residual ``x`` (B, K): the values of :func:`~.qwen2_gemv.head` (which takes 1..``gemv_rows``) up to
     fp32 summation order.  ``sums``: the residual's per-tile sums of squares for the norm statistics (see
     :func:`~.qwen2_proj.qkv_rope`); None: a pass over each row."""
     rows, k_dim, n = check_head(x, w, b, out)
-    bm, bn = row_block(rows), qwen2_proj.TILES.head
+    bm, bn = row_block(rows), tiles.head
     grid = (triton.cdiv(n, bn), triton.cdiv(rows, bm))
     _head_kernel[grid](x, norm_w, w, b, out, x if sums is None else sums, rows, k_dim, n, eps, BLOCK_M=bm,
-                       BLOCK_N=bn, BLOCK_K=k_block(k_dim, w.dtype, bm), PREC=dot_precision(w.dtype),
-                       **normed_options(x, sums))
+                       BLOCK_N=bn, BLOCK_K=k_block(k_dim, w.dtype, bm, tiles), PREC=dot_precision(w.dtype),
+                       **normed_options(x, sums, tiles))
 
 
 def check_head(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> tuple[int, int, int]:

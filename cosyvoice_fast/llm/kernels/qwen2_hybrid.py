@@ -12,8 +12,8 @@ residual adds ride in ``addmm``) and the glue is:
 - :func:`rope_kv`: bias-added q/k/v rows -> rotated q to a scratch, rotated k and v straight into the cache row
   at the position (a prefill's rows are the positions of prompts and go to each prompt's slot row: no scratch
   cache, no copies; a decode step's rows are slots, each at its own position);
-- attention: :func:`prefill_attention` (causal, each prompt over its own slot row; query blocks of ``BLOCK_M``
-  positions per program, key tiles up to the diagonal, online softmax; GQA by indexing) or the decode step's
+- attention: :func:`prefill_attention` (causal, each prompt over its own slot row; query blocks of
+  ``PREFILL_BLOCKS[0]`` positions per program, key tiles up to the diagonal, online softmax; GQA by indexing) or the decode step's
   split attention (:func:`~.qwen2_attention.decode_attention`);
 - :func:`silu_mul`: ``silu(gate) * up`` of the fused gate/up GEMM's output.
 
@@ -32,14 +32,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from cosyvoice_fast.llm.model.qwen2 import KVCache, Qwen2Decoder
+from cosyvoice_fast.llm.model.kv_cache import KVCache
+from cosyvoice_fast.llm.model.qwen2 import Qwen2Decoder
 from cosyvoice_fast.kernels.pdl import pdl_start
 from cosyvoice_fast.llm.kernels.qwen2_attention import decode_attention, kv_tile_step
 from cosyvoice_fast.llm.kernels.qwen2_pieces import rotate_store
-from cosyvoice_fast.llm.kernels.qwen2_proj import dot_precision, launch_options
+from cosyvoice_fast.llm.kernels.qwen2_proj import TILES, Tiles, dot_precision, launch_options
 
-#: query positions per attention program, and keys per tile of its walk
-BLOCK_M, BLOCK_N = 64, 64
+#: query positions per prefill attention program, and keys per tile of its walk (the GPU default; a test passes
+#: smaller ones so a short prompt spans several blocks)
+PREFILL_BLOCKS = (64, 64)
 #: rows per program of the RoPE/cache-write and SiLU*mul kernels
 ROWS_PER_PROGRAM = 16
 
@@ -141,15 +143,17 @@ def rope_kv(qkv: torch.Tensor, inv_freq: torch.Tensor, q_out: torch.Tensor, k_ca
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                      length: int, out: torch.Tensor) -> None:
+                      length: int, out: torch.Tensor, blocks: tuple[int, int] = PREFILL_BLOCKS) -> None:
     """``out`` (R·T, Hq, D) <- causal attention of q (R·T, Hq, D), prompt ``r``'s positions ``0..T-1`` in rows
-    ``r·T ..``, over the keys/values of positions ``0..T-1`` in cache row ``slots[r]`` (T = ``length``)."""
+    ``r·T ..``, over the keys/values of positions ``0..T-1`` in cache row ``slots[r]`` (T = ``length``).
+    ``blocks``: query positions per program and keys per tile."""
     rows, n_heads, head_dim = q.shape
     prompts = _check_prompts(rows, length, slots)
-    grid = (triton.cdiv(length, BLOCK_M), n_heads, prompts)
+    block_m, block_n = blocks
+    grid = (triton.cdiv(length, block_m), n_heads, prompts)
     _prefill_attn_kernel[grid](q, k_cache, v_cache, slots, out, length, head_dim ** -0.5, k_cache.stride(0),
                                k_cache.stride(1), k_cache.stride(2), HQ=n_heads, HKV=k_cache.shape[1], D=head_dim,
-                               BM=BLOCK_M, BN=BLOCK_N, PREC=dot_precision(q.dtype), **launch_options(q, 2))
+                               BM=block_m, BN=block_n, PREC=dot_precision(q.dtype), **launch_options(q, 2))
 
 
 def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
@@ -161,11 +165,12 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def prefill_rows(decoder: Qwen2Decoder, inputs_embeds: torch.Tensor, slots: torch.Tensor, last: torch.Tensor,
-                 cache: KVCache) -> torch.Tensor:
+                 cache: KVCache, blocks: tuple[int, int] = PREFILL_BLOCKS) -> torch.Tensor:
     """Prefill ``R`` prompts of ``T`` positions (``inputs_embeds`` (R, T, H), positions ``0..T-1``): keys and
     values into cache rows ``slots`` (R,) int64 at positions ``0..T-1``, and the final-norm hidden state of
     each prompt's position ``last[r]`` as (R, H).  The decoder's own ``decoder(x, arange(T), cache_row)`` per
-    prompt, launched without host reads (it captures in a CUDA graph)."""
+    prompt, launched without host reads (it captures in a CUDA graph).  ``blocks``: the attention's tiles
+    (:func:`prefill_attention`)."""
     n_prompts, length, hidden = inputs_embeds.shape
     if slots.shape != (n_prompts,) or last.shape != (n_prompts,):
         raise ValueError(f"prefill of {n_prompts} prompts needs slots and last of shape ({n_prompts},), got "
@@ -185,7 +190,7 @@ def prefill_rows(decoder: Qwen2Decoder, inputs_embeds: torch.Tensor, slots: torc
         a, mlp = layer.self_attn, layer.mlp
         qkv = F.linear(layer.input_layernorm(x), a.qkv_weight, a.qkv_bias)
         rope_kv(qkv, inv_freq, q, cache.k[i], cache.v[i], length=length, slots=slots)
-        prefill_attention(q, cache.k[i], cache.v[i], slots, length, attn)
+        prefill_attention(q, cache.k[i], cache.v[i], slots, length, attn, blocks)
         x = torch.addmm(x, attn.view(rows, n_heads * head_dim), a.o_proj.weight.t())
         silu_mul(F.linear(layer.post_attention_layernorm(x), mlp.gate_up_weight), act)
         x = torch.addmm(x, act, mlp.down_proj.weight.t())
@@ -194,7 +199,7 @@ def prefill_rows(decoder: Qwen2Decoder, inputs_embeds: torch.Tensor, slots: torc
 
 
 def decode_rows(decoder: Qwen2Decoder, inputs_embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                kv_len: int, splits: int) -> torch.Tensor:
+                kv_len: int, splits: int, tiles: Tiles = TILES) -> torch.Tensor:
     """One decode step of ``B`` rows (``inputs_embeds`` (B, 1, H), row ``b`` at ``positions[b]`` (B,) int64 in
     cache row ``b``, attending over its positions ``< min(pos + 1, kv_len)`` with ``splits`` key splits):
     :func:`~.qwen2_decode.decode_step`'s function for many rows, on cuBLAS GEMMs.  Returns (B, 1, H)."""
@@ -216,7 +221,8 @@ def decode_rows(decoder: Qwen2Decoder, inputs_embeds: torch.Tensor, positions: t
         a, mlp = layer.self_attn, layer.mlp
         qkv = F.linear(layer.input_layernorm(x), a.qkv_weight, a.qkv_bias)
         rope_kv(qkv, inv_freq, q, cache.k[i], cache.v[i], positions=positions)
-        decode_attention(q, cache.k[i], cache.v[i], positions, kv_len, attn, o_part, m_part, l_part, counters)
+        decode_attention(q, cache.k[i], cache.v[i], positions, kv_len, attn, o_part, m_part, l_part, counters,
+                         tiles)
         x = torch.addmm(x, attn.view(rows, n_heads * head_dim), a.o_proj.weight.t())
         silu_mul(F.linear(layer.post_attention_layernorm(x), mlp.gate_up_weight), act)
         x = torch.addmm(x, act, mlp.down_proj.weight.t())

@@ -26,20 +26,14 @@ def _resid_tile(x_ptr, rows, rmask, k, K):
 
 
 @triton.jit
-def row_rstd(x_ptr, rows, rmask, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-             ROLLED: tl.constexpr = False):
+def row_rstd(x_ptr, rows, rmask, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """``1 / sqrt(mean(x^2) + eps)`` of residual rows ``rows``.  Unrolled (K is a constexpr), all of a row's
-    loads issue at once, but the whole (BLOCK_M, K) fp32 block is live in registers; ``ROLLED`` loops over K
-    tiles instead (one tile live, the loads in sequence)."""
+    loads issue at once, though the whole (BLOCK_M, K) fp32 block is live in registers (a loop over K tiles,
+    one tile live and the loads in sequence, measured no faster)."""
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if ROLLED:
-        for k0 in range(0, K, BLOCK_K):
-            x = _resid_tile(x_ptr, rows, rmask, k0 + tl.arange(0, BLOCK_K), K)
-            ss += tl.sum(x * x, axis=1)
-    else:
-        for k0 in tl.static_range(0, K, BLOCK_K):
-            x = _resid_tile(x_ptr, rows, rmask, k0 + tl.arange(0, BLOCK_K), K)
-            ss += tl.sum(x * x, axis=1)
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        x = _resid_tile(x_ptr, rows, rmask, k0 + tl.arange(0, BLOCK_K), K)
+        ss += tl.sum(x * x, axis=1)
     return 1.0 / tl.sqrt(ss / K + eps)
 
 
@@ -188,12 +182,12 @@ def w_tile(w_ptr, cols, cmask, k, K, k_end):
 @triton.jit
 def normed_gemm(x_ptr, nw_ptr, w_ptr, cols_a, cols_b, cmask, B, K: tl.constexpr, eps,
                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
-                EARLY: tl.constexpr, PAIR: tl.constexpr = True, ROLLED: tl.constexpr = False,
+                PAIR: tl.constexpr = True,
                 SPLIT_K: tl.constexpr = 1, ss_ptr=None, NT: tl.constexpr = 0, NTP: tl.constexpr = 1):
     """``RMSNorm(x) @ W[cols_a]^T`` and ``@ W[cols_b]^T`` for this program's row block (``program_id(1)``):
     the q/k/v kernel's rotation pair and the gate/up kernel's two halves (without ``PAIR`` only ``cols_a``: the
-    speech head, :mod:`.qwen2_head`).  With ``EARLY`` the first K tile of the weights is loaded before the PDL
-    wait (weights never depend on the previous kernel); ``ROLLED``: see :func:`row_rstd`.  With ``SPLIT_K`` > 1
+    speech head, :mod:`.qwen2_head`).  The first K tile of the weights is loaded before the PDL wait (weights
+    never depend on the previous kernel, so that load overlaps the kernel before).  With ``SPLIT_K`` > 1
     the program multiplies only its split's K range (``program_id(2)``; the norm statistics still cover the
     whole row).  With ``NT`` > 0 the statistics come from the ``NT`` per-tile sums of squares at ``ss_ptr``
     (:func:`sums_rstd`) instead of a pass over the row.  Returns ``(rows, row mask, acc_a, acc_b)`` with fp32
@@ -202,19 +196,16 @@ def normed_gemm(x_ptr, nw_ptr, w_ptr, cols_a, cols_b, cmask, B, K: tl.constexpr,
     k_lo = tl.program_id(2) * CHUNK if SPLIT_K > 1 else 0
     k_hi = tl.minimum(k_lo + CHUNK, K) if SPLIT_K > 1 else K
     k = k_lo + tl.arange(0, BLOCK_K)
-    if not EARLY:
-        pdl_start(PDL)
     wa = w_tile(w_ptr, cols_a, cmask, k, K, k_hi)
     if PAIR:
         wb = w_tile(w_ptr, cols_b, cmask, k, K, k_hi)
-    if EARLY:
-        pdl_start(PDL)
+    pdl_start(PDL)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < B
     if NT > 0:
         rstd = sums_rstd(ss_ptr, rows, rmask, B, K, eps, NT, NTP)
     else:
-        rstd = row_rstd(x_ptr, rows, rmask, K, eps, BLOCK_M, BLOCK_K, ROLLED)
+        rstd = row_rstd(x_ptr, rows, rmask, K, eps, BLOCK_M, BLOCK_K)
     xn = _normed_tile(x_ptr, rows, rmask, k, K, rstd, nw_ptr)
     acc_a = tl.dot(xn, wa, input_precision=PREC)
     acc_b = acc_a

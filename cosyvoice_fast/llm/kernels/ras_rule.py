@@ -29,17 +29,15 @@ import triton
 import triton.language as tl
 
 from cosyvoice_fast.kernels.common import interpreting
-from cosyvoice_fast.llm.kernels.nucleus_topk import (
-    SCRATCH, check_draw, draw_row, draw_scratch, draw_shape, row_variates, row_warps,
-)
+from cosyvoice_fast.llm.kernels.nucleus_topk import check_draw, draw_row, row_variates, row_warps
 from cosyvoice_fast.llm.kernels.philox import DRAW_OFFSET, exponential_at
 
 
 @triton.jit
-def _rule_kernel(probs_ptr, logp_ptr, q_ptr, gens_ptr, limit_ptr, scratch_ptr, win_ptr, drawn_ptr, banned_ptr, V,
-                 K, W, repeats, stride_p, stride_l, stride_q, stride_g, stride_wb, stride_ww, stride_d, stride_b,
-                 BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
-                 BLOCK_K: tl.constexpr, CUT: tl.constexpr, GENS: tl.constexpr, FAST_LOG: tl.constexpr):
+def _rule_kernel(probs_ptr, logp_ptr, q_ptr, gens_ptr, limit_ptr, win_ptr, drawn_ptr, banned_ptr, V, K, W,
+                 repeats, stride_p, stride_l, stride_q, stride_g, stride_wb, stride_ww, stride_d, stride_b,
+                 BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, GENS: tl.constexpr,
+                 FAST_LOG: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if GENS:  # the variates from the row's generator state (seed, offset), also written to q
         kk = tl.arange(0, BLOCK_K)
@@ -48,7 +46,7 @@ def _rule_kernel(probs_ptr, logp_ptr, q_ptr, gens_ptr, limit_ptr, scratch_ptr, w
         tl.store(q_ptr + row * stride_q + kk, q, mask=kk < K)
     else:
         q = row_variates(q_ptr, row, K, stride_q, BLOCK_K)
-    token = draw_row(probs_ptr, q, limit_ptr, scratch_ptr + row * SCRATCH, row, V, K, stride_p, G, S, BLOCK_K, CUT)
+    token = draw_row(probs_ptr, q, limit_ptr, row, V, K, stride_p, BLOCK_V, BLOCK_K)
     w = tl.arange(0, BLOCK_W)
     hist = tl.load(win_ptr + row * stride_wb + w * stride_ww, mask=w < W, other=-1)
     fallback = (tl.sum((hist == token).to(tl.int32), axis=0) >= repeats).to(tl.int64)
@@ -126,12 +124,13 @@ def ras_rule_rows(probs: torch.Tensor, logp: torch.Tensor, q: torch.Tensor, limi
         return banned
     block = triton.next_power_of_2(vocab)
     w = window.shape[1]
-    _rule_kernel[(rows,)](probs, logp, q, q if gens is None else gens, limit, draw_scratch(rows, probs.device),
-                          window, drawn, banned, vocab, q.shape[1], w, repeats, probs.stride(0), logp.stride(0),
-                          q.stride(0), 0 if gens is None else gens.stride(0), window.stride(0), window.stride(1),
+    _rule_kernel[(rows,)](probs, logp, q, q if gens is None else gens, limit, window, drawn, banned, vocab,
+                          q.shape[1], w, repeats, probs.stride(0), logp.stride(0), q.stride(0),
+                          0 if gens is None else gens.stride(0), window.stride(0), window.stride(1),
                           drawn.stride(0), banned.stride(0), BLOCK_V=block,
-                          BLOCK_W=max(2, triton.next_power_of_2(max(w, 1))), num_warps=row_warps(block),
-                          GENS=gens is not None, FAST_LOG=not interpreting(), **draw_shape(vocab, q.shape[1]))
+                          BLOCK_W=max(2, triton.next_power_of_2(max(w, 1))),
+                          BLOCK_K=triton.next_power_of_2(q.shape[1]), num_warps=row_warps(block),
+                          GENS=gens is not None, FAST_LOG=not interpreting())
     return banned
 
 

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from cosyvoice_fast.config.model import LLMConfig
-from cosyvoice_fast.llm.model.qwen2 import KVCache, Qwen2Decoder, Qwen2WithHead
+from cosyvoice_fast.llm.model.kv_cache import KVCache
+from cosyvoice_fast.llm.model.qwen2 import Qwen2Decoder, Qwen2WithHead
 from cosyvoice_fast.llm.model.sampling import RasSampler, Sampler
 
 

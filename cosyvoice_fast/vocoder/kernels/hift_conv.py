@@ -4,7 +4,7 @@ At a first chunk (one row, 50 mel frames) HiFT is launch- and latency-bound, and
 its ~80 convolutions rather than in them: per cuDNN convolution one or two layout or TF32-conversion passes
 (``convertTensor``, ``nchwToNhwc``, ``nhwcAddPadding``), and per residual unit two
 :func:`~cosyvoice_fast.vocoder.kernels.hift_snake.snake_pass` launches; the f0 predictor's five fp32 convolutions run a
-small-tile CUDA-core kernel that leaves most of the GPU idle at 50 frames (BENCHMARKS.md, session 29).
+small-tile CUDA-core kernel that leaves most of the GPU idle at 50 frames (measured on an H100).
 
 :func:`conv1d` computes ``y = conv(pre(x)) + bias`` as an implicit GEMM: a program owns a (time, output channel)
 tile and accumulates ``x[t·stride + j·dilation - padding, ci] · w[j, ci, co]`` over taps ``j`` and input-channel
@@ -22,30 +22,43 @@ contiguous), which makes every tile load a run of contiguous channels.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from cosyvoice_fast.kernels.pdl import pdl_options, pdl_start
-
 #: minimum programs per launch the tile choice aims for (the H100 has 132 SMs): a first chunk is one row of a
 #: few hundred to a few thousand steps, so large tiles would leave most of the GPU idle
 MIN_PROGRAMS = 132
-#: the largest tiles (time steps, input and output channels per program), software-pipeline stages and warps;
-#: ``bci_narrow``: the input-channel block of time tiles of at most 32 steps (a wider block halves the serial
-#: loop of a wide conv at little shared memory)
-TILES = {"bt": 128, "bci": 64, "bci_narrow": 128, "bco": 64, "stages": 3, "warps": 4}
-#: ``pdl``: programmatic dependent launch between consecutive conv kernels (measured slower at one row);
-#: ``max_rows``: calls of more rows keep cuDNN's convolutions, which were faster at 4 and 16 rows (BENCHMARKS.md,
-#: session 29).  The fused vocoder's rule, read at each call, so at each graph's capture.
-LAUNCH = {"pdl": False, "max_rows": 1}
 
 
-def use_triton(rows: int) -> bool:
-    """Whether a call of ``rows`` batch rows runs the Triton convolutions (:data:`LAUNCH` ``max_rows``)."""
-    return rows <= LAUNCH["max_rows"]
+@dataclass(frozen=True)
+class ConvTiles:
+    """The largest tiles (time steps, input and output channels per program), software-pipeline stages and
+    warps; ``bci_narrow``: the input-channel block of time tiles of at most 32 steps (a wider block halves the
+    serial loop of a wide conv at little shared memory)."""
+
+    bt: int = 128
+    bci: int = 64
+    bci_narrow: int = 128
+    bco: int = 64
+    stages: int = 3
+    warps: int = 4
+
+
+#: the tiles every conv launch uses unless given others
+TILES = ConvTiles()
+#: calls of more batch rows keep cuDNN's convolutions, which were faster at 4 and 16 rows on an H100: the fused
+#: vocoder's default (``FusedVocoder(triton_max_rows=...)``), fixed when its graphs are captured
+TRITON_MAX_ROWS = 1
+
+
+def use_triton(rows: int, max_rows: int = TRITON_MAX_ROWS) -> bool:
+    """Whether a call of ``rows`` batch rows runs the Triton convolutions (at most ``max_rows``)."""
+    return rows <= max_rows
 
 
 @triton.jit
@@ -75,7 +88,7 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, res_ptr, alpha_ptr, sum_ptr, act_ptr,
                  stride, dilation, padding, slope, eps,
                  KS: tl.constexpr, LEAKY: tl.constexpr, ELU: tl.constexpr, HAS_RES: tl.constexpr,
                  WRITE_SUM: tl.constexpr, SNAKE: tl.constexpr, IEEE: tl.constexpr, ROUND_IN: tl.constexpr,
-                 ROUND_ACT: tl.constexpr, PDL: tl.constexpr, BT: tl.constexpr, BCI: tl.constexpr,
+                 ROUND_ACT: tl.constexpr, BT: tl.constexpr, BCI: tl.constexpr,
                  BCO: tl.constexpr, STAGES: tl.constexpr):
     """Program (batch row, time tile, output-channel tile); ``w`` is packed (KS, C_in, C_out).  One loop over
     (tap, input-channel block) pairs, so the pipeliner prefetches the next tap's tiles."""
@@ -84,7 +97,6 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, res_ptr, alpha_ptr, sum_ptr, act_ptr,
     co = tl.program_id(2) * BCO + tl.arange(0, BCO)
     co_ok = co < C_out
     bias = tl.load(b_ptr + co, mask=co_ok, other=0.0).to(tl.float32)
-    pdl_start(PDL)
     acc = tl.zeros([BT, BCO], dtype=tl.float32)
     x_row = x_ptr + b * sxb
     n_cb = tl.cdiv(C_in, BCI)
@@ -139,12 +151,12 @@ def _pow2(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, triton.next_power_of_2(max(int(n), 1))))
 
 
-def conv_tiles(rows: int, t_out: int, c_in: int, c_out: int, min_programs: int = MIN_PROGRAMS
-               ) -> tuple[int, int, int]:
-    """(BT, BCI, BCO): the largest tiles (up to :data:`TILES`) that still give about ``min_programs``
+def conv_tiles(rows: int, t_out: int, c_in: int, c_out: int, min_programs: int = MIN_PROGRAMS,
+               tiles: ConvTiles = TILES) -> tuple[int, int, int]:
+    """(BT, BCI, BCO): the largest tiles (up to ``tiles``) that still give about ``min_programs``
     programs, shrinking the time tile to 32 first, then the channel tile, then both to 16 (``tl.dot``'s
     minimum).  (Triton's interpreter runs programs one after another: there the fewest programs are fastest.)"""
-    bci, bco, bt = _pow2(c_in, 16, TILES["bci"]), _pow2(c_out, 16, TILES["bco"]), _pow2(t_out, 16, TILES["bt"])
+    bci, bco, bt = _pow2(c_in, 16, tiles.bci), _pow2(c_out, 16, tiles.bco), _pow2(t_out, 16, tiles.bt)
 
     def programs() -> int:
         return rows * triton.cdiv(t_out, bt) * triton.cdiv(c_out, bco)
@@ -159,7 +171,7 @@ def conv_tiles(rows: int, t_out: int, c_in: int, c_out: int, min_programs: int =
         else:
             bco //= 2
     if bt <= 32:
-        bci = _pow2(c_in, 16, TILES["bci_narrow"])
+        bci = _pow2(c_in, 16, tiles.bci_narrow)
     return bt, bci, bco
 
 
@@ -178,7 +190,7 @@ def tf32_products(ieee: bool | None) -> bool:
 def conv1d(x: Tensor, weight: Tensor, bias: Tensor, *, stride: int = 1, padding: int = 0, dilation: int = 1,
            leaky_slope: float | None = None, elu: bool = False, residual: Tensor | None = None,
            write_sum: bool = True, alpha: Tensor | None = None, ieee: bool | None = None, time_major: bool = True,
-           input_rounded: bool = False, round_act: bool = False, eps: float = 1e-9
+           input_rounded: bool = False, round_act: bool = False, eps: float = 1e-9, tiles: ConvTiles = TILES
            ) -> tuple[Tensor | None, Tensor | None]:
     """``z = conv1d(pre(x), w) + bias`` over an fp32 (B, C_in, T) tensor of any strides, with ``weight`` packed by
     :func:`pack_weight` (rounded to TF32 for TF32 products); then ``elu``, ``+ residual``; returns
@@ -221,7 +233,7 @@ def conv1d(x: Tensor, weight: Tensor, bias: Tensor, *, stride: int = 1, padding:
                              f"{tuple(like.shape)}")
         res = residual if residual.stride() == like.stride() else torch.empty_like(like).copy_(residual)
     tf32 = tf32_products(ieee)
-    bt, bci, bco = conv_tiles(b, t_out, c_in, c_out, MIN_PROGRAMS if x.is_cuda else 1)
+    bt, bci, bco = conv_tiles(b, t_out, c_in, c_out, MIN_PROGRAMS if x.is_cuda else 1, tiles)
     grid = (b, triton.cdiv(t_out, bt), triton.cdiv(c_out, bco))
     _conv_kernel[grid](x, weight, bias, res, alpha if alpha is not None else bias,
                        total if total is not None else like, act if act is not None else like,
@@ -230,7 +242,7 @@ def conv1d(x: Tensor, weight: Tensor, bias: Tensor, *, stride: int = 1, padding:
                        KS=ks, LEAKY=leaky_slope is not None, ELU=elu, HAS_RES=residual is not None,
                        WRITE_SUM=write_sum, SNAKE=alpha is not None, IEEE=not tf32,
                        ROUND_IN=tf32 and not input_rounded, ROUND_ACT=tf32 and round_act, BT=bt, BCI=bci,
-                       BCO=bco, STAGES=TILES["stages"], num_warps=TILES["warps"], **pdl_options(LAUNCH["pdl"], x))
+                       BCO=bco, STAGES=tiles.stages, num_warps=tiles.warps)
     return total, act
 
 

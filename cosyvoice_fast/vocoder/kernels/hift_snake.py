@@ -4,7 +4,7 @@ A :class:`~cosyvoice_fast.vocoder.model.hift.SnakeResBlock` unit is ``x + conv2(
 PyTorch, each Snake is about six elementwise kernels (``a + eps``, reciprocal, ``x * a``, ``sin``, ``pow``,
 multiply-add), each conv adds its bias in a pass of its own, and the residual add is one more: about 17 kernels
 around the two convolutions, each reading and writing the whole activation.  In the captured vocoder that is
-over half of its ~1000 kernels and, at 16 rows, about half of its GPU time (BENCHMARKS.md, HiFT profile).
+over half of its ~1000 kernels and, at 16 rows, about half of its GPU time (profiled on an H100).
 
 Here each unit is the two convolutions (cuDNN, no bias) and two passes of :func:`snake_pass`:
 
@@ -18,6 +18,8 @@ fused blocks read the plain (weight-norm folded) model's parameters; they hold n
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -26,7 +28,9 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from cosyvoice_fast.vocoder.model.hift import Snake, SnakeResBlock, conv_time_major, weight_4d
-from cosyvoice_fast.vocoder.kernels.hift_conv import packed, run_conv, snake, tf32_products, use_triton
+from cosyvoice_fast.vocoder.kernels.hift_conv import (
+    TRITON_MAX_ROWS, packed, run_conv, snake, tf32_products, use_triton,
+)
 
 
 @triton.jit
@@ -95,9 +99,10 @@ class FusedSnakeResBlock(nn.Module):
     """The same residual units as ``block`` (a weight-norm-free :class:`SnakeResBlock`, whose parameters it
     reads, not copies): per unit two bias-free convolutions and two :func:`snake_pass` calls; or, with
     ``triton_convs``, two :func:`~cosyvoice_fast.vocoder.kernels.hift_conv.conv1d` launches whose epilogues add the bias,
-    the residual and the next Snake (one :func:`snake_pass` per block remains, the first unit's Snake)."""
+    the residual and the next Snake (one :func:`snake_pass` per block remains, the first unit's Snake), for calls of
+    at most ``triton_max_rows`` batch rows."""
 
-    def __init__(self, block: SnakeResBlock, triton_convs: bool = False):
+    def __init__(self, block: SnakeResBlock, triton_convs: bool = False, triton_max_rows: int = TRITON_MAX_ROWS):
         super().__init__()
         for conv in (*block.convs1, *block.convs2):
             if parametrize.is_parametrized(conv) or conv.bias is None:
@@ -105,12 +110,13 @@ class FusedSnakeResBlock(nn.Module):
                                  "first (HiFTGenerator.remove_weight_norm)")
         self.block = block
         self.triton_convs = triton_convs
+        self.triton_max_rows = triton_max_rows
 
     def forward(self, x: Tensor) -> Tensor:
         blk = self.block
         units = list(zip(blk.activations1, blk.convs1, blk.activations2, blk.convs2))
         x = _dense(x.float())
-        if self.triton_convs and use_triton(x.shape[0]):
+        if self.triton_convs and use_triton(x.shape[0], self.triton_max_rows):
             tf32 = tf32_products(None)  # every Snake output feeds a conv only: stored rounded for TF32 products
             kw = {"ieee": not tf32, "input_rounded": True, "round_act": True, "eps": Snake.EPS}
             _, y = snake_pass(x, alpha=units[0][0].alpha, round_tf32=tf32)
@@ -138,7 +144,8 @@ class FusedSnakeResBlock(nn.Module):
         return F.conv1d(x, conv.weight, None, conv.stride, conv.padding, conv.dilation)
 
 
-def fuse_hift(plain: nn.Module, time_major: bool = True, triton_convs: bool = False) -> int:
+def fuse_hift(plain: nn.Module, time_major: bool = True, triton_convs: bool = False,
+              triton_max_rows: int = TRITON_MAX_ROWS) -> int:
     """Swap every :class:`SnakeResBlock` of a weight-norm-folded HiFT (``remove_weight_norm()``'s copy, owned by
     the caller) for a :class:`FusedSnakeResBlock` in place, and set its ``time_major`` layout (see
     :func:`~cosyvoice_fast.vocoder.model.hift.time_major`; with it every convolution gets a ``weight4`` buffer, a copy
@@ -146,7 +153,8 @@ def fuse_hift(plain: nn.Module, time_major: bool = True, triton_convs: bool = Fa
 
     ``triton_convs`` (needs ``time_major``): every ``Conv1d`` of the filter network runs as
     :func:`~cosyvoice_fast.vocoder.kernels.hift_conv.conv1d` (its packed weight made here), through the model's
-    ``conv_override`` and the fused residual units; the transposed convolutions stay cuDNN's."""
+    ``conv_override`` and the fused residual units, for calls of at most ``triton_max_rows`` batch rows (more
+    keep cuDNN's time-major path); the transposed convolutions stay cuDNN's."""
     if triton_convs and not time_major:
         raise ValueError("fuse_hift: triton_convs runs the conv stack time-major; pass time_major=True")
     plain.time_major = time_major
@@ -165,20 +173,20 @@ def fuse_hift(plain: nn.Module, time_major: bool = True, triton_convs: bool = Fa
         for conv in plain.f0_predictor.condnet:
             if isinstance(conv, nn.Conv1d):
                 packed(conv, tf32=False)
-        plain.conv_override = _triton_conv
+        plain.conv_override = functools.partial(_triton_conv, max_rows=triton_max_rows)
     n = 0
     for lists in (plain.resblocks, plain.source_resblocks):
         for i, blk in enumerate(lists):
             if isinstance(blk, SnakeResBlock):
-                lists[i] = FusedSnakeResBlock(blk, triton_convs=triton_convs)
+                lists[i] = FusedSnakeResBlock(blk, triton_convs=triton_convs, triton_max_rows=triton_max_rows)
                 n += 1
     return n
 
 
-def _triton_conv(conv: nn.Conv1d, x: Tensor) -> Tensor:
+def _triton_conv(conv: nn.Conv1d, x: Tensor, max_rows: int = TRITON_MAX_ROWS) -> Tensor:
     """``conv(x)`` as one :func:`~cosyvoice_fast.vocoder.kernels.hift_conv.conv1d` launch, time-major out; calls of more
-    rows than :func:`~cosyvoice_fast.vocoder.kernels.hift_conv.use_triton` allows take cuDNN's time-major path."""
-    if not use_triton(x.shape[0]):
+    than ``max_rows`` rows take cuDNN's time-major path."""
+    if not use_triton(x.shape[0], max_rows):
         return conv_time_major(conv, conv.weight4, x)
     y, _ = run_conv(conv, x.float())
     return y
