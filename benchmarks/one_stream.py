@@ -2,7 +2,7 @@
 (``ttfb_trace.py``).
 
 They take the bench's model, device and engine flags plus its workload flags after ``--`` and build requests
-exactly as ``python -m cosyvoice_fast.bench.engine_bench`` does (seeded synthetic token ids, a new voice per request, EOS
+exactly as ``python -m cosyvoice_fast.bench`` does (seeded synthetic token ids, a new voice per request, EOS
 ignored), so their numbers line up with the bench's c1 row.
 """
 

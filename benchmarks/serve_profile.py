@@ -1,4 +1,4 @@
-"""Where a serving run's GPU time goes: ``python -m cosyvoice_fast.bench.engine_bench`` under ``torch.profiler`` (CUDA
+"""Where a serving run's GPU time goes: ``python -m cosyvoice_fast.bench`` under ``torch.profiler`` (CUDA
 activity only), kernel time summed per stage.
 
     PYTHONUNBUFFERED=1 python benchmarks/serve_profile.py --out $OUT -- --synthetic full --backends fused ...

@@ -11,7 +11,7 @@ the scalar settings above them: the rest names training-only code) and loaded wi
 ``CosyVoice2Model.load``, strict, from the same ``llm.pt`` / ``flow.pt`` / ``hift.pt`` this engine loads.
 
 What is timed is upstream's streaming ``tts()`` generator, as its CLI drives it: from the call until it yields
-the first chunk, then to the end. The inputs are the ones ``python -m cosyvoice_fast.bench.engine_bench`` uses (the same
+the first chunk, then to the end. The inputs are the ones ``python -m cosyvoice_fast.bench`` uses (the same
 seeded prompt tokens, prompt mel, speaker embedding and text ids), and upstream's LM is held to exactly
 ``--gen-tokens`` tokens (its ``min_token_text_ratio`` and ``max_token_text_ratio``), as the bench's
 ``ignore_eos`` does. Two orders are reported:

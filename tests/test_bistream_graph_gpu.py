@@ -57,7 +57,7 @@ def run_both(llm, device: str) -> dict[str, list[list[int]]]:
 
 @pytest.mark.gpu
 def test_graph_stage_equals_eager_in_fp32():
-    from cosyvoice_fast.modeldir.synthetic import random_full_size_lm
+    from helpers import random_full_size_lm
 
     runs = run_both(random_full_size_lm(torch.float32, "cuda").eval(), "cuda")
     assert runs["graph"] == runs["eager"]

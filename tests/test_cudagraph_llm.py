@@ -301,8 +301,8 @@ def test_gpu_half_precision_runs_and_stays_close(llm_cuda, tiny_models, case, dt
 
 
 def _random_full_size_lm(dtype: torch.dtype) -> Qwen2LM:
-    """CosyVoice2-0.5B shapes with seeded random weights (:func:`cosyvoice_fast.modeldir.synthetic.random_full_size_lm`)."""
-    from cosyvoice_fast.modeldir.synthetic import random_full_size_lm
+    """CosyVoice2-0.5B shapes with seeded random weights (:func:`helpers.random_full_size_lm`)."""
+    from helpers import random_full_size_lm
 
     return random_full_size_lm(dtype)
 

@@ -347,8 +347,7 @@ def test_external_tn_runs_first_and_never_sees_markup():
     assert normalize("我有3个苹果", tn=lambda t, zh: t.replace("3", "三") if zh else t) == "我有三个苹果"
 
 
-def test_wetext_when_installed():
-    pytest.importorskip("wetext")
+def test_wetext_verbalises_before_the_built_in_rules():
     from cosyvoice_fast.frontend.text_normalize import WetextTN, normalize
 
     tn = WetextTN.load()

@@ -1,6 +1,6 @@
 """GPU benchmark: TTFB p50/p95 and its stage split, LLM ms/token, flow and vocoder ms per chunk, RTF, throughput.
 
-    python -m cosyvoice_fast.bench.engine_bench --synthetic full --backends eager,cudagraph --concurrency 1,4,16 \
+    python -m cosyvoice_fast.bench --synthetic full --backends eager,cudagraph --concurrency 1,4,16 \
         --requests 20 --prompt-tokens 75 --text-tokens 30 --gen-tokens 150 --dtype bf16 --out bench_out
 
 Inputs are token ids drawn from a seeded generator (no frontend: it is not what is measured), the LM is forced
@@ -51,11 +51,11 @@ def synthetic_inputs(cfg: Any, prompt_tokens: int, text_tokens: int, seed: int) 
 
 def write_report(results: dict[str, Any], out: Path) -> None:
     """``report.html`` beside ``results.json``; skipped with a warning where plotly is not installed (GPU
-    boxes without the app's dependencies): ``python -m cosyvoice_fast.bench.engine_bench --report DIR`` renders it later."""
+    boxes without the app's dependencies): ``python -m cosyvoice_fast.bench --report DIR`` renders it later."""
     try:
         from cosyvoice_fast.app.report import benchmark_report_html
     except ImportError as e:
-        log.warning("no report.html (%s); render it elsewhere with: python -m cosyvoice_fast.bench.engine_bench --report %s",
+        log.warning("no report.html (%s); render it elsewhere with: python -m cosyvoice_fast.bench --report %s",
                     e, out)
         return
     (out / "report.html").write_text(benchmark_report_html(results))
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from cosyvoice_fast.config.flags import add_cli_args, from_cli_args
 
-    ap = argparse.ArgumentParser(prog="python -m cosyvoice_fast.bench.engine_bench")
+    ap = argparse.ArgumentParser(prog="python -m cosyvoice_fast.bench")
     add_cli_args(ap, parts=("model", "device", "engine"))
     ap.add_argument("--backends", default="eager,cudagraph")
     ap.add_argument("--concurrency", default="1,4,16")

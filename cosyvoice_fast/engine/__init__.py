@@ -1,1 +1,3 @@
-"""The one scheduler: admission, per-request state, the LLM side and the chunk side, the stage set each request runs on."""
+"""The one scheduler: admission, per-request state, the LLM side and the chunk side, the stage set each request runs
+on.
+"""

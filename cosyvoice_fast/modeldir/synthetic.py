@@ -191,20 +191,3 @@ def synthetic_model_dir(size: str, cache_root: str | Path | None = None) -> Path
         write_synthetic_model_dir(out, size)
         marker.write_text("ok")
     return out
-
-
-def random_full_size_lm(dtype: torch.dtype, device: str = "cuda", seed: int = 0) -> torch.nn.Module:
-    """The speech LM at CosyVoice2-0.5B shapes with seeded random weights (norms at 1, a sharper speech head so
-    sampling is not flat): what the GPU tests and the fused-decode check time and compare backends on."""
-    from cosyvoice_fast.llm.model.speech_lm import Qwen2LM
-
-    g = torch.Generator(device=device).manual_seed(seed)
-    with torch.device(device):
-        lm = Qwen2LM(full_config().llm)
-    with torch.no_grad():
-        for name, p in lm.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.1 if name.startswith("llm_decoder.weight") else 0.02, generator=g)
-    return lm.to(dtype).eval().requires_grad_(False)

@@ -1,1 +1,3 @@
-"""The vocoder stage: mel in, waveform out, streamed with caches and cross-fades. model/ is HiFT's math; runners are eager, CUDA graph and fused Triton."""
+"""The vocoder stage: mel in, waveform out, streamed with caches and cross-fades. model/ is HiFT's math; runners are
+eager, CUDA graph and fused Triton.
+"""
