@@ -36,7 +36,7 @@ def test_refuses_a_cpu_model_and_says_what_to_choose():
     from cosyvoice_fast.llm.fused import FusedLLM
 
     cfg = tiny_config()
-    with pytest.raises(BackendUnavailable, match="needs a CUDA GPU, but the model is on cpu; choose 'eager'"):
+    with pytest.raises(BackendUnavailable, match=r"needs a CUDA GPU \(this engine runs on cpu\); choose 'eager'"):
         FusedLLM(Qwen2LM(cfg.llm), cfg)
 
 

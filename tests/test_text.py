@@ -347,10 +347,40 @@ def test_external_tn_runs_first_and_never_sees_markup():
     assert normalize("我有3个苹果", tn=lambda t, zh: t.replace("3", "三") if zh else t) == "我有三个苹果"
 
 
-def test_wetext_verbalises_before_the_built_in_rules():
+class _FakeNormalizer:
+    """Stands in for ``wetext.Normalizer`` (an optional package): records its calls, verbalises one number."""
+
+    made: list[tuple[str, str]] = []
+
+    def __init__(self, lang: str, operator: str, **kw: object) -> None:
+        self.lang = lang
+        _FakeNormalizer.made.append((lang, operator))
+
+    def normalize(self, text: str) -> str:
+        if not text.strip(" .,!?"):
+            raise AssertionError  # what wetext does on punctuation-only input
+        return text.replace("30", "thirty" if self.lang == "en" else "三十")
+
+
+def test_wetext_is_used_when_installed_and_its_failures_fall_back(monkeypatch):
+    import sys
+    import types
+
     from cosyvoice_fast.frontend.text_normalize import WetextTN, normalize
 
+    monkeypatch.setitem(sys.modules, "wetext", types.SimpleNamespace(Normalizer=_FakeNormalizer))
+    _FakeNormalizer.made.clear()
     tn = WetextTN.load()
-    assert tn is not None
-    assert normalize("温度25.5度", tn=tn) == "温度二十五点五度"
-    assert "thirty dollars" in normalize("It costs $30.", tn=tn)
+    assert tn is not None and sorted(_FakeNormalizer.made) == [("en", "tn"), ("zh", "tn")]
+    assert normalize("It costs 30 dollars.", tn=tn) == "It costs thirty dollars."
+    assert normalize("我有30个", tn=tn) == "我有三十个"
+    assert tn("?!", False) == "?!"  # a wetext assertion is not the user's error: the built-in rules go on
+
+
+def test_without_wetext_the_built_in_rules_do_the_work(monkeypatch):
+    import sys
+
+    from cosyvoice_fast.frontend.text_normalize import WetextTN
+
+    monkeypatch.setitem(sys.modules, "wetext", None)  # import wetext -> ImportError
+    assert WetextTN.load() is None

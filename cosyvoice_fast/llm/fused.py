@@ -20,13 +20,15 @@ import torch
 
 from cosyvoice_fast.config.model import ModelConfig
 from cosyvoice_fast.config.backends import TRITON_MISSING, BackendUnavailable
+from cosyvoice_fast.kernels.graphs import cuda_missing
 from cosyvoice_fast.llm.graph import CudaGraphLLM
 
 
 def why_unavailable_on(device: torch.device, engines_dir: Path | None = None) -> str | None:
     """Why this backend cannot run on ``device`` (the availability registry asks), or None when it can."""
-    if not torch.cuda.is_available() or device.type != "cuda":
-        return f"needs a CUDA GPU, but the model is on {device}"
+    missing = cuda_missing(device)
+    if missing is not None:
+        return missing
     return TRITON_MISSING if importlib.util.find_spec("triton") is None else None
 
 
