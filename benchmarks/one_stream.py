@@ -57,6 +57,7 @@ class OneStream:
 def load(bench_argv: Sequence[str], prog: str) -> OneStream:
     """Load the service the bench flags describe (``--backends`` names one preset, default ``fused``)."""
     from cosyvoice_fast.bench import engine_bench as bench
+    from cosyvoice_fast.config.presets import parse_backend
     from cosyvoice_fast.config.flags import add_cli_args, from_cli_args
     from cosyvoice_fast.config.stream import StreamParams
     from cosyvoice_fast.frontend.request import SynthesisRequest
@@ -71,7 +72,7 @@ def load(bench_argv: Sequence[str], prog: str) -> OneStream:
     a.same_voice, a.gpu_busy = False, False  # what bench.bench_config reads besides the workload
     run = from_cli_args(a, ap)
     svc = load_service(**run.service_kwargs(), speaker_cache_dir=None, progress=False)
-    backend = bench.parse_backend(a.backends, run.dtype)
+    backend = parse_backend(a.backends, run.dtype)
     params = StreamParams(token_hop_len_first=a.token_hop_len_first, pre_lookahead_len=a.pre_lookahead_len)
     cfg = svc.models.config
 

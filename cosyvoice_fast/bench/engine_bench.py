@@ -26,7 +26,7 @@ import torch
 from cosyvoice_fast.config.backends import BackendConfig
 from cosyvoice_fast.config.yamlfile import ConfigError
 from cosyvoice_fast.config.stream import StreamParams
-from cosyvoice_fast.config.presets import BACKEND_PRESETS, parse_backend  # noqa: F401 - re-exported for scripts
+from cosyvoice_fast.config.presets import parse_backend
 from cosyvoice_fast.bench.gpu_busy import GpuBusy
 from cosyvoice_fast.bench.host_cpu import HostCpu
 from cosyvoice_fast.frontend.request import ModelInputs, SynthesisRequest
