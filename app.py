@@ -11,13 +11,14 @@ import logging
 import sys
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from cosyvoice_fast.config.flags import add_cli_args, from_cli_args
+def build_parser() -> argparse.ArgumentParser:
+    """``python app.py``'s options (each with a help text: tests/test_cli.py walks them)."""
+    from cosyvoice_fast.config.flags import add_cli_args
 
     ap = argparse.ArgumentParser(prog="python app.py", description=__doc__.splitlines()[0])
     add_cli_args(ap)  # --model-dir, --synthetic, --device, --dtype, default backends, engine capacity
     ap.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for every interface)")
-    ap.add_argument("--port", type=int, default=7860)
+    ap.add_argument("--port", type=int, default=7860, help="port to listen on (default 7860)")
     ap.add_argument("--share", action="store_true", help="also open a public gradio.live link")
     ap.add_argument("--auth", metavar="USER:PASS", help="require this login")
     ap.add_argument("--speaker-cache", default="speakers", metavar="DIR", help="where saved voices are kept")
@@ -25,6 +26,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-queue", type=int, default=32, help="waiting requests beyond which users are turned away")
     ap.add_argument("--backend-url", metavar="URL", help="front a Serve cluster (python -m cosyvoice_fast serve --ray)"
                                                          " at URL instead of loading a model here")
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from cosyvoice_fast.config.flags import from_cli_args
+
+    ap = build_parser()
     a = ap.parse_args(argv)
     if a.auth is not None and (":" not in a.auth or not a.auth.split(":", 1)[0]):
         ap.error("--auth must look like user:password")

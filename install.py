@@ -10,13 +10,18 @@ of requirements.txt and chosen here:
    a wheelhouse), else the PyTorch CPU index (download.pytorch.org/whl/cpu).  When neither can be reached the
    script stops and says what to do; ``--torch-from-pypi`` accepts PyPI's CUDA build instead (it runs on CPU too).
 
-Then ``requirements.txt`` (which never touches torch).  ``--dry-run`` prints the pip commands without running them.
+Then ``requirements.txt`` (which never touches torch).  ``--dry-run`` prints the commands without running them.
+
+``--system-packages`` first installs the Debian/Ubuntu packages the app uses (ffmpeg for gradio_client's streamed
+audio, chromium + chromedriver for the browser test, fonts-noto-cjk so Chinese text renders in that browser) with
+``apt-get install -y``: directly as root (Docker, Autodl: no sudo there), through ``sudo`` otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -31,6 +36,19 @@ NO_CPU_TORCH = (
     "`pip install torch-<version>+cpu-<tags>.whl`, then `python install.py` again; or accept PyPI's CUDA build "
     "(gigabytes, works on CPU too): `python install.py --torch-from-pypi`."
 )
+
+
+SYSTEM_PACKAGES = ("ffmpeg", "chromium", "chromium-driver", "fonts-noto-cjk")
+
+
+def apt_commands(is_root: bool, has_sudo: bool) -> list[list[str]]:
+    """``apt-get update`` + ``install -y`` of :data:`SYSTEM_PACKAGES`; prefixed by sudo only for a non-root user.
+    Raises ``RuntimeError`` (with what to do) for a non-root user without sudo."""
+    if not is_root and not has_sudo:
+        raise RuntimeError("--system-packages needs root or sudo: run as root `apt-get install -y "
+                           + " ".join(SYSTEM_PACKAGES) + "`, then `python install.py`")
+    pre = [] if is_root else ["sudo"]
+    return [pre + ["apt-get", "update"], pre + ["apt-get", "install", "-y", *SYSTEM_PACKAGES]]
 
 
 def pip(*args: str) -> list[str]:
@@ -51,12 +69,29 @@ def torch_attempts(has_torch: bool, has_gpu: bool, from_pypi: bool) -> list[list
     return [[pip("--no-index", "--no-deps", TORCH), pip(TORCH)], [pip(TORCH, "--index-url", CPU_INDEX)]]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python install.py", description=__doc__.splitlines()[0])
     ap.add_argument("--torch-from-pypi", action="store_true",
                     help="on a machine without a GPU, install PyPI's (CUDA) torch when no CPU build is reachable")
-    ap.add_argument("--dry-run", action="store_true", help="print the pip commands instead of running them")
-    a = ap.parse_args(argv)
+    ap.add_argument("--system-packages", action="store_true",
+                    help="first apt-get install " + ", ".join(SYSTEM_PACKAGES) + " (as root directly, else via sudo)")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands instead of running them")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    if a.system_packages:
+        try:
+            apt = apt_commands(os.geteuid() == 0, shutil.which("sudo") is not None)
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        for cmd in apt:
+            print("+", " ".join(cmd), flush=True)
+            if not a.dry_run and subprocess.call(cmd) != 0:
+                print("error: installing the system packages failed (see apt-get's message above)", file=sys.stderr)
+                return 1
     has_torch = importlib.util.find_spec("torch") is not None
     has_gpu = shutil.which("nvidia-smi") is not None
     attempts = torch_attempts(has_torch, has_gpu, a.torch_from_pypi)

@@ -20,32 +20,56 @@ from skip_check import pytest_collectreport, pytest_sessionfinish  # noqa: F401 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # COSYVOICE_FIXTURE_DIR points elsewhere where ../shared is not beside the checkout (e.g. a GPU box)
 FIXTURE_DIR = Path(os.environ.get("COSYVOICE_FIXTURE_DIR") or REPO_ROOT / ".." / "shared" / "fixtures" / "cosyvoice2-tiny")
+# the CosyVoice3 fixture (a hold-out set with other sizes and seeds may be swapped in through the variable)
+FIXTURE3_DIR = Path(os.environ.get("COSYVOICE3_FIXTURE_DIR")
+                    or REPO_ROOT / ".." / "shared" / "fixtures" / "cosyvoice3-tiny")
 REQUIRE_FIXTURES = os.environ.get("COSYVOICE_REQUIRE_FIXTURES", "") not in ("", "0")
 _missing_fixture_tests: list[str] = []
 
 
-def missing_fixtures_message(path: Path) -> str:
+def missing_fixtures_message(path: Path, family: str = "cosyvoice2") -> str:
     """What a test that needs the parity fixtures says when they are absent (pinned by tests/test_conftest.py)."""
-    return (f"parity fixtures not found at {path.resolve()}: put ../shared/fixtures/cosyvoice2-tiny beside the "
-            "checkout or set COSYVOICE_FIXTURE_DIR=/path/to/cosyvoice2-tiny")
+    var = "COSYVOICE_FIXTURE_DIR" if family == "cosyvoice2" else "COSYVOICE3_FIXTURE_DIR"
+    return (f"parity fixtures not found at {path.resolve()}: put ../shared/fixtures/{family}-tiny beside the "
+            f"checkout or set {var}=/path/to/{family}-tiny")
+
+
+def _require(path: Path, family: str) -> Path:
+    if not path.is_dir():
+        msg = missing_fixtures_message(path, family)
+        if REQUIRE_FIXTURES:
+            pytest.fail(f"{msg} (COSYVOICE_REQUIRE_FIXTURES=1: the fixtures are required here)", pytrace=False)
+        pytest.skip(msg)
+    return path
 
 
 @pytest.fixture(scope="session")
 def fixture_dir() -> Path:
     """The parity fixture directory; skips the test (fails it under COSYVOICE_REQUIRE_FIXTURES=1) when absent."""
-    if not FIXTURE_DIR.is_dir():
-        msg = missing_fixtures_message(FIXTURE_DIR)
-        if REQUIRE_FIXTURES:
-            pytest.fail(f"{msg} (COSYVOICE_REQUIRE_FIXTURES=1: the fixtures are required here)", pytrace=False)
-        pytest.skip(msg)
-    return FIXTURE_DIR
+    return _require(FIXTURE_DIR, "cosyvoice2")
+
+
+@pytest.fixture(scope="session")
+def fixture3_dir() -> Path:
+    """The CosyVoice3 parity fixture directory (``COSYVOICE3_FIXTURE_DIR``); absent: as :func:`fixture_dir`."""
+    return _require(FIXTURE3_DIR, "cosyvoice3")
+
+
+@pytest.fixture(scope="session")
+def load_case3(fixture3_dir):
+    """``load_case3("case_llm")`` -> the recorded CosyVoice3 dict."""
+
+    def _load(name: str) -> dict:
+        return torch.load(fixture3_dir / f"{name}.pt", weights_only=True)
+
+    return _load
 
 
 def pytest_runtest_logreport(report):  # noqa: ANN001 - pytest hook
     """Count the tests skipped for want of fixtures, for one summary line instead of a line per test; record every
     skip for CI's check against tests/allowed_skips.txt."""
     skip_check.record(report)
-    if report.skipped and isinstance(report.longrepr, tuple) and "COSYVOICE_FIXTURE_DIR" in str(report.longrepr[2]):
+    if report.skipped and isinstance(report.longrepr, tuple) and "FIXTURE_DIR" in str(report.longrepr[2]):
         _missing_fixture_tests.append(report.nodeid)
 
 

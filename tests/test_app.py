@@ -102,7 +102,8 @@ def test_streaming_synthesis_yields_several_chunks_and_a_final_wav(streamed):
         assert isinstance(o[0], str) and o[0], "every chunk update carries streamed audio"
         assert _unchanged(o[1]), "the full wav comes only at the end"
         assert o[6].startswith("streaming")
-    assert _unchanged(stream_audio)  # the stream is not replayed at the end
+    # the final result names the stream's file (no raw {'__type__': 'update'}) and does not replay it
+    assert isinstance(stream_audio, str) and stream_audio.endswith(".m3u8"), stream_audio
     wav, sr = sf.read(wav_path)
     assert sr == 24000
     n_samples = sum(c["n_samples"] for c in tele["chunks"])
@@ -162,8 +163,8 @@ def test_ab_returns_two_results_and_a_difference_table(app, tmp_path):
     fresh = tmp_path / "fresh_prompt.wav"  # audio the frontend has not seen yet (its cache is keyed on content)
     wav, sr = sf.read(PROMPT, dtype="float32")
     sf.write(fresh, 0.9 * wav, sr)
-    a_wav, b_wav, ttfb, tl_a, tl_b, diff = client.predict(**ab_args(prompt_upload=handle_file(str(fresh))),
-                                                          api_name="/ab")
+    a_wav, b_wav, ttfb, tl_a, tl_b, diff, status = client.predict(
+        **ab_args(prompt_upload=handle_file(str(fresh))), api_name="/ab")
     wa, sra = sf.read(a_wav)
     wb, srb = sf.read(b_wav)
     assert sra == srb == 24000 and len(wa) > 0 and len(wb) > 0
@@ -177,6 +178,75 @@ def test_ab_returns_two_results_and_a_difference_table(app, tmp_path):
     # the prompt voice was analysed before A: both runs took it from the cache, so their frontends compare
     assert rows["prompt from cache (1 = yes)"][:2] == [1, 1]
     assert json.loads(tl_a["plot"])["data"] and json.loads(tl_b["plot"])["data"]
+    ttfb_a, ttfb_b = rows["TTFB (ms)"][:2]
+    assert status == f"done: A TTFB {ttfb_a:.0f} ms · B TTFB {ttfb_b:.0f} ms"
+    assert all(r[1] is None or round(r[1], 1) == r[1] for name, r in rows.items() if "ms" in name)  # 0.1 ms
+
+
+def test_summary_shows_the_first_chunk_the_engine_made(streamed):
+    _, final = streamed
+    rows = {r[0]: r[1:] for r in final[5]["data"]}
+    assert rows["first chunk"] == [final[7]["chunks"][0]["n_tokens"], "tokens (as asked)"]
+    assert final[7]["chunks"][0]["n_tokens"] == 10
+
+
+def test_page_errors_are_one_status_line_not_an_error_on_every_output(app):
+    """The page (its request id given): a refusal is the status line's message, the other outputs untouched; a
+    gradio_client caller without a request id still gets the error (test_bad_inputs_come_back_as_messages)."""
+    out = app[0].predict(**args(text="   ", client_request_id="page-0123456789abcdef"), api_name="/synthesize")
+    assert out[6] == "Not synthesised: Text is empty: type something to synthesise."
+    assert all(_unchanged(x) for i, x in enumerate(out) if i != 6)
+    ab = app[0].predict(**ab_args(text="", client_request_ids="page-a,page-b"), api_name="/ab")
+    assert ab[6] == "Not run: Text is empty: type something to synthesise." and all(map(_unchanged, ab[:6]))
+
+
+def test_type_as_you_go_has_named_inputs_and_outputs_and_streams_chinese(app):
+    api = app[0].view_api(print_info=False, return_format="dict")["named_endpoints"]["/type_as_you_go"]
+    assert [p["parameter_name"] for p in api["parameters"]] == ["text", "words_per_second", "max_tokens"]
+    assert [r["label"] for r in api["returns"]] == ["status", "speech", "chunk timeline"]
+    status, speech, _ = app[0].predict("今天天气很好。", 20, 20, api_name="/type_as_you_go")
+    assert status.startswith("done: ") and int(status.split()[1]) > 1  # fed piece by piece, not as one "word"
+    assert app[0].predict("  ", 20, 20, api_name="/type_as_you_go")[0] == (
+        "Not spoken: Text is empty: type something to speak.")
+
+
+def test_stop_reports_what_the_page_heard(app):
+    """Stop hands the page's player clock to the server: the status says what was heard, not what was made (the
+    engine runs ahead of playback)."""
+    import threading
+
+    from cosyvoice_fast.app import tables
+    from cosyvoice_fast.app.handlers import Handlers
+    from cosyvoice_fast.serving.http import api_store
+
+    client, url, svc = app
+    session = httpx.post(f"{url}v1/sessions", timeout=10).json()["session"]  # as the page does
+    rid = f"{session}.page-stop-test-0001"  # the address the page hands to its Gradio events
+    body = {"model": "cosyvoice2", "input": "A long sentence that keeps the engine busy for a while.",
+            "voice": "zero_shot_prompt", "response_format": "pcm", "max_tokens": 2000,
+            "request_id": "page-stop-test-0001"}
+    got = threading.Event()
+
+    def listen():
+        with httpx.stream("POST", f"{url}v1/audio/speech", json=body, headers={"X-Session": session},
+                          timeout=120) as r:
+            for _ in r.iter_bytes():
+                got.set()
+    t = threading.Thread(target=listen)
+    t.start()
+    assert got.wait(60), "no audio arrived"
+    status = Handlers(svc).stop(rid, 1.25, 5.5)
+    t.join(60)
+    assert status == "stopped after 1.25 s heard (5.50 s of audio received before Stop)"
+    live = api_store(svc).get(rid)
+    assert live.client["stop_heard_s"] == 1.25
+    tele = httpx.get(f"{url}v1/requests/{rid}/telemetry", timeout=10).json()
+    assert tele["outcome"] == "cancelled"
+    made = sum(c["n_samples"] for c in tele["telemetry"]["chunks"]) / 24000
+    assert tables.status_line(tele["telemetry"], "cancelled").startswith(
+        f"stopped after 1.25 s heard ({made:.2f} s of audio made in {len(tele['telemetry']['chunks'])} chunk")
+    assert tables.stopped_line(float("nan"), 2.0, 1) == "stopped: 2.00 s of audio made in 1 chunk before Stop"
+
 
 
 @pytest.mark.parametrize("over, expect", [
@@ -242,3 +312,15 @@ def test_no_host_files_are_served(app):
 def test_random_seed(app):
     seed = app[0].predict(api_name="/random_seed")
     assert isinstance(seed, (int, float)) and 0 <= seed < 2**31
+
+
+def test_readme_gradio_client_example_runs(app, monkeypatch):
+    """The README's gradio_client block, run as written against this app (only the URL differs)."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("### From Python (`gradio_client`)"):]
+    code = section[section.index("```python") + len("```python"):section.index("```", section.index("```python") + 9)]
+    monkeypatch.chdir(REPO)
+    scope: dict = {}
+    exec(code.replace("http://127.0.0.1:7860/", app[1]), scope)  # noqa: S102 - the README's own example
+    assert scope["status"].startswith("done: ") and isinstance(scope["telemetry"], dict)
+    assert scope["stream"].endswith(".m3u8") and scope["wav"].endswith(".wav")

@@ -363,7 +363,7 @@ def test_cosyvoice1_yaml_is_named_as_such(fixture_dir, tmp_path):
     with pytest.raises(ModelFileError) as e:
         load_models(d, progress=False)
     assert "cosyvoice2.yaml: llm is TransformerLM and flow is MaskedDiffWithXvec" in str(e.value)
-    assert "not CosyVoice1 or CosyVoice3" in str(e.value)
+    assert "not CosyVoice1, and not a mix" in str(e.value)
 
 
 def test_cosyvoice1_directory_is_named_as_such(fixture_dir, tmp_path):
@@ -371,8 +371,8 @@ def test_cosyvoice1_directory_is_named_as_such(fixture_dir, tmp_path):
     (d / "cosyvoice.yaml").write_text(COSYVOICE1_YAML)
     with pytest.raises(ModelFileError) as e:
         load_models(d, progress=False)
-    assert "holds cosyvoice.yaml: it looks like a CosyVoice1 model; cosyvoice_fast runs CosyVoice2 only" \
-        in str(e.value)
+    assert "holds cosyvoice.yaml: it looks like a CosyVoice1 model; cosyvoice_fast runs CosyVoice2 and " \
+        "CosyVoice3 only" in str(e.value)
 
 
 def test_yaml_that_tries_to_run_code_is_inert(fixture_dir, tmp_path):

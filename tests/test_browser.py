@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -92,8 +94,9 @@ def _save_screenshot(drv) -> Path:
     return out
 
 
+STOPPED = r"stopped after (\d+\.\d\d) s heard \((\d+\.\d\d) s of audio (?:made|received)"
 PLAYBACK = ("const r = window.cvfPlayback; if (!r || r.endAt === null) return null;"
-            "return {id: r.id, heard_ms: r.heardMs, first_byte_ms: r.firstByteAt - r.clickAt,"
+            "return {id: r.address, heard_ms: r.heardMs, first_byte_ms: r.firstByteAt - r.clickAt,"
             " end_ms: r.endAt - r.clickAt, played_before_end: r.playedWhenEnded, chunks: r.chunks,"
             " samples: r.samples, gaps: r.underruns, error: r.error};")
 
@@ -199,12 +202,18 @@ def test_stop_ends_as_stopped_with_partial_audio_and_a_history_entry(app_url, br
     browser.find_element(By.ID, "synthesize-btn").click()
     WebDriverWait(browser, 120).until(lambda d: d.execute_script(
         "return window.cvfPlayback && window.cvfPlayback.heardMs !== undefined && window.cvfPlayback.chunks > 0"))
+    WebDriverWait(browser, 60).until(lambda d: d.execute_script(  # something has been heard: the clock runs
+        "return window.cvfPlayer.heard(window.cvfPlayback) > 0.2"))
     browser.find_element(By.ID, "stop-btn").click()
     WebDriverWait(browser, 60).until(lambda d: d.find_element(By.ID, "status").text.startswith(("stopped", "done")))
+    heard = browser.execute_script("return window.cvfPlayback.heardAtStop")
+    WebDriverWait(browser, 60).until(lambda d: re.match(STOPPED, d.find_element(By.ID, "status").text))
     status = browser.find_element(By.ID, "status").text
-    assert status.startswith("stopped:"), status
-    assert "before Stop" in status
-    rid = browser.execute_script("return window.cvfPlayback.id")
+    said = re.match(STOPPED, status)
+    # what was heard, from the player's clock at the moment of Stop; not what the engine had made by then
+    assert float(said.group(1)) == pytest.approx(heard, abs=0.006), (status, heard)
+    assert float(said.group(1)) <= float(said.group(2)), status
+    rid = browser.execute_script("return window.cvfPlayback.address")
     t = httpx.get(f"{app_url}v1/requests/{rid}/telemetry", timeout=10).json()
     assert t["outcome"] == "cancelled"
     assert len(t["telemetry"]["token_times"]) < 2000
@@ -219,7 +228,7 @@ def test_ab_tab_plays_a_then_b_and_shows_both_heard_at_bars(app_url, browser):
     WebDriverWait(browser, 10).until(lambda d: d.find_element(By.ID, "ab-btn").is_displayed())
     browser.find_element(By.ID, "ab-btn").click()
     runs = ("const rs = window.cvfPlayer.runs || []; return rs.length === 2 && rs.every(r => r.endAt !== null) ?"
-            " rs.map(r => ({id: r.id, heard_ms: r.heardMs, error: r.error, samples: r.samples,"
+            " rs.map(r => ({id: r.address, heard_ms: r.heardMs, error: r.error, samples: r.samples,"
             " played: r.playedWhenEnded})) : null;")
     state = ("return (window.cvfPlayer.runs || []).map(r => ({id: r.id, chunks: r.chunks, end: r.endAt,"
              " error: r.error}));")
@@ -237,3 +246,80 @@ def test_ab_tab_plays_a_then_b_and_shows_both_heard_at_bars(app_url, browser):
         assert t["outcome"] == "ok"
         assert t["telemetry"]["client"]["heard_ms"] == pytest.approx(r["heard_ms"])
         assert sum(c["n_samples"] for c in t["telemetry"]["chunks"]) == r["samples"]
+    status = browser.find_element(By.ID, "ab-status").text
+    assert status.startswith("done: A TTFB") and "B TTFB" in status, status
+
+
+def _metric(url: str, line_start: str) -> float:
+    for line in httpx.get(f"{url}metrics", timeout=10).text.splitlines():
+        if line.startswith(line_start):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_ab_prompt_warm_up_is_not_refused(app_url, browser):
+    """The A/B click's prompt warm-up is a request the server accepts (it sent "." once: refused with a 400, so the
+    prompt was never analysed beforehand)."""
+    rejected = 'cosyvoice_requests_total{outcome="rejected"}'
+    before = _metric(app_url, rejected)
+    browser.get(app_url)
+    _wait_ready(browser)
+    browser.find_element(By.XPATH, "//button[@role='tab'][normalize-space()='A/B']").click()
+    WebDriverWait(browser, 10).until(lambda d: d.find_element(By.ID, "ab-btn").is_displayed())
+    browser.find_element(By.ID, "ab-btn").click()
+    WebDriverWait(browser, 300).until(lambda d: d.find_element(By.ID, "ab-status").text.startswith("done"))
+    assert _metric(app_url, rejected) == before
+
+
+def test_first_run_player_defaults_and_empty_text(app_url, browser):
+    """What a new user meets: English defaults and worded buttons (Debian's chromium has no CJK or emoji font), a
+    visible player whose clock runs and pauses, one status line, and an empty text answered by one message with
+    no red "Error" over the outputs."""
+    browser.get(app_url)
+    _wait_ready(browser)
+    text = browser.find_element(By.CSS_SELECTOR, "#tts-text textarea").get_attribute("value")
+    assert text and text.isascii(), text
+    assert browser.find_element(By.ID, "dice").text == "New seed"
+    assert browser.find_element(By.ID, "cvf-player").is_displayed()
+    assert browser.find_element(By.ID, "cvf-volume").get_attribute("type") == "range"
+    browser.execute_script("window.cvfPlayback = null;")
+    browser.find_element(By.ID, "synthesize-btn").click()
+    WebDriverWait(browser, 120).until(lambda d: d.execute_script(
+        "return !!window.cvfPlayback && window.cvfPlayer.heard(window.cvfPlayback) > 0.1"))
+    pause = browser.find_element(By.ID, "cvf-pause")
+    WebDriverWait(browser, 10).until(lambda d: pause.is_enabled())
+    pause.click()
+    WebDriverWait(browser, 10).until(lambda d: pause.text == "Play")
+    held = browser.execute_script("return window.cvfPlayer.heard(window.cvfPlayback)")
+    time.sleep(0.5)
+    assert browser.execute_script("return window.cvfPlayer.heard(window.cvfPlayback)") == pytest.approx(held, abs=0.05)
+    pause.click()
+    WebDriverWait(browser, 10).until(lambda d: pause.text == "Pause")
+    WebDriverWait(browser, 120).until(lambda d: d.find_element(By.ID, "status").text.startswith("done:"))
+    assert re.fullmatch(r"\d+\.\d / \d+\.\d s", browser.find_element(By.ID, "cvf-time").text)
+    assert not browser.find_elements(By.ID, "player-status")  # one status line: the run's
+    assert "first chunk" in browser.find_element(By.ID, "summary").text  # the size the engine used
+    box = browser.find_element(By.CSS_SELECTOR, "#tts-text textarea")
+    box.clear()
+    box.send_keys(" ")
+    browser.find_element(By.ID, "synthesize-btn").click()
+    WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "status").text.startswith("Not synthesised"))
+    assert browser.find_element(By.ID, "status").text == ("Not synthesised: Text is empty: type something to "
+                                                          "synthesise.")
+    assert not [t for t in browser.find_elements(By.CSS_SELECTOR, ".toast-body") if t.is_displayed()]
+    assert not [e for e in browser.find_elements(By.CSS_SELECTOR, ".error") if e.is_displayed()]
+
+
+def test_type_as_you_go_streams_the_default_text(app_url, browser):
+    browser.get(app_url)
+    _wait_ready(browser)
+    browser.find_element(By.XPATH, "//button[@role='tab'][normalize-space()='Type as you go']").click()
+    rate = browser.find_element(By.CSS_SELECTOR, "#bistream-rate input[type='number']")
+    browser.execute_script("arguments[0].value = '20'; arguments[0].dispatchEvent(new Event('input'));"
+                           "arguments[0].dispatchEvent(new Event('change'));", rate)
+    text = browser.find_element(By.CSS_SELECTOR, "#bistream-text textarea").get_attribute("value")
+    assert text.isascii() and len(text.split()) > 3, text  # the English default, as on the Synthesize tab
+    browser.find_element(By.ID, "bistream-go").click()
+    WebDriverWait(browser, 300).until(lambda d: d.find_element(By.ID, "bistream-status").text.startswith("done"))
+    fed = int(re.match(r"done: (\d+) words fed", browser.find_element(By.ID, "bistream-status").text).group(1))
+    assert 1 < fed <= len(text.split())  # word by word (the LM may stop at its cap before the last words)

@@ -126,7 +126,8 @@ def test_backend_flags_set_the_default_stage_set():
 def test_service_kwargs_carry_every_choice():
     kw = choices(["--synthetic", "tiny", "--max-streams", "5"]).service_kwargs()
     assert kw == {"model_dir": None, "synthetic": "tiny", "device": "cpu", "dtype": "fp32",
-                  "backend": BackendConfig(), "engine_config": EngineConfig(max_streams=5)}
+                  "backend": BackendConfig(), "engine_config": EngineConfig(max_streams=5),
+                  "cache_dir": None}
 
 
 def test_a_tools_synthetic_default_yields_to_model_dir():

@@ -33,11 +33,12 @@ def test_ref_arithmetic_refuses_code(tmp_path):
         read_hyperpyyaml(p)
 
 
-def test_cosyvoice1_or_3_yaml_is_refused_with_a_hint(fixture_dir, tmp_path):
+def test_a_yaml_mixing_two_families_is_refused_with_a_hint(fixture_dir, tmp_path):
     text = (fixture_dir / "cosyvoice2.yaml").read_text()
     p = tmp_path / "cosyvoice2.yaml"
     p.write_text(text.replace("cosyvoice.llm.llm.Qwen2LM", "cosyvoice.llm.llm.CosyVoice3LM"))
-    with pytest.raises(ConfigError, match="not CosyVoice1 or CosyVoice3"):
+    with pytest.raises(ConfigError, match="llm is CosyVoice3LM and flow is CausalMaskedDiffWithXvec, which is no "
+                                          "model family cosyvoice_fast runs .*not CosyVoice1, and not a mix"):
         ModelConfig.from_files(p, fixture_dir / "CosyVoice-BlankEN" / "config.json")
 
 

@@ -11,7 +11,7 @@ import pytest
 plotly = pytest.importorskip("plotly", reason="plotly is not installed here (pip install -r requirements.txt)")
 import plotly.graph_objects as go  # noqa: E402
 
-from cosyvoice_fast.app import dashboard as db  # noqa: E402
+from cosyvoice_fast.app import dashboard as db, tables  # noqa: E402
 from cosyvoice_fast.app import report  # noqa: E402
 from cosyvoice_fast.telemetry.record import STAGES, ChunkTiming, RequestTelemetry  # noqa: E402
 
@@ -129,25 +129,25 @@ def test_history_colours_by_backend_and_hover_has_params():
 
 def test_summary_rows():
     t = _tele()
-    rows = {r[0]: r[1] for r in db.summary_rows(t)}
+    rows = {r[0]: r[1] for r in tables.summary_rows(t)}
     assert rows["TTFB"] == pytest.approx(415.0)
     assert rows["RTF"] == pytest.approx(round(0.5 / 1.5, 3))
     assert rows["chunks"] == 2
     assert rows["tokens/s"] == pytest.approx(100.0, abs=0.05)
     assert rows["audio"] == pytest.approx(1.5)
     assert rows["underruns"] == 0
-    assert db.summary_rows(None) == []
+    assert tables.summary_rows(None) == []
 
 
 def test_ab_difference_rows():
     a, b = _tele(), _tele(late_s=1.5)
     b.chunks[0].flow_end -= 0.02
-    rows = {r[0]: r[1:] for r in db.ab_difference_rows(a, b.to_dict())}
+    rows = {r[0]: r[1:] for r in tables.ab_difference_rows(a, b.to_dict())}
     assert rows["TTFB (ms)"][:2] == [pytest.approx(415.0), pytest.approx(415.0)]
     assert rows["  flow (ms)"][2] == pytest.approx(-20.0, abs=1e-6)
     assert rows["  flow (ms)"][3] == pytest.approx(0.5)
     assert rows["underruns"][:3] == [0, 1, 1]
-    assert [r[0] for r in db.ab_difference_rows(a, b)][1:1 + len(STAGES)] == [f"  {s} (ms)" for s in STAGES]
+    assert [r[0] for r in tables.ab_difference_rows(a, b)][1:1 + len(STAGES)] == [f"  {s} (ms)" for s in STAGES]
 
 
 def test_benchmark_report_html_lists_runs_and_skips():
@@ -224,3 +224,55 @@ def test_timeline_shows_what_the_flow_computed_per_chunk():
                                                "recompute: 240 mel frames through the estimator"]
     assert "flow 20–40 ms/chunk (incremental, recompute)" in fig.layout.title.text
     assert _trace(db.chunk_timeline_figure(_tele()), "flow").customdata[0][2] == ""  # older telemetry: no note
+
+
+def test_the_three_waits_have_colours_told_apart():
+    def rgb(h: str) -> tuple[int, ...]:
+        return tuple(int(h[i:i + 2], 16) for i in (1, 3, 5))
+
+    waits = [rgb(db.STAGE_COLORS[s]) for s in ("app_queue", "admission", "queue")]
+    for i in range(3):
+        for j in range(i + 1, 3):  # near-identical greys were 10-30 apart on every channel
+            assert sum(abs(x - y) for x, y in zip(waits[i], waits[j])) > 90, (waits[i], waits[j])
+    assert len(set(db.STAGE_COLORS.values())) == len(db.STAGE_COLORS)
+
+
+def test_titles_sit_below_the_plotly_toolbar():
+    t = _tele()
+    for fig in (db.ttfb_figure(t), db.chunk_timeline_figure(t, "A"), db.history_figure([db.history_record(t, 1)])):
+        assert fig.layout.title.pad.t >= db.MODEBAR_PX and fig.layout.margin.t > db.MODEBAR_PX + 40
+
+
+def test_one_run_history_has_sane_axes():
+    fig = db.history_figure([db.history_record(_tele(), 1)])
+    assert tuple(fig.layout.yaxis.range) == pytest.approx((0.0, 415.0 * 1.15))  # not 414.5-415.5
+    assert fig.layout.yaxis2.range[0] == 0 and fig.layout.yaxis2.range[1] > _tele().rtf  # no negative RTF
+    assert tuple(fig.layout.xaxis2.range) == (0.5, 1.5)
+
+
+def test_summary_shows_the_first_chunk_size_the_engine_used():
+    padded = _tele(hop_first=25)  # its first chunk has 30 tokens: 25 padded with the prompt
+    assert tables.first_chunk_row(padded.to_dict()) == [
+        "first chunk", 30, "tokens (25 asked, padded to fill whole 25-token chunks)"]
+    asked = _tele(hop_first=30)
+    assert tables.first_chunk_row(asked.to_dict()) == ["first chunk", 30, "tokens (as asked)"]
+    rows = [r[0] for r in tables.summary_rows(padded)]
+    assert rows.index("first chunk") == rows.index("chunks") + 1
+    assert all(len(str(r[2])) <= 60 for r in tables.summary_rows(padded))  # the unit column is read, not clipped
+
+
+def test_ab_rows_are_rounded_to_a_tenth_of_a_millisecond():
+    a, b = _tele(), _tele(late_s=1.5)
+    b.chunks[0].flow_end -= 0.0123456
+    rows = {r[0]: r[1:] for r in tables.ab_difference_rows(a, b)}
+    assert rows["  flow (ms)"][1] == 27.7 and rows["  flow (ms)"][2] == -12.3
+    assert rows["RTF"][0] == round(a.rtf, 3)
+
+
+def test_stopped_status_says_what_was_heard():
+    t = _tele().to_dict()
+    assert tables.status_line(t, "cancelled").startswith(
+        "stopped: 1.50 s of audio made in 2 chunks before Stop, TTFB 415 ms")  # no page: nothing heard known
+    t["client"] = {"stop_heard_s": 0.42, "heard_ms": 480.0}
+    assert tables.status_line(t, "cancelled") == ("stopped after 0.42 s heard (1.50 s of audio made in 2 chunks "
+                                                   "before Stop), TTFB 415 ms, heard at 480 ms")

@@ -120,3 +120,23 @@ def test_ci_skip_check_passes_allowed_skips(tmp_path):
     checked, _ = _run_with_skip_report(tmp_path, "import pytest\ndef test_gpu():\n    pytest.skip('needs a CUDA GPU')\n")
     assert checked.returncode == 0, checked.stderr
     assert "1 skips, all for allowed reasons" in checked.stdout
+
+
+def test_system_packages_as_root_need_no_sudo_and_a_user_gets_sudo():
+    pkgs = ["ffmpeg", "chromium", "chromium-driver", "fonts-noto-cjk"]
+    assert install.apt_commands(is_root=True, has_sudo=False) == [["apt-get", "update"],
+                                                                  ["apt-get", "install", "-y", *pkgs]]
+    assert install.apt_commands(is_root=False, has_sudo=True) == [["sudo", "apt-get", "update"],
+                                                                  ["sudo", "apt-get", "install", "-y", *pkgs]]
+    with pytest.raises(RuntimeError, match="needs root or sudo"):
+        install.apt_commands(is_root=False, has_sudo=False)
+
+
+def test_system_packages_dry_run_prints_apt_first():
+    out = subprocess.run([sys.executable, "install.py", "--system-packages", "--dry-run"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    first = out.stdout.splitlines()[:2]
+    sudo = "" if os.geteuid() == 0 else "sudo "
+    assert first == [f"+ {sudo}apt-get update",
+                     f"+ {sudo}apt-get install -y ffmpeg chromium chromium-driver fonts-noto-cjk"]

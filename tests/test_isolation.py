@@ -16,6 +16,7 @@ from cosyvoice_fast.config.backends import BackendConfig
 from cosyvoice_fast.config.stream import StreamParams
 from cosyvoice_fast.engine.engine import Engine
 from cosyvoice_fast.frontend.request import ModelInputs, SynthesisRequest
+from cosyvoice_fast.vocoder.stream import ChunkJoining
 
 N = 16
 PARAMS = StreamParams(token_hop_len_first=5, token_hop_len=5, pre_lookahead_len=0)
@@ -82,7 +83,7 @@ class FaultyFlow:
         return self.inner.chunk(seg, inputs, tokens, call)
 
 
-class FaultyVocoder:
+class FaultyVocoder(ChunkJoining):
     """Raises for the requests whose vocoder generator (one per request) was armed."""
 
     max_batch = 1  # each chunk alone through ``vocode``, where the fault is injected

@@ -100,7 +100,7 @@ def test_missing_files_and_directory_name_the_full_path(model_dir, tmp_path):
     assert _error(model_dir) == f"Model directory {model_dir} is missing hift.pt. {FIX}"
     gone = tmp_path / "elsewhere" / "CosyVoice2-0.5B"
     assert _error(gone) == (f"Model directory {gone} does not exist or is not a directory. Pass --model-dir pointing "
-                            "at CosyVoice2-0.5B, or download CosyVoice2-0.5B again (python -m cosyvoice_fast "
+                            "at CosyVoice2-0.5B or Fun-CosyVoice3-0.5B, or download one (python -m cosyvoice_fast "
                             "download) or pass --synthetic tiny to try the app without weights.")
 
 

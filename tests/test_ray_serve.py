@@ -2,16 +2,16 @@
 
 The unmarked tests need no cluster (options, deployment settings, the metrics mirror, the remote client's error
 handling).  The ``ray`` tests share one local Ray instance (started and stopped here, 127.0.0.1 only) with two CPU
-replicas: 32 concurrent streams each equal their solo run; a replica killed mid-load ends its streams with an
-error while the other replica's streams finish untouched, and Ray's replacement serves new requests; a full
-deployment answers 503; shutting down leaves no Ray process behind.
+replicas: 32 concurrent streams each equal their solo run; a burst of 16 splits 8 ± 1 each; a running stream is
+not held back by streams queued for admission (the thread-pool stall); a replica killed mid-load ends its streams
+with an error within seconds while the other replica's streams finish untouched, and Ray's replacement serves new
+requests; a full deployment answers 503 with Retry-After; shutting down leaves no Ray process behind.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import signal
 import socket
 import threading
 import time
@@ -51,8 +51,9 @@ def test_serve_command_line_becomes_options():
     p = argparse.ArgumentParser()
     add_arguments(p)
     o = options_from_args(p.parse_args(["--ray", "--replicas", "3", "--max-streams", "4", "--queue-limit", "2",
-                                        "--address", "auto", "--backend", "cudagraph", "--speaker-dir", "spk"]))
-    assert (o.replicas, o.capacity, o.address, o.backend) == (3, 6, "auto", "cudagraph")
+                                        "--address", "auto", "--backend", "cudagraph", "--speaker-dir", "spk",
+                                        "--proxy-location", "HeadOnly"]))
+    assert (o.replicas, o.capacity, o.address, o.backend, o.proxy_location) == (3, 6, "auto", "cudagraph", "HeadOnly")
     assert os.path.isabs(o.speaker_dir)  # every replica must find the same directory, whatever its cwd
     with pytest.raises(ConfigError, match=r"RayServeOptions\.backend 'fastest' is unknown"):
         options_from_args(p.parse_args(["--ray", "--backend", "fastest"]))
@@ -73,6 +74,22 @@ def test_deployment_limits_follow_the_engine_config():
     auto = d._deployment_config.autoscaling_config
     assert (auto.min_replicas, auto.max_replicas, auto.target_ongoing_requests) == (1, 4, 3)
     assert d.ray_actor_options["num_gpus"] == 0.5 and d.init_args[1] == "cuda" and d.max_queued_requests == 7
+
+
+def test_a_new_replica_count_keeps_the_running_replicas_and_the_router():
+    """Scaling 1 -> 4 replicas redeploys the same version (Serve then only adds replicas, instead of restarting
+    every one); another engine config is a new version.  Every deployment routes with LeastLoadedRouter."""
+    from cosyvoice_fast.serving.ray_router import LeastLoadedRouter
+
+    cfg = EngineConfig(max_streams=3, queue_limit=2)
+    one, four, other = (serve_ray.build_app(serve_ray.RayServeOptions(engine=e, replicas=n), 0)._bound_deployment
+                        for e, n in ((cfg, 1), (cfg, 4), (EngineConfig(max_streams=4, queue_limit=2), 1)))
+    assert (one.num_replicas, four.num_replicas) == (1, 4)
+    assert one._version == four._version != other._version
+    assert one.init_args == four.init_args  # what a replica is built from does not hold the count
+    router = one._deployment_config.request_router_config
+    assert router.get_request_router_class().__name__ == LeastLoadedRouter.__name__
+    assert router.request_routing_stats_period_s == 1.0
 
 
 def test_registry_mirror_copies_every_sample_with_its_labels():
@@ -221,7 +238,7 @@ def _speak(url: str, i: int, voice: str, max_tokens: int, out: dict | None = Non
     try:
         with httpx.stream("POST", f"{url}{prefix}/v1/audio/speech", json=body, timeout=httpx.Timeout(120.0)) as r:
             out.update(status=r.status_code, pid=int(r.headers.get("x-replica-pid", 0)),
-                       replica=r.headers.get("x-replica"))
+                       replica=r.headers.get("x-replica"), retry_after=r.headers.get("retry-after"))
             if r.status_code != 200:
                 out["error"] = r.read().decode()
                 return out
@@ -269,6 +286,25 @@ def test_32_concurrent_streams_across_replicas_equal_their_solo_runs(cluster):
     assert len({r["replica"] for _, r in runs}) == 2  # 32 streams > one replica's 16: both served
 
 
+@pytest.mark.ray
+def test_a_burst_of_streams_is_spread_evenly_over_the_replicas(cluster):
+    """16 streams sent at once to 2 idle replicas: 8 each, give or take one (Serve's default router broke the
+    burst's ties at random: 11/5 happened; ray_router ranks every replica, counting the burst's own choices)."""
+    from collections import Counter
+
+    go = threading.Barrier(16, timeout=60)
+
+    def send(i: int) -> dict:
+        go.wait()  # all 16 leave together: a burst, not a trickle
+        return _speak(cluster.url, 70 + i, "alice", 10)
+
+    with ThreadPoolExecutor(16) as pool:
+        runs = list(pool.map(send, range(16)))
+    assert all("audio" in r for r in runs), [r.get("error") for r in runs]
+    counts = Counter(r["replica"] for r in runs)
+    assert len(counts) == 2 and max(counts.values()) <= 9, f"requests per replica: {dict(counts)}"
+
+
 def _ok_counts_by_replica(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in text.splitlines():
@@ -280,7 +316,7 @@ def _ok_counts_by_replica(text: str) -> dict[str, float]:
 
 @pytest.mark.ray
 def test_replica_metrics_reach_rays_exporter_labelled_by_replica(cluster):
-    """After the 8 solo + 32 concurrent requests above, Ray's Prometheus exporter shows 40 ok requests, split
+    """After the 8 solo + 32 concurrent + 16 burst requests above, Ray's exporter shows 56 ok requests, split
     over the two replicas' own registries."""
     import ray
 
@@ -289,10 +325,10 @@ def test_replica_metrics_reach_rays_exporter_labelled_by_replica(cluster):
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         counts = _ok_counts_by_replica(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text)
-        if sum(counts.values()) >= 40 and len(counts) == 2:
+        if sum(counts.values()) >= 56 and len(counts) == 2:
             break
         time.sleep(2)
-    assert len(counts) == 2 and sum(counts.values()) == 40, counts
+    assert len(counts) == 2 and sum(counts.values()) == 56, counts
     assert all(v > 0 for v in counts.values())
 
 
@@ -311,7 +347,12 @@ def test_killed_replica_ends_its_streams_with_an_error_and_is_replaced(cluster):
             counts[o["pid"]] = counts.get(o["pid"], 0) + 1
         assert len(counts) == 2 and max(counts.values()) <= 16, f"streams per replica: {counts}"
         victim = max(counts, key=counts.get)
-        os.kill(victim, signal.SIGKILL)
+        serve_ray.kill_replica(next(o["replica"] for o in outs if o["pid"] == victim))  # ray.kill on its actor
+        killed = time.monotonic()
+        for f, o in zip(futures, outs):  # the victim's streams end at once (a generous bound: a hang fails it)
+            if o["pid"] == victim:
+                f.result(timeout=120)
+        assert time.monotonic() - killed < 30, "the killed replica's streams did not end within 30 s"
         results = [f.result(timeout=300) for f in futures]
     on_victim = [r for r in results if r["pid"] == victim]
     others = [(k, r) for k, r in zip(kinds, results) if r["pid"] != victim]
@@ -334,6 +375,49 @@ def test_killed_replica_ends_its_streams_with_an_error_and_is_replaced(cluster):
 
 
 @pytest.mark.ray
+def test_a_running_stream_is_not_held_back_by_streams_waiting_for_admission(cluster):
+    """The 66 s stall of the GPU run (issue 56), on CPU: Ray runs a replica's request code on an event loop whose
+    thread pool has min(32, num_cpus + 4) threads, 5 at one CPU per replica.  A stream that waited for its next chunk
+    in that pool (``asyncio.to_thread``) held a thread, so eight streams waiting in the engine's admission queue took
+    all five and the running stream's later chunks queued behind them: its audio arrived only after queued requests
+    had started.  Awaited without a thread (the engine's output queue wakes the loop), the running stream's audio is
+    all delivered before the first queued request starts (they start only when it has finished)."""
+    from ray import serve
+
+    queued = 8  # more than the pool's 5 threads
+    opts = serve_ray.RayServeOptions(engine=EngineConfig(max_streams=1, queue_limit=queued), synthetic="tiny",
+                                     speaker_dir=str(cluster.speaker_dir), replicas=1)  # the proxy holds the burst
+    serve.run(serve_ray.build_app(opts, 0), name="stall", route_prefix="/stall", blocking=False)
+    try:
+        first: dict[int, float] = {}
+        ends: dict[int, float] = {}
+
+        def timed(i: int, max_tokens: int, on_headers=None) -> dict:  # noqa: ANN001
+            def mark() -> None:
+                first[i] = time.monotonic()
+                if on_headers is not None:
+                    on_headers()
+
+            out = _speak(cluster.url, i, "alice", max_tokens, None, mark, "/stall")
+            ends[i] = time.monotonic()
+            return out
+
+        started = threading.Barrier(2, timeout=120)
+        with ThreadPoolExecutor(queued + 1) as pool:
+            running = pool.submit(timed, 0, 40, started.wait)  # 8 chunks: seconds of work on the CPU
+            started.wait()  # its first chunk is out: it holds the engine's only stream
+            waiting = [pool.submit(timed, 1 + j, 10) for j in range(queued)]
+            results = [running.result(timeout=300)] + [f.result(timeout=300) for f in waiting]
+        assert all("audio" in r for r in results), [r.get("error") for r in results]
+        assert len({r["pid"] for r in results}) == 1
+        later = min(first[i] for i in range(1, queued + 1))
+        assert ends[0] < later, (f"the running stream ended {ends[0] - later:.2f} s after the first queued request's "
+                                 "audio: its chunks waited behind the queued streams")
+    finally:
+        serve.delete("stall")
+
+
+@pytest.mark.ray
 def test_full_deployment_answers_503_with_a_message(cluster):
     """One replica admitting one request, the proxy holding one more: the third is turned away at once."""
     from ray import serve
@@ -351,6 +435,7 @@ def test_full_deployment_answers_503_with_a_message(cluster):
             refused = [a for a in answers if a["status"] == 503]
             assert refused, answers
             assert "Request dropped due to backpressure" in refused[0]["error"]
+            assert refused[0]["retry_after"] == "1"  # BackpressureConfig(retry_after_s=1): come back, not hang
             assert long.result(timeout=300).get("audio") is not None
     finally:
         serve.delete("small")

@@ -19,8 +19,10 @@ from cosyvoice_fast.telemetry.record import STAGES, RequestTelemetry
 
 TeleLike = RequestTelemetry | Mapping[str, Any]
 
-STAGE_COLORS = {"app_queue": "#e0e0e0", "frontend": "#8c8c8c", "admission": "#bdbdbd", "queue": "#cfcfcf", "llm_prefill": "#54278f", "llm_decode": "#9e9ac8",
-                "flow": "#2b8cbe", "vocoder": "#31a354", "handoff": "#fd8d3c"}
+# the three waits (app_queue, admission, queue) in hues told apart: mustard, brown, light grey
+STAGE_COLORS = {"app_queue": "#e6ab02", "frontend": "#737373", "admission": "#8c6d31", "queue": "#cfcfcf",
+                "llm_prefill": "#54278f", "llm_decode": "#9e9ac8", "flow": "#2b8cbe", "vocoder": "#31a354",
+                "handoff": "#fd8d3c"}
 STAGE_HELP = {"app_queue": "waiting in the server front end's queue (Gradio's, the HTTP API's) before the engine saw it",
               "frontend": "text normalisation, tokenisation, prompt features / speaker cache",
               "admission": "waiting in the engine's admission queue for a free slot",
@@ -34,8 +36,7 @@ HEARD_COLOR = "#e7298a"
 HEARD_HELP = ("click -> first sample played, measured by the page (network, the page's decoding and the audio "
               "output's latency on top of the server's TTFB)")
 RUN_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
-SUMMARY_HEADERS = ["metric", "value", "unit"]
-AB_HEADERS = ["metric", "A", "B", "B − A", "B / A"]
+MODEBAR_PX = 34  # Plotly's toolbar sits in the top right corner of every figure: titles start below it
 LAYOUT = dict(template="plotly_white", margin=dict(l=60, r=20, t=48, b=40), font=dict(size=12),
                legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="left", x=0, traceorder="normal"))
 
@@ -118,8 +119,8 @@ def ttfb_figure(runs: TeleLike | Sequence[TeleLike] | None, labels: Sequence[str
             fig.add_annotation(x=ms, y=y, text=f" {ms:.0f} ms", showarrow=False, xanchor="left", font=dict(size=12))
     heard_rows = {h[0] for h in heard}
     order = [y for n in names for y in (n, f"{n} · heard") if y == n or y in heard_rows]
-    fig.update_layout(**_top_legend(LAYOUT), barmode="stack", height=190 + 40 * len(order),
-                      title=dict(text=title, y=1.0, yref="container", yanchor="top", pad=dict(t=10)),
+    fig.update_layout(**_top_legend(LAYOUT), barmode="stack", height=190 + MODEBAR_PX + 40 * len(order),
+                      title=dict(text=title, y=1.0, yref="container", yanchor="top", pad=dict(t=MODEBAR_PX)),
                       xaxis_title="ms: server stages since the request was received; heard at since the click",
                       yaxis=dict(autorange="reversed", categoryorder="array", categoryarray=order))
     if x_range is not None:
@@ -135,7 +136,7 @@ def heard_ms(t: TeleLike) -> float:
 
 def _top_legend(layout: Mapping[str, Any]) -> dict[str, Any]:
     """A horizontal legend between the title and the plot, with room for it (it wraps in half-width plots)."""
-    return {**layout, "margin": dict(l=60, r=20, t=110, b=40),
+    return {**layout, "margin": dict(l=60, r=20, t=110 + MODEBAR_PX, b=40),
             "legend": dict(orientation="h", yanchor="bottom", y=1.02, xanchor="left", x=0, traceorder="normal")}
 
 
@@ -222,8 +223,8 @@ def chunk_timeline_figure(t: TeleLike | None, title: str = "Chunk timeline",
         sub += f" · flow {min(flows):.0f}–{max(flows):.0f} ms/chunk" + (f" ({', '.join(modes)})" if modes else "")
     # the legend wraps onto several rows in a half-width plot (A/B tab): room for it between title and plot;
     # rows keep chunk order whichever stage first drew a chunk
-    fig.update_layout(**_top_legend(LAYOUT), barmode="overlay", height=230 + 34 * len(labels),
-                      title=dict(text=title + sub, y=1.0, yref="container", yanchor="top", pad=dict(t=10)),
+    fig.update_layout(**_top_legend(LAYOUT), barmode="overlay", height=230 + MODEBAR_PX + 34 * len(labels),
+                      title=dict(text=title + sub, y=1.0, yref="container", yanchor="top", pad=dict(t=MODEBAR_PX)),
                       xaxis_title="ms since the request was received",
                       yaxis=dict(autorange="reversed", categoryorder="array", categoryarray=labels))
     if x_range is not None:
@@ -273,22 +274,6 @@ def timeline_extent(*runs: TeleLike | None) -> tuple[float, float]:
     return 0.0, end * 1.05 + 1.0
 
 
-def status_line(t: TeleLike, outcome: str) -> str:
-    """The status under the player at the end of a run: done, or stopped with what was made before Stop."""
-    d = as_dict(t) or {}
-    der = d.get("derived") or {}
-    chunks = d.get("chunks") or []
-    audio = sum(as_number(c.get("n_samples")) / (c.get("sample_rate") or 1) for c in chunks)
-    under = sum(bool(c.get("underrun")) for c in der.get("chunks") or [])
-    heard = heard_ms(d)
-    tail = f", heard at {heard:.0f} ms" if _fin(heard) else ""
-    if outcome == "cancelled":
-        return (f"stopped: {len(chunks)} chunks, {audio:.2f} s of audio before Stop, TTFB {fmt_number(der.get('ttfb_ms'), 0)}"
-                f" ms{tail}")
-    return (f"done: {len(chunks)} chunks, {audio:.2f} s of audio, TTFB {fmt_number(der.get('ttfb_ms'), 0)} ms, "
-            f"RTF {fmt_number(der.get('rtf'), 3)}, {under} underruns{tail}")
-
-
 def run_label(params: Mapping[str, Any]) -> str:
     """'eager/eager/eager fp32': the backend triple and dtype a run used (colour key of the history chart)."""
     return f"{params.get('backend', '?')} {params.get('dtype', '')}".strip()
@@ -323,62 +308,15 @@ def history_figure(history: Sequence[Mapping[str, Any]]) -> go.Figure:
                 marker=dict(size=9, color=color), line=dict(color=color, width=1, dash="dot"),
                 hovertemplate=f"run %{{x}}: %{{y:.3g}} {unit}<br>%{{customdata}}<extra>{html.escape(label)}</extra>"),
                 row=row, col=1)
-    fig.update_layout(**{**LAYOUT, "margin": dict(l=60, r=20, t=84, b=40)}, height=400,
-                      title="Run history (this session)")
-    fig.update_xaxes(title_text="run", dtick=1, row=2, col=1)
+    fig.update_layout(**{**LAYOUT, "margin": dict(l=60, r=20, t=84 + MODEBAR_PX, b=40)}, height=400 + MODEBAR_PX,
+                      title=dict(text="Run history (this session)", y=1.0, yref="container", yanchor="top",
+                                 pad=dict(t=MODEBAR_PX)))
+    # both from zero with headroom: one run alone gave a 926-927.5 ms axis and an RTF axis down to -0.5
+    for row, key in ((1, "ttfb_ms"), (2, "rtf")):
+        top = max((as_number(h[key]) for h in history if _fin(h[key])), default=math.nan)
+        fig.update_yaxes(range=[0, top * 1.15] if _fin(top) and top > 0 else None, rangemode="nonnegative",
+                         row=row, col=1)
+    runs = [h["run"] for h in history]
+    fig.update_xaxes(range=[min(runs) - 0.5, max(runs) + 0.5], dtick=1)
+    fig.update_xaxes(title_text="run", row=2, col=1)
     return fig
-
-
-def summary_rows(t: TeleLike | None) -> list[list[Any]]:
-    """[metric, value, unit] rows: TTFB, RTF, chunks, tokens/s, audio length, underruns, speaker cache."""
-    d = as_dict(t)
-    if not d:
-        return []
-    der = d.get("derived") or {}
-
-    def r(x: Any, n: int) -> Any:
-        return round(as_number(x), n) if _fin(x) else None
-
-    rows = [["TTFB", r(der.get("ttfb_ms"), 1), "ms"], ["RTF", r(der.get("rtf"), 3), "wall s / audio s"],
-            ["chunks", len(d.get("chunks") or []), ""], ["tokens/s", r(der.get("tokens_per_s"), 1), "LM"],
-            ["speech tokens", len(d.get("token_times") or []), ""],
-            ["audio", r(sum(as_number(c.get("n_samples")) / (c.get("sample_rate") or 1) for c in d.get("chunks") or []),
-                        2), "s"],
-            ["underruns", sum(bool(c.get("underrun")) for c in der.get("chunks") or []), "late chunks"],
-            ["speaker cache", "hit" if d.get("speaker_cache_hit") else "miss", ""]]
-    if _fin(heard_ms(d)):
-        rows.insert(1, ["heard at", r(heard_ms(d), 1), "ms click → first sample played"])
-    if d.get("error"):
-        rows.append(["error", d["error"], ""])
-    return rows
-
-
-def _ab_metrics(d: Mapping[str, Any]) -> dict[str, float]:
-    der = d.get("derived") or {}
-    chunks = der.get("chunks") or []
-
-    def mean(key: str) -> float:
-        v = [as_number(c.get(key)) for c in chunks if _fin(c.get(key))]
-        return sum(v) / len(v) if v else math.nan
-
-    m = {"TTFB (ms)": as_number(der.get("ttfb_ms"))}
-    m.update({f"  {s} (ms)": v for s, v in breakdown_ms(d).items()})
-    m["heard at (ms)"] = heard_ms(d)
-    m.update({"RTF": as_number(der.get("rtf")), "tokens/s": as_number(der.get("tokens_per_s")),
-              "chunks": float(len(chunks)), "underruns": float(sum(bool(c.get("underrun")) for c in chunks)),
-              "flow ms / chunk": mean("flow_ms"), "vocoder ms / chunk": mean("vocoder_ms"),
-              "audio (s)": sum(as_number(c.get("audio_s")) for c in chunks if _fin(c.get("audio_s"))),
-              "prompt from cache (1 = yes)": float(bool(d.get("speaker_cache_hit")))})
-    return m
-
-
-def ab_difference_rows(a: TeleLike, b: TeleLike) -> list[list[Any]]:
-    """[metric, A, B, B−A, B/A] rows comparing two runs of the same text, voice and seed."""
-    ma, mb = _ab_metrics(as_dict(a) or {}), _ab_metrics(as_dict(b) or {})
-    rows = []
-    for k in ma:
-        x, y = ma[k], mb[k]
-        diff = round(y - x, 3) if _fin(x) and _fin(y) else None
-        ratio = round(y / x, 3) if _fin(x) and _fin(y) and x != 0 else None
-        rows.append([k, round(x, 3) if _fin(x) else None, round(y, 3) if _fin(y) else None, diff, ratio])
-    return rows

@@ -17,8 +17,8 @@ from typing import Any, Callable, Iterator, Sequence
 import gradio as gr
 import numpy as np
 
-from cosyvoice_fast.app import dashboard as db
-from cosyvoice_fast.engine.stages import available_backends
+from cosyvoice_fast.app import dashboard as db, tables
+from cosyvoice_fast.engine.stages import available_backends, family_of_models
 from cosyvoice_fast.config.backends import BackendConfig
 from cosyvoice_fast.config.stream import StreamParams
 from cosyvoice_fast.engine.engine import EngineClosed
@@ -28,6 +28,7 @@ from cosyvoice_fast.telemetry.request_log import log_refused
 from cosyvoice_fast.telemetry.record import RequestTelemetry
 from cosyvoice_fast.app.messages import SHUTTING_DOWN, user_error, user_message
 from cosyvoice_fast.app.queue import gradio_queue_wait, set_app_queue
+from cosyvoice_fast.app.voices import SavedVoices
 from cosyvoice_fast.serving.store import engine_record
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,10 @@ STAGE_NAMES = ("llm", "flow", "vocoder")
 MAX_HISTORY = 200
 FOLLOW_TIMEOUT_S = 15.0  # the page's API request reaches the server at the same time as this event
 HEARD_WAIT_S = 1.0  # at the end, how long to wait for the page's "heard at" report
+# Drawing a chunk's dashboard holds the GIL for ~60 ms of Python (Plotly figures; measured on CPU): done the moment
+# the first chunk exists it delayed the first bytes of the page's own audio stream, served by this process.  The
+# first update waits (at most this long) until the page says its first bytes arrived.
+FIRST_AUDIO_WAIT_S = 0.5
 
 
 def pcm16(x: np.ndarray) -> np.ndarray:
@@ -52,7 +57,7 @@ def random_seed() -> int:
     return secrets.randbelow(2**31)
 
 
-class Handlers:
+class Handlers(SavedVoices):
     """Event handlers bound to one loaded service (shared by all sessions; per-session data lives in gr.State)."""
 
     def __init__(self, service: Any, stream_audio: bool = True):
@@ -61,7 +66,8 @@ class Handlers:
         self.engine = service.engine
         self.frontend = service.frontend
         self.device = service.models.device
-        self.backends = available_backends(self.device)
+        self.family = family_of_models(service.models)  # which model family is loaded (the header shows it)
+        self.backends = available_backends(self.device, family=self.family)
         self.blocks: Any = None  # the gr.Blocks (set by build_demo): its queue tells how long events waited
 
     # ------------------------------------------------------------------------------------------ header
@@ -84,12 +90,14 @@ class Handlers:
         svc = self.service
         dtype = str(svc.models.dtype).replace("torch.", "")
         fe = "yes" if self.frontend is not None else "no (prompt voices disabled)"
-        rows = "\n".join(f"| {b.stage} | `{b.name}` | {'✅' if b.available else '❌'} | {b.reason or ''} |"
-                         for b in self.backends)
-        no_ff = "" if self.stream_audio else (" · ⚠️ **ffmpeg not found**: audio plays when complete, not "
+        rows = "\n".join(f"| {b.stage} | `{b.name}` | {'yes' if b.available else 'no'} | "
+                         f"{'; '.join(x for x in (b.reason, b.note) if x)} |" for b in self.backends)
+        no_ff = "" if self.stream_audio else (" · **ffmpeg not found**: audio plays when complete, not "
                                               "streamed (install ffmpeg)")
-        return (f"## cosyvoice_fast · streaming CosyVoice2\n"
-                f"**model** `{svc.model_name}` · **device** `{self.device}` · **dtype** `{dtype}` · "
+        title = {"cosyvoice2": "CosyVoice2", "cosyvoice3": "CosyVoice3"}.get(self.family, self.family)
+        return (f"## cosyvoice_fast · streaming {title}\n"
+                f"**model** `{svc.model_name}` · **family** `{self.family}` · "
+                f"**device** `{self.device}` · **dtype** `{dtype}` · "
                 f"**frontend** {fe} · **sample rate** {self.engine.sample_rate} Hz{no_ff}\n\n"
                 f"<details><summary>backends on this machine</summary>\n\n| stage | backend | available | why not |\n"
                 f"|---|---|---|---|\n{rows}\n</details>")
@@ -194,10 +202,20 @@ class Handlers:
 
         return chunks(), lambda: engine_record(stream), lambda: state["outcome"]
 
-    def stop(self, rid: str | None) -> None:
-        """Stop button: cancel the page's current request (the page also aborts its audio fetch)."""
-        if rid:
-            self.engine.cancel(rid)
+    def stop(self, rid: str | None, heard_s: float | None = None, received_s: float | None = None) -> Any:
+        """Stop button: cancel the page's current request (the page also aborts its audio fetch and stops playing).
+        ``heard_s``: the audio the listener had heard, from the page's player clock at the moment of Stop, and
+        ``received_s`` what had reached the page; the status line reports those, not the engine's count, which runs
+        ahead of playback.  Returns the status line (the run's own event may already have ended)."""
+        if not rid:
+            return gr.skip()
+        heard = float(heard_s) if heard_s is not None and heard_s >= 0 else None
+        if heard is not None:
+            api_store(self.service).report_client(rid, {"stop_heard_s": heard})
+        api_store(self.service).cancel(rid)  # only a request this page's session (or the id's bearer) owns
+        if heard is None:
+            return gr.skip()
+        return tables.stopped_line(heard, float(received_s or 0.0), verb="received")
 
     # ------------------------------------------------------------------------------------------ synthesis
     def split(self, values: Sequence[Any], *groups: Sequence[str]) -> list[dict[str, Any]]:
@@ -214,19 +232,28 @@ class Handlers:
         voice, cfg, rest = self.split(values, VOICE_FIELDS, CONFIG_FIELDS)
         history = list(rest[0] or []) if rest else []
         rid = str(rest[1] or "") if len(rest) > 1 else ""
-        chunks, record, outcome = self._source(voice, cfg, rid, request)
+        skip = gr.skip()
+        try:
+            chunks, record, outcome = self._source(voice, cfg, rid, request)
+        except gr.Error as e:
+            if not rid:  # gradio_client: the error is the answer
+                raise
+            # the page: one message in the status line, no toast and no red "Error" over every output
+            yield (skip,) * 6 + (f"Not synthesised: {e.message}",) + (skip,) * 2
+            return
         sr = self.engine.sample_rate
         parts: list[np.ndarray] = []
-        skip = gr.skip()
         try:
             for ch in chunks:
                 parts.append(ch.samples)
+                if rid and len(parts) == 1:  # the page's first audio before the first figures (see FIRST_AUDIO_WAIT_S)
+                    api_store(self.service).wait_client(rid, "first_byte_ms", FIRST_AUDIO_WAIT_S)
                 tele = self._with_client(record(), rid)
                 status = (f"streaming… chunk {ch.index + 1}, {sum(map(len, parts)) / sr:.2f} s of audio, "
                           f"first audio after {tele['derived']['ttfb_ms'] or 0:.0f} ms")
                 audio = (sr, pcm16(ch.samples)) if self.stream_audio and not rid else skip
                 yield (audio, skip, db.ttfb_figure(tele), db.chunk_timeline_figure(tele), skip,
-                       db.summary_rows(tele), status, skip, skip)
+                       tables.summary_rows(tele), status, skip, skip)
         except gr.Error:
             raise
         except EngineClosed as e:  # shutdown: every open stream ends with this message, not a hang
@@ -240,9 +267,12 @@ class Handlers:
         wav = np.concatenate(parts)
         tele = self._with_client(record(), rid, wait_s=HEARD_WAIT_S)
         history = (history + [db.history_record(tele, len(history) + 1)])[-MAX_HISTORY:]
-        rows = db.summary_rows(tele)
-        status = db.status_line(tele, outcome())
-        yield (skip if self.stream_audio and not rid else (sr, pcm16(wav)), (sr, pcm16(wav)), db.ttfb_figure(tele),
+        rows = tables.summary_rows(tele)
+        status = tables.status_line(tele, outcome())
+        # streamed to a gradio_client: None ends the stream (the client's result is then the stream's file, not
+        # a raw {'__type__': 'update'}); not streamed: the whole utterance; the page: its player has it
+        last = skip if rid else None if self.stream_audio else (sr, pcm16(wav))
+        yield (last, (sr, pcm16(wav)), db.ttfb_figure(tele),
                db.chunk_timeline_figure(tele), db.history_figure(history), rows, status, tele, history)
 
     def _with_client(self, tele: RequestTelemetry | None, rid: str, wait_s: float = 0.0) -> dict[str, Any]:
@@ -307,8 +337,13 @@ class Handlers:
         two request ids (``client_request_ids``, "A,B") it follows the page's own streams instead of running them."""
         voice, cfg_a, cfg_b, rest = self.split(values, VOICE_FIELDS, CONFIG_FIELDS, CONFIG_FIELDS)
         rids = str(rest[0] or "").split(",") if rest and rest[0] else []
+        sr, skip = self.engine.sample_rate, gr.skip()
         if len(rids) == 2 and all(rids):  # the page plays A then B through the API: follow those requests
-            self.request_from(voice, cfg_a), self.request_from(voice, cfg_b)
+            try:
+                self.request_from(voice, cfg_a), self.request_from(voice, cfg_b)
+            except gr.Error as e:  # the page: one message in the status line, no red "Error" on every output
+                yield (skip,) * 6 + (f"Not run: {e.message}",)
+                return
             run_a = lambda: self._followed(rids[0], FOLLOW_TIMEOUT_S)  # noqa: E731
             # B is requested once A has been heard to its end
             run_b = lambda: self._followed(rids[1], FOLLOW_TIMEOUT_S + len(wav_a) / self.engine.sample_rate)  # noqa: E731
@@ -316,13 +351,12 @@ class Handlers:
             req_a, req_b = self._checked_request(voice, cfg_a), self._checked_request(voice, cfg_b)
             self._warm_prompt(req_a)  # otherwise only A would pay for analysing the prompt voice
             run_a, run_b = (lambda: self._whole(req_a)), (lambda: self._whole(req_b))
-        sr, skip = self.engine.sample_rate, gr.skip()
         wav_a, tele_a = run_a()
         yield ((sr, pcm16(wav_a)), skip, db.ttfb_figure([tele_a], ["A"]), db.chunk_timeline_figure(tele_a, "A"),
-               skip, skip)
+               skip, skip, "A done; B is playing…" if rids else "A done; B is running…")
         wav_b, tele_b = run_b()
         n = min(len(wav_a), len(wav_b))
-        rows = db.ab_difference_rows(tele_a, tele_b)
+        rows = tables.ab_difference_rows(tele_a, tele_b)
         diff = float(np.max(np.abs(wav_a[:n] - wav_b[:n]))) if n else float("nan")
         rows += [[f"audio max |B − A| (first {n} samples)", None, None, round(diff, 6), None],
                  ["audio samples", len(wav_a), len(wav_b), len(wav_b) - len(wav_a),
@@ -330,53 +364,4 @@ class Handlers:
         span = db.timeline_extent(tele_a, tele_b)  # one x axis for both timelines
         yield ((sr, pcm16(wav_a)), (sr, pcm16(wav_b)), db.ttfb_figure([tele_a, tele_b], ["A", "B"]),
                db.chunk_timeline_figure(tele_a, "A", x_range=span), db.chunk_timeline_figure(tele_b, "B", x_range=span),
-               rows)
-
-    # ------------------------------------------------------------------------------------------ saved voices
-    def _frontend(self) -> Any:
-        if self.frontend is None:
-            raise user_error("this model directory has no frontend files, so voices cannot be saved")
-        return self.frontend
-
-    def speaker_names(self) -> list[str]:
-        return sorted(self.frontend.list_speakers()) if self.frontend is not None else []
-
-    def refresh_speakers(self) -> dict:
-        return gr.update(choices=self.speaker_names())
-
-    def save_speaker(self, name: str, upload: str | None, mic: str | None, transcript: str) -> dict:
-        fe = self._frontend()
-        name = (name or "").strip()
-        if not name:
-            raise user_error("Type a name for the voice first.")
-        path = upload or mic
-        if path is None:
-            raise user_error("Upload or record the prompt voice to save first.")
-        try:
-            wav, sr = read_audio(path)
-            fe.add_speaker(name, wav, sr, (transcript or "").strip())
-        except (ValueError, RuntimeError, OSError) as e:
-            raise user_error(user_message(e)) from e
-        gr.Info(f"Saved voice '{name}'. Pick the 'saved speaker' mode to use it.")
-        return gr.update(choices=self.speaker_names(), value=name)
-
-    def delete_speaker(self, name: str | None) -> dict:
-        fe = self._frontend()
-        if not name:
-            raise user_error("Pick a saved speaker to delete.")
-        try:
-            fe.delete_speaker(name)
-        except (ValueError, KeyError, OSError) as e:
-            raise user_error(user_message(e)) from e
-        gr.Info(f"Deleted voice '{name}'.")
-        return gr.update(choices=self.speaker_names(), value=None)
-
-
-def read_audio(path: str) -> tuple[np.ndarray, int]:
-    """Decode an uploaded or recorded file to mono float32 with the frontend's decoder (soundfile, then the
-    system decoder); a file that is not audio, or is empty, is a ``PromptAudioError`` (a ValueError) whose
-    message names the file only by its name."""
-    from cosyvoice_fast.frontend.audio import load_audio
-
-    # (this used soundfile alone, and its error text, shown to the user, held the upload's absolute path)
-    return load_audio(path)
+               rows, tables.ab_status_line(tele_a, tele_b))

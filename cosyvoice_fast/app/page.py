@@ -15,12 +15,12 @@ from typing import Any, Sequence
 
 import gradio as gr
 
-from cosyvoice_fast.app import dashboard as db
+from cosyvoice_fast.app import dashboard as db, tables
 from cosyvoice_fast.frontend.request import MODE_LABELS
 from cosyvoice_fast.serving.http import api_store
 from cosyvoice_fast.app.handlers import CONFIG_FIELDS, VOICE_FIELDS, Handlers, random_seed
 from cosyvoice_fast.app.inputs import field_dropdown, field_number, field_radio, field_slider
-from cosyvoice_fast.app.player import PLAYER_JS, STOP_JS, ab_click_js, click_js
+from cosyvoice_fast.app.player import PLAYER_CSS, PLAYER_HTML, PLAYER_JS, STOP_JS, ab_click_js, click_js
 from cosyvoice_fast.app.bistream import bistream_tab
 from cosyvoice_fast.app.queue import count_input_refusals
 
@@ -148,26 +148,39 @@ def build_demo(service: Any) -> gr.Blocks:
     with gr.Blocks(title="cosyvoice_fast", analytics_enabled=False, delete_cache=(1800, 3600)) as demo:
         gr.Markdown(h.header_markdown(), elem_id="header")
         if service.synthetic or service.frontend is None:
-            gr.Markdown("⚠️ " + service.banner, elem_id="banner")
+            gr.Markdown(service.banner, elem_id="banner")
+        startup = getattr(service, "startup", None)  # engine.startup.StartupProgress: phase, graphs N/M, estimate
+        if startup is not None and startup.line():
+            starting = gr.Markdown(startup.line(), elem_id="startup")
+            ticker = gr.Timer(2.0)
+            ticker.tick(lambda: (startup.line(), gr.Timer(active=not startup.ready)), None, [starting, ticker],
+                        api_visibility="private", queue=False)
         history = gr.State([])
+        first = examples[0] if examples else {}
+        start_mode = first.get("mode") or "zero_shot"
+        shows = MODE_SHOWS.get(start_mode, MODE_SHOWS["zero_shot"])
+        # the first example (English: Debian's chromium has no CJK font) and its voice's transcript, where one
+        # example gives it, for the zero-shot mode
+        transcript = next((e["prompt_text"] for e in examples
+                           if e["prompt_wav"] == first.get("prompt_wav") and e["prompt_text"]), "")
         with gr.Tab("Synthesize"):
             with gr.Row():
                 with gr.Column(scale=3):
-                    text = gr.Textbox(examples[0]["text"] if examples else "", label="Text to speak", lines=3,
+                    text = gr.Textbox(first.get("text", ""), label="Text to speak", lines=3,
                                       max_lines=12, elem_id="tts-text")
-                    mode = field_radio([(lab, k) for k, lab in MODE_LABELS.items()], field="mode", value="zero_shot",
-                                       label="Mode")
+                    mode = field_radio([(lab, k) for k, lab in MODE_LABELS.items()], field="mode",
+                                       value=start_mode, label="Mode")
                     with gr.Row():
                         # no initial value: the API then shows no default file (it showed Gradio's sample URL);
                         # the page still opens with the first example's voice (demo.load below)
-                        upload = gr.Audio(None, sources=["upload"], elem_id="prompt-upload",
+                        upload = gr.Audio(None, sources=["upload"], elem_id="prompt-upload", visible=shows[0],
                                           type="filepath", label="Prompt voice: upload (3–30 s)")
-                        mic = gr.Audio(sources=["microphone"], type="filepath", label="…or record")
-                    prompt_text = gr.Textbox(examples[0]["prompt_text"] if examples else "",
-                                             label="Prompt transcript", info="exactly what is said in the prompt")
-                    instruct = gr.Textbox("", label="Instruction", visible=False,
+                        mic = gr.Audio(sources=["microphone"], type="filepath", label="…or record", visible=shows[1])
+                    prompt_text = gr.Textbox(transcript, label="Prompt transcript", visible=shows[2],
+                                             info="exactly what is said in the prompt")
+                    instruct = gr.Textbox("", label="Instruction", visible=shows[3],
                                           placeholder="e.g. Speak slowly, in a calm voice.")
-                    speaker = gr.Dropdown(h.speaker_names(), value=None, label="Saved speaker", visible=False)
+                    speaker = gr.Dropdown(h.speaker_names(), value=None, label="Saved speaker", visible=shows[4])
                     with gr.Accordion("Saved voices", open=False):
                         with gr.Row():
                             save_name = gr.Textbox(label="Save this voice as…", placeholder="name", scale=3)
@@ -177,7 +190,7 @@ def build_demo(service: Any) -> gr.Blocks:
                         seed = field_number(0, field="seed", minimum=0, maximum=2**63 - 1, label="Seed", scale=2,
                                             elem_id="seed",
                                             info="same seed + same inputs = same audio")
-                        dice = gr.Button("🎲", scale=0, min_width=50, elem_id="dice")
+                        dice = gr.Button("New seed", scale=0, min_width=120, elem_id="dice")
                         stream = gr.Checkbox(True, label="Stream", scale=1)
                         speed = field_slider(0.5, 2.0, 1.0, step=0.05, field="speed",
                                              label="Speed (only without streaming)",
@@ -192,8 +205,7 @@ def build_demo(service: Any) -> gr.Blocks:
                 gr.Examples([[e["text"], e["mode"], e["prompt_wav"], e["prompt_text"], e["instruct_text"]]
                              for e in examples], [text, mode, upload, prompt_text, instruct],
                             example_labels=[e["label"] for e in examples], label="Examples")
-            gr.HTML("<div id='player-status' class='tip'>The page plays the stream from the first chunk (Web Audio)."
-                    "</div>", elem_id="player")
+            gr.HTML(PLAYER_HTML, elem_id="player")  # the stream's player: pause, progress, volume
             client_rid = gr.Textbox("", visible=False, label="client request id")
             with gr.Row():
                 # gradio_client users get the stream here; the page plays it through Web Audio instead
@@ -201,19 +213,20 @@ def build_demo(service: Any) -> gr.Blocks:
                                       autoplay=False, interactive=False, elem_id="stream-audio", visible=False)
                 full_out = gr.Audio(label="Full utterance (wav download)", type="numpy", format="wav",
                                     interactive=False, buttons=["download"], elem_id="full-audio")
-            status = gr.Markdown("", elem_id="status", label="status")
+            status = gr.Markdown("", elem_id="status", label="status")  # the run's one status line
             with gr.Row():
                 # show_label=False: each figure carries its own title (a Gradio label would cover it)
                 ttfb_plot = gr.Plot(db.ttfb_figure(None), show_label=False, label="Time to first audio",
                                     elem_id="ttfb-plot", scale=3)
-                summary = gr.Dataframe(headers=db.SUMMARY_HEADERS, label="Summary", interactive=False, scale=2)
+                summary = gr.Dataframe(headers=tables.SUMMARY_HEADERS, label="Summary", interactive=False, scale=2,
+                                       wrap=True, column_widths=["28%", "18%", "54%"], elem_id="summary")
             timeline = gr.Plot(db.chunk_timeline_figure(None), show_label=False, label="Chunk timeline",
                                elem_id="timeline-plot")
             hist_plot = gr.Plot(db.history_figure([]), show_label=False, label="Run history", elem_id="history-plot")
             clear_btn = gr.Button("Clear history", size="sm")
             with gr.Accordion("Raw telemetry of the last run (JSON)", open=False):
                 raw = gr.JSON(label="telemetry")
-        bistream_tab(service, examples[0]["text"] if examples else "", default_cap)  # text arrives word by word
+        bistream_tab(service, first.get("text", ""), default_cap)  # text arrives word by word
         with gr.Tab("A/B"):
             gr.Markdown("The text, voice, seed and streaming choice of the *Synthesize* tab, through two "
                         "configurations one after the other: hear and see what a backend or a parameter changes. "
@@ -236,7 +249,8 @@ def build_demo(service: Any) -> gr.Blocks:
             with gr.Row():
                 tl_a = gr.Plot(db.chunk_timeline_figure(None), show_label=False, label="A: chunks")
                 tl_b = gr.Plot(db.chunk_timeline_figure(None), show_label=False, label="B: chunks")
-            diff = gr.Dataframe(headers=db.AB_HEADERS, label="Difference (B − A)", interactive=False)
+            diff = gr.Dataframe(headers=tables.AB_HEADERS, label="Difference (B − A)", interactive=False)
+            ab_status = gr.Markdown("", elem_id="ab-status", label="status")
 
         voice = [text, mode, upload, mic, prompt_text, instruct, speaker, seed, stream, speed]
         run_names = VOICE_FIELDS + CONFIG_FIELDS + ("history", "client_request_id")
@@ -245,12 +259,15 @@ def build_demo(service: Any) -> gr.Blocks:
                       api_name="synthesize", show_progress="minimal", js=click_js(run_names))
         # Stop aborts the page's stream and cancels the engine request; the run then ends as "stopped" with the
         # audio so far and a history entry (Gradio's cancels= would kill the event before it could say so)
-        stop_btn.click(h.stop, client_rid, None, js=STOP_JS, queue=False, api_visibility="private")
+        stop_heard = gr.Number(None, visible=False, label="heard at Stop (s)")
+        stop_received = gr.Number(None, visible=False, label="received at Stop (s)")
+        stop_btn.click(h.stop, [client_rid, stop_heard, stop_received], status, js=STOP_JS, queue=False,
+                       api_visibility="private")
         ab_fields = (VOICE_FIELDS + tuple(f"a_{n}" for n in CONFIG_FIELDS) + tuple(f"b_{n}" for n in CONFIG_FIELDS)
                      + ("client_request_ids",))
         ab_rids = gr.Textbox("", visible=False, label="client request ids")
         ab_btn.click(named(h.ab, ab_fields), voice + cfg_a + cfg_b + [ab_rids],
-                     [audio_a, audio_b, ab_ttfb, tl_a, tl_b, diff], api_name="ab",
+                     [audio_a, audio_b, ab_ttfb, tl_a, tl_b, diff, ab_status], api_name="ab",
                      js=ab_click_js(ab_fields, VOICE_FIELDS, CONFIG_FIELDS))
         clear_btn.click(h.clear_history, None, [hist_plot, history], api_visibility="private", queue=False)
         dice.click(random_seed, None, seed, api_name="random_seed", queue=False)
@@ -286,7 +303,7 @@ def serve(demo: gr.Blocks, *, host: str = "127.0.0.1", port: int | None = 7860, 
     demo.queue(default_concurrency_limit=concurrency, max_size=max_queue)
     out = demo.launch(server_name=host, server_port=port, share=share, auth=auth, max_file_size=max_file_size,
                       prevent_thread_lock=True, quiet=quiet, show_error=True, ssr_mode=False,
-                      theme=gr.themes.Soft(), css=CSS, head=PLAYER_JS, footer_links=["api"],
+                      theme=gr.themes.Soft(), css=CSS + PLAYER_CSS, head=PLAYER_JS, footer_links=["api"],
                       app_kwargs=app_kwargs)
     if service is not None:  # the OpenAI-compatible /v1 API, behind the same login as the page
         from cosyvoice_fast.serving.http import mount_api

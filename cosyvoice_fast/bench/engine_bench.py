@@ -3,7 +3,8 @@
     python -m cosyvoice_fast.bench --synthetic full --backends eager,cudagraph --concurrency 1,4,16 \
         --requests 20 --prompt-tokens 75 --text-tokens 30 --gen-tokens 150 --dtype bf16 --out bench_out
 
-Inputs are token ids drawn from a seeded generator (no frontend: it is not what is measured), the LM is forced
+``--synthetic full3`` measures CosyVoice3 (Fun-CosyVoice3-0.5B's sizes) the same way; ``results.json`` names the
+family.  Inputs are token ids drawn from a seeded generator (no frontend: it is not what is measured), the LM is forced
 to produce exactly ``--gen-tokens`` tokens (EOS ignored) so runs are comparable, and every backend is warmed up
 before timing.  Writes ``results.json`` and ``report.html`` (Plotly) to ``--out`` and prints a table.
 """
@@ -35,13 +36,17 @@ from cosyvoice_fast.telemetry.record import RequestTelemetry, aggregate, percent
 log = logging.getLogger(__name__)
 
 def synthetic_inputs(cfg: Any, prompt_tokens: int, text_tokens: int, seed: int) -> ModelInputs:
-    """Random but valid model inputs of the requested sizes."""
+    """Random but valid model inputs of the requested sizes (a CosyVoice3 prompt text holds its
+    ``<|endofprompt|>`` id mid-way: system part, marker, transcript)."""
     g = torch.Generator().manual_seed(seed)
     vocab_text = cfg.llm.qwen.vocab_size
     speech_vocab = min(cfg.llm.speech_token_size, cfg.flow.vocab_size)
+    prompt_text = torch.randint(0, vocab_text, (1, max(1, text_tokens // 2)), generator=g)
+    if cfg.llm.endofprompt_id is not None:
+        prompt_text[0, prompt_text.shape[1] // 2] = cfg.llm.endofprompt_id
     return ModelInputs(
         text_segments=[torch.randint(0, vocab_text, (1, text_tokens), generator=g)],
-        prompt_text=torch.randint(0, vocab_text, (1, max(1, text_tokens // 2)), generator=g),
+        prompt_text=prompt_text,
         llm_prompt_speech_token=torch.randint(0, speech_vocab, (1, prompt_tokens), generator=g),
         flow_prompt_speech_token=torch.randint(0, speech_vocab, (1, prompt_tokens), generator=g),
         prompt_feat=torch.randn(1, 2 * prompt_tokens, 80, generator=g) - 5.0,
@@ -189,8 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     svc = load_service(**run.service_kwargs(), speaker_cache_dir=None, progress=False)
     dev = svc.models.device
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    avail = {(b.stage, b.name): b for b in available_backends(dev)}
-    results: dict[str, Any] = {"gpu": gpu, "dtype": a.dtype, "model": svc.model_name, "args": vars(a),
+    avail = {(b.stage, b.name): b for b in available_backends(dev, family=svc.models.family)}
+    results: dict[str, Any] = {"gpu": gpu, "dtype": a.dtype, "model": svc.model_name,
+                               "family": svc.models.family, "args": vars(a),
                                "engine_config": asdict(run.engine), "torch": torch.__version__, "runs": []}
     trace: list[dict[str, Any]] | None = [] if a.timeline else None
     try:

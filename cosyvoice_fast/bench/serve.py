@@ -1,4 +1,5 @@
-"""The price of the proxy: TTFB of one engine in-process against the same engine as one Ray Serve replica.
+"""The price of the proxy: TTFB of one engine in-process against the same engine as one Ray Serve replica;
+with ``--replicas 1,2,...`` the scale-out run instead (:mod:`cosyvoice_fast.bench.ray_scale`).
 
     python -m cosyvoice_fast.bench.serve --synthetic full --concurrency 1,16 --requests 20 --gen-tokens 150 \
         --out bench_serve.json
@@ -130,7 +131,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--queue-limit", type=int, default=16)
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--out", default="bench_serve.json")
+    scale = ap.add_argument_group("scale-out (bench/ray_scale.py): N replicas one after another on one cluster")
+    scale.add_argument("--replicas", help="replica counts to run in turn, e.g. 1,2,4 (one GPU each); this mode "
+                                          "ignores --concurrency and --requests")
+    scale.add_argument("--per-replica", type=int, default=16, help="concurrent streams per replica (default 16)")
+    scale.add_argument("--rounds", type=int, default=2, help="timed requests per stream (default 2)")
+    scale.add_argument("--kill-one", action="store_true",
+                       help="at the largest count, kill one replica mid-load (fault, 503 and replacement checks)")
+    scale.add_argument("--replacement-timeout", type=float, default=240.0,
+                       help="seconds to wait for the killed replica's replacement (default 240)")
+    scale.add_argument("--no-baseline", action="store_true", help="skip the in-process engine baseline")
+    scale.add_argument("--prompt-wav", help="the saved voice's audio (its first 3 s; default: 3 s of noise)")
+    scale.add_argument("--address", help="Ray cluster to join (auto or HOST:PORT; default: start a local Ray)")
+    scale.add_argument("--cpus-per-replica", type=float, default=1.0)
+    scale.add_argument("--proxy-location", choices=["EveryNode", "HeadOnly"], default="EveryNode",
+                       help="HeadOnly when several Ray nodes share this machine (their proxies would clash)")
     a = ap.parse_args(argv)
+    if a.replicas:
+        return scale_main(a)
     levels = [int(c) for c in a.concurrency.split(",")]
 
     import torch
@@ -168,6 +186,33 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['concurrency']:>5} {r['in_process']['p50_ms']:>12.1f} /{r['in_process']['p95_ms']:>9.1f} "
               f"{r['serve']['p50_ms']:>9.1f} /{r['serve']['p95_ms']:>8.1f} {r['p50_ratio']:>10.3f}")
+    return 0
+
+
+def scale_main(a: argparse.Namespace) -> int:
+    """``--replicas 1,2,...``: the scale-out run of :mod:`cosyvoice_fast.bench.ray_scale`, JSON to ``--out``."""
+    from cosyvoice_fast.bench.ray_scale import print_report, run_scale
+    from cosyvoice_fast.config.engine import EngineConfig
+    from cosyvoice_fast.serving.ray_serve import RayServeOptions
+
+    try:
+        counts = [int(n) for n in a.replicas.split(",")]
+    except ValueError:
+        raise SystemExit(f"--replicas {a.replicas!r}: give replica counts separated by commas, e.g. 1,2,4") from None
+    if not counts or min(counts) < 1:
+        raise SystemExit(f"--replicas {a.replicas!r}: every count must be at least 1")
+    speakers = tempfile.mkdtemp(prefix="bench_serve_speakers_")
+    opts = RayServeOptions(engine=EngineConfig(max_streams=a.max_streams, queue_limit=a.queue_limit),
+                           model_dir=a.model_dir, synthetic=a.synthetic, dtype=a.dtype, backend=a.backend,
+                           speaker_dir=speakers, replicas=counts[0], port=a.port, address=a.address,
+                           cpus_per_replica=a.cpus_per_replica, proxy_location=a.proxy_location)
+    def save(report: dict) -> None:
+        Path(a.out).write_text(json.dumps({**report, "args": vars(a)}, indent=1, default=str))
+
+    report = run_scale(opts, counts, a.per_replica, a.rounds, a.gen_tokens, a.token_hop_len_first,
+                       not a.no_baseline, a.kill_one, a.prompt_wav, a.replacement_timeout, save)
+    save(report)
+    print_report(report)
     return 0
 
 

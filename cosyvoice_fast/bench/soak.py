@@ -233,12 +233,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from cosyvoice_fast.config.flags import add_cli_args
 
     add_cli_args(p)
-    p.add_argument("--requests", type=int, default=500)
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--requests", type=int, default=500, help="measured requests (default 500)")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (default 8)")
     p.add_argument("--max-tokens", type=int, default=25, help="speech tokens per request (25 = 1 s of audio)")
-    p.add_argument("--warmup", type=int, default=16)
+    p.add_argument("--warmup", type=int, default=16,
+                   help="requests run first and not measured (allocator pools, first kernels; default 16)")
     p.add_argument("--prompt-wav", help="prompt voice (default: a generated 1 s test tone)")
-    p.add_argument("--max-rss-growth-mb", type=float, default=50.0)
+    p.add_argument("--max-rss-growth-mb", type=float, default=50.0,
+                   help="fail when resident memory grows more than this over the measured requests (default 50)")
     p.add_argument("--json", help="also write the report here")
 
 

@@ -55,19 +55,21 @@ def bistream_summary(tele: object) -> str:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cosyvoice_fast.cli.bistream", description=__doc__.split("\n")[0])
-    p.add_argument("--model-dir")
-    p.add_argument("--synthetic", choices=["tiny", "full"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--mode", choices=["zero_shot", "cross_lingual", "instruct2", "speaker"])
-    p.add_argument("--prompt-wav")
-    p.add_argument("--prompt-text", default="")
-    p.add_argument("--instruct", default="")
-    p.add_argument("--speaker")
-    p.add_argument("--speaker-cache", default="speakers")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model-dir", metavar="DIR", help="CosyVoice2-0.5B directory")
+    p.add_argument("--synthetic", choices=["tiny", "full", "tiny3", "full3"],
+                   help="random weights of that size instead (no download; tiny3/full3: CosyVoice3)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 … (default: cuda if available)")
+    p.add_argument("--mode", choices=["zero_shot", "cross_lingual", "instruct2", "speaker"],
+                   help="default: speaker with --speaker, zero_shot with --prompt-text, else cross_lingual")
+    p.add_argument("--prompt-wav", metavar="FILE", help="the voice to clone (default: the bundled example voice)")
+    p.add_argument("--prompt-text", default="", help="exactly what is said in --prompt-wav (zero-shot mode)")
+    p.add_argument("--instruct", default="", help="instruct2 mode: how to speak")
+    p.add_argument("--speaker", help="a saved speaker's name (speaker mode)")
+    p.add_argument("--speaker-cache", default="speakers", metavar="DIR", help="where saved speakers are kept")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--max-tokens", type=int, default=None, help="stop after this many speech tokens")
     p.add_argument("--greedy", action="store_true", help="argmax instead of upstream's sampler (deterministic)")
-    p.add_argument("--out", default="out.wav")
+    p.add_argument("--out", default="out.wav", metavar="FILE", help="where to write the audio (default out.wav)")
     return p
 
 

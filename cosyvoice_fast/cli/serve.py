@@ -17,7 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray", action="store_true", required=True,
                    help="serve on Ray Serve: one engine per replica, replicas on the GPUs of one or many hosts")
     p.add_argument("--model-dir", help="CosyVoice2-0.5B directory, the same path on every host")
-    p.add_argument("--synthetic", choices=["tiny", "full"], help="random-weight model of that size (no download)")
+    p.add_argument("--synthetic", choices=["tiny", "full", "tiny3", "full3"],
+                   help="random-weight model of that size (no download; tiny3/full3: CosyVoice3)")
     p.add_argument("--device", default="auto", help="replica device (default: cuda when the replica has a GPU)")
     p.add_argument("--dtype", dest="replica_dtype", choices=["fp32", "fp16", "bf16"],
                    help="replica precision (default: bf16 on GPU replicas, fp32 on CPU ones)")
@@ -28,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=1, help="replicas (engines) to run (default 1)")
     p.add_argument("--gpus-per-replica", type=float, default=1.0,
                    help="GPUs each replica reserves (default 1; ignored on a cluster without GPUs: CPU replicas)")
-    p.add_argument("--cpus-per-replica", type=float, default=1.0)
+    p.add_argument("--cpus-per-replica", type=float, default=1.0, help="CPUs each replica reserves (default 1)")
     p.add_argument("--min-replicas", type=int, default=1, help="autoscaling lower bound (with --max-replicas)")
     p.add_argument("--max-replicas", type=int, help="autoscale between --min-replicas and this")
     p.add_argument("--target-ongoing", type=float,
@@ -39,7 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speaker-dir", default="speakers",
                    help="saved speakers, shared by every replica (a network file system path across hosts)")
     p.add_argument("--host", default="127.0.0.1", help="interface of Serve's HTTP proxy (0.0.0.0 for every one)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port of Serve's HTTP proxy (default 8000)")
+    p.add_argument("--proxy-location", choices=["EveryNode", "HeadOnly"], default="EveryNode",
+                   help="an HTTP proxy on every host of the cluster (default), or on the head only (several Ray "
+                        "nodes on one machine would otherwise clash on --port)")
     add_cli_args(p, parts=("engine",))  # each replica's EngineConfig: the same flags as every other tool
 
 
@@ -55,7 +59,7 @@ def options_from_args(a: argparse.Namespace) -> Any:
         speaker_dir=str(Path(a.speaker_dir).resolve()), replicas=a.replicas, min_replicas=a.min_replicas,
         max_replicas=a.max_replicas, target_ongoing=a.target_ongoing, gpus_per_replica=a.gpus_per_replica,
         cpus_per_replica=a.cpus_per_replica, max_queued_requests=a.max_queued_requests, host=a.host, port=a.port,
-        address=a.address)
+        address=a.address, proxy_location=a.proxy_location)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:

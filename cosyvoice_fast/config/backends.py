@@ -5,7 +5,10 @@ The registry that asks each backend whether it can run lives in :mod:`cosyvoice_
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -14,10 +17,44 @@ from cosyvoice_fast.config.yamlfile import ConfigError
 
 @dataclass(frozen=True, slots=True)
 class BackendInfo:
+    """Whether ``stage``'s backend ``name`` can run here (``reason``: why not) and, in ``note``, what it really
+    runs where that differs from its name (e.g. ``fused`` served by the cudagraph runner for a family)."""
+
     stage: str
     name: str
     available: bool
     reason: str = ""
+    note: str = ""
+
+
+#: ``check(device, engines_dir)``: why a backend cannot run on ``device`` (None: it can)
+Check = Callable[[torch.device, Path], "str | None"]
+
+
+def runs_anywhere(device: torch.device, engines_dir: Path | None = None) -> str | None:
+    """The eager backends: plain PyTorch, on any device."""
+    return None
+
+
+def ask_module(module: str) -> Check:
+    """The ``why_unavailable_on(device, engines_dir)`` of a backend module, imported when first asked (backend
+    modules import no Triton or TensorRT before their check has found it)."""
+    def ask(device: torch.device, engines_dir: Path) -> str | None:
+        try:
+            found = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            return f"not in this build ({module} is missing)"
+        return found.why_unavailable_on(device, engines_dir)
+    return ask
+
+
+def refuse(reason: str) -> Check:
+    """A backend that is not written for a model family: the same reason on every device."""
+    def never(device: torch.device, engines_dir: Path) -> str | None:
+        return reason
+    return never
 
 
 TRITON_MISSING = "package triton is not installed (pip install triton; CUDA builds of torch ship with it)"

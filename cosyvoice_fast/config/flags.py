@@ -134,11 +134,12 @@ def add_cli_args(parser: argparse.ArgumentParser, *, parts: Iterable[str] = PART
     if "model" in parts:
         g = parser.add_argument_group("model")
         g.add_argument("--model-dir", metavar="DIR",
-                       help="CosyVoice2-0.5B directory (default: " + (
+                       help="CosyVoice2-0.5B or Fun-CosyVoice3-0.5B directory (default: " + (
                            f"a synthetic {synthetic_default} model)" if synthetic_default else
                            "pretrained_models/CosyVoice2-0.5B if present, else a synthetic tiny model, announced)"))
-        g.add_argument("--synthetic", choices=["tiny", "full"],
-                       help="random weights of that size, no download (the audio is noise, the timings are real)"
+        g.add_argument("--synthetic", choices=["tiny", "full", "tiny3", "full3"],
+                       help="random weights of that size, no download (the audio is noise, the timings are real); "
+                            "tiny/full: CosyVoice2, tiny3/full3: CosyVoice3"
                             + (f"; default {synthetic_default} when --model-dir is not given" if synthetic_default
                                else ""))
     if "device" in parts:
@@ -146,11 +147,16 @@ def add_cli_args(parser: argparse.ArgumentParser, *, parts: Iterable[str] = PART
         g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 … (default: cuda if available)")
         g.add_argument("--dtype", choices=list(TORCH_DTYPES),
                        help="LM and flow precision (default: bf16 on a CUDA GPU, fp32 on CPU; HiFT stays fp32)")
+        g.add_argument("--cache-dir", metavar="DIR",
+                       help="compiled kernels kept between starts, one subdirectory per GPU, driver, library "
+                            "versions and model (default: $XDG_CACHE_HOME/cosyvoice_fast or ~/.cache/cosyvoice_fast)")
     if "backends" in parts:
         g = parser.add_argument_group("backends (the engine's default; built at start-up)")
         for stage, names in BACKEND_CHOICES.items():
             g.add_argument(f"--{stage}-backend", choices=list(names), default="eager",
-                           help=f"{stage} implementation (default: eager)")
+                           help=f"{stage} implementation (default: eager)" + (
+                               "; it streams incrementally (each chunk reuses the earlier frames' keys/values, as "
+                               "the app does) unless --recompute-flow is given" if stage == "flow" else ""))
         g.add_argument("--recompute-flow", action="store_true",
                        help="recompute the whole prefix for every streaming chunk (upstream's scheme) instead of "
                             "the incremental flow")
@@ -178,11 +184,13 @@ class RunChoices:
     dtype: str
     backend: BackendConfig
     engine: EngineConfig
+    cache_dir: str | None = None  # --cache-dir (None: the default compile cache root)
 
     def service_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of :func:`cosyvoice_fast.serving.service.load_service` (add ``speaker_cache_dir`` etc.)."""
         return {"model_dir": self.model_dir, "synthetic": self.synthetic, "device": str(self.device),
-                "dtype": self.dtype, "backend": self.backend, "engine_config": self.engine}
+                "dtype": self.dtype, "backend": self.backend, "engine_config": self.engine,
+                "cache_dir": self.cache_dir}
 
 
 def pick_device(device: str | None) -> torch.device:
@@ -249,4 +257,4 @@ def _resolve(args: argparse.Namespace) -> RunChoices:
         backend = BackendConfig(dtype=dtype)
     engine = _engine_config(args) if "engine" in parts else EngineConfig()
     return RunChoices(model_dir=model_dir, synthetic=synthetic, device=device, dtype=dtype, backend=backend,
-                      engine=engine)
+                      engine=engine, cache_dir=getattr(args, "cache_dir", None) if "device" in parts else None)

@@ -1,8 +1,8 @@
 """Model hyperparameters, read from the model directory as inert data.
 
-The official model directory describes itself in ``cosyvoice2.yaml``, a hyperpyyaml file whose tags
-(``!new:``, ``!name:``, ``!apply:``, ``!ref``) would import and instantiate classes if executed.  We never
-execute it: a restricted YAML loader turns every tag into inert data, ``!ref <key>`` references are resolved
+The official model directory describes itself in ``cosyvoice2.yaml`` (or ``cosyvoice3.yaml``), a hyperpyyaml
+file whose tags (``!new:``, ``!name:``, ``!apply:``, ``!ref``) would import and instantiate classes if executed.
+We never execute it: a restricted YAML loader turns every tag into inert data, ``!ref <key>`` references are resolved
 against the document, and the numbers are copied into the frozen dataclasses below.  The Qwen2 sizes come
 from ``CosyVoice-BlankEN/config.json``.
 
@@ -17,175 +17,47 @@ from pathlib import Path
 from typing import Any
 
 
+from cosyvoice_fast.config.cosyvoice2 import (  # noqa: F401 - re-exported: their home before CosyVoice3
+    CFMConfig, DecoderConfig, EncoderConfig, FlowConfig, HiFTConfig,
+)
+from cosyvoice_fast.config.llm import (  # noqa: F401 - re-exported: the LM's config lives in config.llm
+    CV3_EXTRA_ROWS, CV3_MAX_SILENT_RUN, CV3_SILENT_TOKENS, LLM_FAMILIES, REAL_ENDOFPROMPT_ID, LLMConfig, QwenConfig,
+    llm_config_from_doc, llm_family_of,
+)
 from cosyvoice_fast.config.yamlfile import ConfigError, read_hyperpyyaml
 
 
 
-@dataclass(frozen=True, slots=True)
-class QwenConfig:
-    """The Qwen2 decoder inside the speech LM (from ``CosyVoice-BlankEN/config.json``)."""
-
-    hidden_size: int = 896
-    num_hidden_layers: int = 24
-    num_attention_heads: int = 14
-    num_key_value_heads: int = 2
-    intermediate_size: int = 4864
-    vocab_size: int = 151936
-    rope_theta: float = 1_000_000.0
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = True
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    def __post_init__(self) -> None:
-        if self.hidden_size % self.num_attention_heads:
-            raise ConfigError("config.json: hidden_size must be divisible by num_attention_heads")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError("config.json: num_attention_heads must be divisible by num_key_value_heads")
-
-
-@dataclass(frozen=True, slots=True)
-class LLMConfig:
-    """Qwen2LM: text+speech LM predicting 25 Hz speech tokens."""
-
-    llm_input_size: int = 896
-    llm_output_size: int = 896
-    speech_token_size: int = 6561
-    top_p: float = 0.8
-    top_k: int = 25
-    win_size: int = 10
-    tau_r: float = 0.1
-    min_token_text_ratio: float = 2.0
-    max_token_text_ratio: float = 20.0
-    qwen: QwenConfig = field(default_factory=QwenConfig)
-
-    @property
-    def sos_id(self) -> int:
-        return 0
-
-    @property
-    def task_id(self) -> int:
-        return 1
-
-    @property
-    def eos_token(self) -> int:
-        return self.speech_token_size
-
-    @property
-    def vocab_out(self) -> int:
-        """Rows of ``llm_decoder`` / ``speech_embedding``: speech tokens + eos + 2 special."""
-        return self.speech_token_size + 3
-
-
-@dataclass(frozen=True, slots=True)
-class EncoderConfig:
-    """UpsampleConformerEncoder (rel-pos attention, pre-look-ahead, 2x upsampling, 4 up-blocks)."""
-
-    input_size: int = 512
-    output_size: int = 512
-    attention_heads: int = 8
-    linear_units: int = 2048
-    num_blocks: int = 6
-    num_up_blocks: int = 4
-    static_chunk_size: int = 25
-    pre_lookahead_len: int = 3
-    upsample_stride: int = 2
-
-
-@dataclass(frozen=True, slots=True)
-class DecoderConfig:
-    """CausalConditionalDecoder, the CFM estimator (a 1-D U-Net of ResNet + transformer blocks)."""
-
-    in_channels: int = 320
-    out_channels: int = 80
-    channels: tuple[int, ...] = (256,)
-    attention_head_dim: int = 64
-    n_blocks: int = 4
-    num_mid_blocks: int = 12
-    num_heads: int = 8
-    act_fn: str = "gelu"
-    static_chunk_size: int = 50
-    num_decoding_left_chunks: int = -1
-
-
-@dataclass(frozen=True, slots=True)
-class CFMConfig:
-    """Conditional flow matching sampler settings."""
-
-    in_channels: int = 240
-    spk_emb_dim: int = 80
-    sigma_min: float = 1e-6
-    t_scheduler: str = "cosine"
-    inference_cfg_rate: float = 0.7
-    n_timesteps: int = 10
-
-
-@dataclass(frozen=True, slots=True)
-class FlowConfig:
-    """CausalMaskedDiffWithXvec: speech tokens + prompt -> 80-bin mel at 50 Hz."""
-
-    input_size: int = 512
-    output_size: int = 80
-    spk_embed_dim: int = 192
-    vocab_size: int = 6561
-    token_mel_ratio: int = 2
-    pre_lookahead_len: int = 3
-    encoder: EncoderConfig = field(default_factory=EncoderConfig)
-    decoder: DecoderConfig = field(default_factory=DecoderConfig)
-    cfm: CFMConfig = field(default_factory=CFMConfig)
-
-
-@dataclass(frozen=True, slots=True)
-class HiFTConfig:
-    """HiFTGenerator (NSF source + iSTFT HiFi-GAN) and its ConvRNN f0 predictor."""
-
-    in_channels: int = 80
-    base_channels: int = 512
-    nb_harmonics: int = 8
-    sampling_rate: int = 24000
-    nsf_alpha: float = 0.1
-    nsf_sigma: float = 0.003
-    nsf_voiced_threshold: float = 10.0
-    upsample_rates: tuple[int, ...] = (8, 5, 3)
-    upsample_kernel_sizes: tuple[int, ...] = (16, 11, 7)
-    istft_n_fft: int = 16
-    istft_hop_len: int = 4
-    resblock_kernel_sizes: tuple[int, ...] = (3, 7, 11)
-    resblock_dilation_sizes: tuple[tuple[int, ...], ...] = ((1, 3, 5), (1, 3, 5), (1, 3, 5))
-    source_resblock_kernel_sizes: tuple[int, ...] = (7, 7, 11)
-    source_resblock_dilation_sizes: tuple[tuple[int, ...], ...] = ((1, 3, 5), (1, 3, 5), (1, 3, 5))
-    lrelu_slope: float = 0.1
-    audio_limit: float = 0.99
-    f0_num_class: int = 1
-    f0_in_channels: int = 80
-    f0_cond_channels: int = 512
-
-    @property
-    def upsample_factor(self) -> int:
-        """Waveform samples per mel frame (480 at 24 kHz)."""
-        n = self.istft_hop_len
-        for r in self.upsample_rates:
-            n *= r
-        return n
+#: the model families this package serves: the yaml's llm and flow classes that name each (their ``tag``s)
+FAMILY_CLASSES = {"cosyvoice2": ("Qwen2LM", "CausalMaskedDiffWithXvec"),
+                  "cosyvoice3": ("CosyVoice3LM", "CausalMaskedDiffWithDiT")}
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Everything the three networks need, read from a model directory."""
+    """Everything the three networks need, read from a model directory.
+
+    ``family`` picks the networks: ``cosyvoice2`` (``flow`` a :class:`FlowConfig`, ``hift`` a :class:`HiFTConfig`)
+    or ``cosyvoice3`` (``flow`` a ``config.dit.DiTFlowConfig``, ``hift`` a ``config.causal_hift.CausalHiFTConfig``).
+    ``sample_rate``, ``token_mel_ratio`` and ``chunk_size`` mean the same in both: the engine reads only these."""
 
     sample_rate: int = 24000
     token_frame_rate: int = 25
     token_mel_ratio: int = 2
     chunk_size: int = 25
     llm: LLMConfig = field(default_factory=LLMConfig)
-    flow: FlowConfig = field(default_factory=FlowConfig)
-    hift: HiFTConfig = field(default_factory=HiFTConfig)
+    flow: Any = field(default_factory=FlowConfig)
+    hift: Any = field(default_factory=HiFTConfig)
+    family: str = "cosyvoice2"
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILY_CLASSES:
+            raise ConfigError(f"unknown model family {self.family!r}; choose one of {', '.join(FAMILY_CLASSES)}")
 
     @classmethod
     def from_files(cls, yaml_path: str | Path, qwen_json: str | Path) -> "ModelConfig":
-        """Build from ``cosyvoice2.yaml`` and ``CosyVoice-BlankEN/config.json``; errors name file and field."""
+        """Build from ``cosyvoice2.yaml`` or ``cosyvoice3.yaml`` and ``CosyVoice-BlankEN/config.json`` (the yaml's
+        classes say the family); errors name file and field."""
         doc = read_hyperpyyaml(yaml_path)
         qwen = _qwen_from_json(Path(qwen_json))
         return _model_from_doc(doc, qwen, Path(yaml_path).name)
@@ -206,7 +78,7 @@ def _qwen_from_json(path: Path) -> QwenConfig:
 
 def _get(d: Any, key: str, where: str, fname: str) -> Any:
     if not isinstance(d, dict) or key not in d:
-        raise ConfigError(f"{fname}: missing field {where}{key}; is this a CosyVoice2 model directory?")
+        raise ConfigError(f"{fname}: missing field {where}{key}; is this a CosyVoice2 or CosyVoice3 model directory?")
     return d[key]
 
 
@@ -214,14 +86,9 @@ def _model_from_doc(doc: dict[str, Any], qwen: QwenConfig, fname: str) -> ModelC
     llm = _get(doc, "llm", "", fname)
     flow = _get(doc, "flow", "", fname)
     hift = _get(doc, "hift", "", fname)
-    llm_cls = getattr(llm, "tag", "")
-    flow_cls = getattr(flow, "tag", "")
-    if "Qwen2LM" not in llm_cls or "CausalMaskedDiffWithXvec" not in flow_cls:
-        raise ConfigError(
-            f"{fname}: llm is {llm_cls.split('.')[-1] or '?'} and flow is {flow_cls.split('.')[-1] or '?'}; "
-            "cosyvoice_fast runs CosyVoice2 (Qwen2LM + CausalMaskedDiffWithXvec), not CosyVoice1 or CosyVoice3. "
-            "Point --model-dir at a CosyVoice2-0.5B directory.")
-    sampling = llm.get("sampling", {}) or {}
+    family = model_family(llm, flow, fname)
+    if family == "cosyvoice3":
+        return _cosyvoice3_from_doc(doc, qwen, fname)
     enc = _get(flow, "encoder", "flow.", fname)
     dec = _get(flow, "decoder", "flow.", fname)
     est = _get(dec, "estimator", "flow.decoder.", fname)
@@ -235,16 +102,7 @@ def _model_from_doc(doc: dict[str, Any], qwen: QwenConfig, fname: str) -> ModelC
             token_frame_rate=int(_get(doc, "token_frame_rate", "", fname)),
             token_mel_ratio=int(_get(doc, "token_mel_ratio", "", fname)),
             chunk_size=int(doc.get("chunk_size", 25)),
-            llm=LLMConfig(
-                llm_input_size=int(_get(llm, "llm_input_size", "llm.", fname)),
-                llm_output_size=int(_get(llm, "llm_output_size", "llm.", fname)),
-                speech_token_size=int(_get(llm, "speech_token_size", "llm.", fname)),
-                top_p=float(sampling.get("top_p", 0.8)),
-                top_k=int(sampling.get("top_k", 25)),
-                win_size=int(sampling.get("win_size", 10)),
-                tau_r=float(sampling.get("tau_r", 0.1)),
-                qwen=qwen,
-            ),
+            llm=llm_config_from_doc(llm, qwen, fname),
             flow=FlowConfig(
                 input_size=int(_get(flow, "input_size", "flow.", fname)),
                 output_size=int(_get(flow, "output_size", "flow.", fname)),
@@ -307,6 +165,40 @@ def _model_from_doc(doc: dict[str, Any], qwen: QwenConfig, fname: str) -> ModelC
                 f0_cond_channels=int(_get(f0p, "cond_channels", "hift.f0_predictor.", fname)),
             ),
         )
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{fname}: a field has the wrong type ({e})") from e
+
+
+def model_family(llm: Any, flow: Any, fname: str) -> str:
+    """The family whose llm and flow classes the yaml names (:data:`FAMILY_CLASSES`); a mix or an unknown pair
+    (CosyVoice1) is refused naming both classes."""
+    llm_cls, flow_cls = (str(getattr(x, "tag", "")).split(".")[-1] for x in (llm, flow))
+    for family, (lm, fl) in FAMILY_CLASSES.items():
+        if llm_cls == lm and flow_cls == fl:
+            return family
+    known = "; ".join(f"{f}: {lm} + {fl}" for f, (lm, fl) in FAMILY_CLASSES.items())
+    raise ConfigError(f"{fname}: llm is {llm_cls or '?'} and flow is {flow_cls or '?'}, which is no model family "
+                      f"cosyvoice_fast runs ({known}; not CosyVoice1, and not a mix). Point --model-dir at a "
+                      "CosyVoice2-0.5B or Fun-CosyVoice3-0.5B directory.")
+
+
+def _cosyvoice3_from_doc(doc: dict[str, Any], qwen: QwenConfig, fname: str) -> ModelConfig:
+    """CosyVoice3: the shared numbers here, the DiT flow and causal HiFT from their own readers."""
+    from cosyvoice_fast.config.causal_hift import causal_hift_config_from_doc
+    from cosyvoice_fast.config.dit import dit_flow_config_from_doc
+
+    try:
+        return ModelConfig(
+            family="cosyvoice3",
+            sample_rate=int(_get(doc, "sample_rate", "", fname)),
+            token_frame_rate=int(_get(doc, "token_frame_rate", "", fname)),
+            token_mel_ratio=int(_get(doc, "token_mel_ratio", "", fname)),
+            chunk_size=int(doc.get("chunk_size", 25)),
+            llm=llm_config_from_doc(_get(doc, "llm", "", fname), qwen, fname),
+            flow=dit_flow_config_from_doc(doc, fname),
+            hift=causal_hift_config_from_doc(doc, fname))
     except (TypeError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise

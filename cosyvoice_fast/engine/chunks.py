@@ -3,7 +3,7 @@
 The LLM side appends :class:`~cosyvoice_fast.config.schedule.ChunkCall`s to a segment's ``pending`` list as tokens
 arrive; :meth:`ChunkRunner.run` takes the next call of each given request and solves them together: requests
 whose flow stage object is the same share one ``flow.solve`` (the backend pads them into length buckets and
-keeps streams on its incremental path), and their mels are vocoded with one ``vocode_chunks`` call per vocoder
+keeps streams on its incremental path), and their mels are vocoded with one ``vocode_jobs`` call per vocoder
 stage (equal shapes share one HiFT ``vocode_batch`` forward, up to the stage's ``max_batch``).  A failing
 batched call is retried request by request, so only the culprit's request fails.
 
@@ -32,7 +32,7 @@ from cosyvoice_fast.telemetry.record import ChunkTiming, now
 from cosyvoice_fast.engine.state import RequestState, SegmentState
 from cosyvoice_fast.engine.stream import DONE
 from cosyvoice_fast.llm.stage import steppable
-from cosyvoice_fast.vocoder.stream import VocodeJob, vocode_chunks
+from cosyvoice_fast.vocoder.stage import VocodeJob
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +230,7 @@ class ChunkRunner:
             self._vocode_and_emit_all(voc, items)
 
     def _vocode_and_emit_all(self, voc: Any, items: list[tuple[Taken, torch.Tensor]]) -> None:
-        outs = vocode_chunks(voc, [self._job(t, m) for t, m in items])
+        outs = voc.vocode_jobs([self._job(t, m) for t, m in items])
         self.ctx.count("vocoder_calls", 1, "vocoder_rows", len(items))
         done: list[tuple[Taken, torch.Tensor, Any]] = []
         for (t, _), out in zip(items, outs):

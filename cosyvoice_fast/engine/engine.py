@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable
 
 import numpy as np
 import torch
 
 from cosyvoice_fast.engine.stages import StageCache
-from cosyvoice_fast.engine.stages import StageSet, check_available
+from cosyvoice_fast.engine.stages import StageSet, check_available, family_of_models
 from cosyvoice_fast.config.backends import BackendConfig
 from cosyvoice_fast.config.yamlfile import ConfigError
 from cosyvoice_fast.config.stream import StreamParams
@@ -68,6 +70,7 @@ class Engine:
         self.config = config or EngineConfig()
         self._stage_sets = StageCache(models, self.config)
         self._stage_lock = threading.Lock()
+        self._admit_pool: ThreadPoolExecutor | None = None  # asyncio front ends' admissions (aopen)
         self._observers: list[Observer] = []
         cfg = models.config
         self._sched = Scheduler(self.config, models.device, cfg.sample_rate, cfg.chunk_size,
@@ -90,7 +93,7 @@ class Engine:
         (``EngineConfig.stage_variants``)."""
         with self._stage_lock:
             if config not in self._stage_sets:
-                check_available(config, self.models.device)
+                check_available(config, self.models.device, family_of_models(self.models))
             return self._stage_sets.get(config)
 
     def store_flow_state(self, speaker: str, backend: BackendConfig | None = None) -> int:
@@ -133,27 +136,36 @@ class Engine:
             tele = chunk.telemetry or tele
         return (np.concatenate(parts) if parts else np.zeros(0, np.float32)), tele
 
-    async def astream(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
-        """asyncio-friendly :meth:`stream`: waits for chunks in a thread, cancels on ``aclose``/cancel."""
-        admit = asyncio.ensure_future(asyncio.to_thread(self._admit, request))
+    async def aopen(self, request: SynthesisRequest) -> "RequestStream":
+        """asyncio-friendly :meth:`stream`: the admission (frontend work, bounded in time) runs on the engine's
+        own small admission pool, never on asyncio's default executor, and the returned stream is iterated with
+        ``async for`` (no thread per waiting stream).  Cancelled while the frontend runs, the request is dropped
+        as soon as its admission finishes."""
+        loop = asyncio.get_running_loop()
+        admit = loop.run_in_executor(self._admission_pool(), self.stream, request)
         try:
-            state = await asyncio.shield(admit)
+            return await asyncio.shield(admit)
         except asyncio.CancelledError:
-            # cancelled while the frontend ran: the admission finishes in its thread, then is dropped at once
             admit.add_done_callback(lambda f: None if f.cancelled() or f.exception() is not None
-                                    else RequestStream(self, f.result()).close())
+                                    else f.result().close())
             raise
-        stream = RequestStream(self, state)
+
+    async def astream(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
+        """The request's chunks as an async generator (:meth:`aopen` then ``async for``); cancels the request on
+        ``aclose`` or when the consuming task is cancelled."""
+        stream = await self.aopen(request)
         try:
-            while True:
-                chunk = await asyncio.to_thread(next, stream, None)
-                if chunk is None:
-                    return
+            async for chunk in stream:
                 yield chunk
         finally:
-            # Thread-safe, unlike closing a generator: a `next` still blocked in its thread (the task was cancelled
-            # while it waited) is woken by the worker with the end-of-stream marker, so no thread is left behind.
-            stream.close()
+            stream.close()  # thread-safe: the worker drops the request before its next step
+
+    def _admission_pool(self) -> ThreadPoolExecutor:
+        with self._stage_lock:
+            if self._admit_pool is None:
+                self._admit_pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2),
+                                                      thread_name_prefix="cosyvoice-admit")
+            return self._admit_pool
 
     def cancel(self, request_id: str) -> bool:
         with self._cv:
@@ -227,6 +239,8 @@ class Engine:
         with self._cv:
             self._sched.closed = True
             self._cv.notify_all()
+        if self._admit_pool is not None:
+            self._admit_pool.shutdown(wait=False)  # queued admissions run and meet EngineClosed
         for t in self._threads:
             t.join(timeout=10)
 

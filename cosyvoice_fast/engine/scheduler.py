@@ -42,7 +42,7 @@ from cosyvoice_fast.engine import policy
 from cosyvoice_fast.engine.chunks import ChunkContext, ChunkRunner, gather_wait
 from cosyvoice_fast.engine.policy import Limits, RequestView, Snapshot
 from cosyvoice_fast.engine.state import Phase, RequestState, SegmentState
-from cosyvoice_fast.engine.stream import DONE
+from cosyvoice_fast.engine.stream import CLIENT_ERRORS, DONE
 from cosyvoice_fast.llm.stage import steppable
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,8 @@ class Scheduler:
         try:
             fn(st)
         except Exception as e:  # one request's failure must not disturb the others
-            log.exception("request %s failed", st.id)
+            if not isinstance(e, CLIENT_ERRORS):  # a client's mistake is one line of the request log, no trace
+                log.exception("request %s failed", st.id)
             self.fail(st, e)
 
     # ------------------------------------------------------------------------------------------- workers
@@ -385,7 +386,7 @@ class Scheduler:
         assert seg is not None and seg.llm is not None
         st.decode_steps += 1
         if res is not None:
-            seg.tokens.append(int(res))
+            seg.tokens += seg.llm.to_flow(int(res))  # [] where the family's filter drops it (the LM keeps it)
             st.telemetry.token_times.append(now())
         if seg.llm.done:
             st.stages.llm.release(seg.llm)

@@ -1,6 +1,10 @@
 """Stage backends: eager (the reference), cudagraph, fused (Triton kernels inside
 the graphs), tensorrt (flow estimator), trtllm (speech LM).
 
+Which implementation serves a (family, backend) is each stage folder's own table (``llm/runners.py``,
+``flow/runners.py``, ``vocoder/runners.py``: what to build, whether it can run here, a note where a name means
+another runner for a family); this factory only asks them, so nothing in the engine names a model family.
+
 Stage implementations are built once per (stage, backend, dtype) and shared by every stage set that names them:
 switching only the vocoder (the app's A/B tab) reuses the LLM and flow already built, instead of a second LLM
 with its own KV cache and graphs.  :class:`StageCache` keeps a bounded number per stage.
@@ -10,23 +14,24 @@ from __future__ import annotations
 
 import copy
 import gc
-import importlib
 import logging
 import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator
 
 import torch
 
 from cosyvoice_fast.config.backends import BackendConfig
-from cosyvoice_fast.config.engine import EngineConfig, resolve_llm_slots
-from cosyvoice_fast.config.backends import BackendInfo, BackendUnavailable
+from cosyvoice_fast.config.engine import EngineConfig
+from cosyvoice_fast.config.backends import BACKEND_CHOICES, BackendInfo, BackendUnavailable
+from cosyvoice_fast.flow import runners as flow_runners
 from cosyvoice_fast.flow.stage import FlowStage
+from cosyvoice_fast.llm import runners as llm_runners
 from cosyvoice_fast.llm.stage import LLMStage
+from cosyvoice_fast.vocoder import runners as vocoder_runners
 from cosyvoice_fast.vocoder.stage import VocoderStage
 
 log = logging.getLogger(__name__)
@@ -44,81 +49,31 @@ class StageSet:
 StageKey = tuple[str, str, str]  # (stage, implementation, dtype); the vocoder's dtype is always fp32 (HiFT)
 
 
-def stage_keys(config: BackendConfig) -> dict[str, StageKey]:
-    """The key of each stage ``config`` needs: configs that build the same object get the same key (the flow's
-    ``incremental`` flag picks another runner: the eager flow's is named ``incremental``; the tensorrt flow
-    ignores the flag; HiFT always runs in fp32)."""
-    flow = config.flow
-    if flow == "eager" and config.incremental:
-        flow = "incremental"
-    elif flow in ("cudagraph", "fused") and config.incremental:
-        flow += "-incremental"
+def family_of_models(models: Any) -> str:
+    """The model family of ``models`` (``LoadedModels.family``); stand-ins without one are CosyVoice2's."""
+    return getattr(models, "family", "cosyvoice2")
+
+
+def stage_keys(config: BackendConfig, family: str = "cosyvoice2") -> dict[str, StageKey]:
+    """The key of each stage ``config`` needs: configs that build the same object get the same key (the runner
+    each stage folder's table resolves the backend to: the flow's ``incremental`` flag picks another runner, the
+    eager flow's is named ``incremental``; tensorrt and CosyVoice3's graph runners ignore the flag; CosyVoice3's
+    fused vocoder is its cudagraph runner; HiFT always runs in fp32)."""
+    flow = flow_runners.runner_for(family, config.flow, config.incremental)
     return {"llm": ("llm", config.llm, config.dtype), "flow": ("flow", flow, config.dtype),
-            "vocoder": ("vocoder", config.vocoder, "fp32")}
+            "vocoder": ("vocoder", vocoder_runners.runner_for(family, config.vocoder), "fp32")}
 
 
 def _build_llm(models: Any, name: str, llm: torch.nn.Module, dtype: torch.dtype, engine: EngineConfig) -> Any:
-    from cosyvoice_fast.llm.eager import EagerLLM
-
-    if name == "eager":
-        return EagerLLM(llm, models.config)
-    if name == "cudagraph":
-        from cosyvoice_fast.llm.graph import CudaGraphLLM
-
-        slots = resolve_llm_slots(engine, models.config.llm.qwen, dtype, models.device)
-        return CudaGraphLLM(llm, models.config, slots=slots, max_len=engine.max_context)
-    if name == "fused":
-        from cosyvoice_fast.llm.fused import FusedLLM
-
-        slots = resolve_llm_slots(engine, models.config.llm.qwen, dtype, models.device)
-        return FusedLLM(llm, models.config, slots=slots, max_len=engine.max_context)
-    from cosyvoice_fast.llm.trtllm import TrtLlmLLM
-
-    return TrtLlmLLM(llm, models.config)
+    return llm_runners.build_llm(family_of_models(models), models, name, llm, dtype, engine)
 
 
 def _build_flow(models: Any, name: str, flow: torch.nn.Module, engine: EngineConfig) -> Any:
-    from cosyvoice_fast.flow import eager
-
-    if name == "eager":
-        return eager.EagerFlow(flow, models.config)
-    if name == "incremental":
-        from cosyvoice_fast.flow.incremental import IncrementalFlow
-
-        return IncrementalFlow(flow, models.config)
-    if name in ("cudagraph", "cudagraph-incremental"):
-        from cosyvoice_fast.flow.graph import CudaGraphFlow
-
-        return CudaGraphFlow(flow, models.config, incremental=name == "cudagraph-incremental",
-                             buckets=engine.flow_buckets, rows=engine.flow_rows,
-                             capture_at_start=engine.capture_at_start)
-    if name in ("fused", "fused-incremental"):
-        from cosyvoice_fast.flow.fused import FusedFlow
-
-        return FusedFlow(flow, models.config, incremental=name == "fused-incremental", buckets=engine.flow_buckets,
-                         rows=engine.flow_rows, capture_at_start=engine.capture_at_start)
-    from cosyvoice_fast.flow.tensorrt import TensorRTFlow
-
-    return TensorRTFlow(flow, models.config)
+    return flow_runners.build_flow(family_of_models(models), models, name, flow, engine)
 
 
 def _build_vocoder(models: Any, name: str, engine: EngineConfig) -> Any:
-    from cosyvoice_fast.vocoder.eager import EagerVocoder
-
-    if name == "eager":
-        return EagerVocoder(models.hift)
-    from cosyvoice_fast.config.stream import StreamParams
-    from cosyvoice_fast.config.schedule import final_vocoder_frames, vocoder_frames
-    from cosyvoice_fast.vocoder.graph import CudaGraphVocoder
-    from cosyvoice_fast.vocoder.fused import FusedVocoder
-
-    # whole-chunk graphs for the default schedule's chunk lengths (every prompt length), captured now: the
-    # non-final ones for every row count, the final ones for one row
-    shape = (StreamParams(), models.config.chunk_size, models.config.token_mel_ratio)
-    rows = engine.vocoder_rows if engine.capture_at_start else ()
-    cls = FusedVocoder if name == "fused" else CudaGraphVocoder
-    return cls(models.hift, max_batch=max(engine.vocoder_rows), rows=rows, lengths=vocoder_frames(*shape),
-               final_lengths=final_vocoder_frames(*shape))
+    return vocoder_runners.build_vocoder(family_of_models(models), models, name, engine)
 
 
 def out_of_memory_advice(stage: str, engine: EngineConfig, error: BaseException) -> str:
@@ -161,7 +116,7 @@ class StageCache:
             hit = self._sets.get(config)
             if hit is not None:
                 self._sets.move_to_end(config)
-                for key in stage_keys(config).values():
+                for key in stage_keys(config, family_of_models(self.models)).values():
                     self._stages.move_to_end(key)
             return hit
 
@@ -173,17 +128,17 @@ class StageCache:
             hit = self._hit(config)  # built by another thread while this one waited
             if hit is not None:
                 return hit
-            keys = stage_keys(config)
+            keys = stage_keys(config, family_of_models(self.models))
             dtype = config.torch_dtype
             if dtype != self.models.dtype and self.models.device.type == "cpu" and dtype != torch.float32:
                 raise ValueError(f"dtype {config.dtype} is for GPUs; on CPU use fp32")
             try:
-                llm = self._stage(keys["llm"], lambda: _build_llm(self.models, config.llm,
+                llm = self._stage(keys["llm"], lambda: _build_llm(self.models, keys["llm"][1],
                                                                   self._cast("llm", dtype), dtype, self.engine_config))
                 flow = self._stage(keys["flow"], lambda: _build_flow(self.models, keys["flow"][1],
                                                                      self._cast("flow", dtype), self.engine_config))
                 voc = self._stage(keys["vocoder"],
-                                  lambda: _build_vocoder(self.models, config.vocoder, self.engine_config))
+                                  lambda: _build_vocoder(self.models, keys["vocoder"][1], self.engine_config))
                 built = StageSet(config=config, llm=llm, flow=flow, vocoder=voc)
                 with self._lock:
                     self._sets[config] = built
@@ -279,50 +234,31 @@ def build_stage_set(models: Any, config: BackendConfig, engine_config: EngineCon
     return StageCache(models, engine_config).get(config)
 
 
-def _anywhere(device: torch.device, engines_dir: Path | None = None) -> str | None:
-    """The eager backends: plain PyTorch, on any device."""
-    return None
+#: stage -> its folder's table: family -> backend -> (why it cannot run here, or None; a note)
+_TABLES = {"llm": llm_runners.BACKENDS, "flow": flow_runners.BACKENDS, "vocoder": vocoder_runners.BACKENDS}
 
 
-def _ask(module: str) -> Callable[[torch.device, Path], str | None]:
-    """The ``why_unavailable_on(device, engines_dir)`` of a backend module, imported when first asked (the
-    modules import no Triton or TensorRT before their check has found it)."""
-    def ask(device: torch.device, engines_dir: Path) -> str | None:
-        return importlib.import_module(module).why_unavailable_on(device, engines_dir)
-    return ask
-
-
-#: (stage, backend) -> that backend's own answer to "why can you not run on this device?" (None: it can).  The
-#: rules live in the backends, each stated once; this table only says whom to ask, in the order listings show.
-AVAILABILITY: Mapping[tuple[str, str], Callable[[torch.device, Path], str | None]] = MappingProxyType({
-    ("llm", "eager"): _anywhere,
-    ("llm", "cudagraph"): _ask("cosyvoice_fast.llm.graph"),
-    ("llm", "fused"): _ask("cosyvoice_fast.llm.fused"),
-    ("llm", "trtllm"): _ask("cosyvoice_fast.llm.trtllm"),
-    ("flow", "eager"): _anywhere,
-    ("flow", "cudagraph"): _ask("cosyvoice_fast.flow.graph"),
-    ("flow", "fused"): _ask("cosyvoice_fast.flow.fused"),
-    ("flow", "tensorrt"): _ask("cosyvoice_fast.flow.tensorrt"),
-    ("vocoder", "eager"): _anywhere,
-    ("vocoder", "cudagraph"): _ask("cosyvoice_fast.vocoder.graph"),
-    ("vocoder", "fused"): _ask("cosyvoice_fast.vocoder.fused"),
-})
-
-
-def available_backends(device: torch.device | str, engines_dir: str | Path = "engines") -> list[BackendInfo]:
-    """Every (stage, backend) pair with whether it can run on ``device`` and, if not, the reason (each backend
-    asked through :data:`AVAILABILITY`)."""
+def available_backends(device: torch.device | str, engines_dir: str | Path = "engines",
+                       family: str = "cosyvoice2") -> list[BackendInfo]:
+    """Every (stage, backend) pair of ``family`` with whether it can run on ``device`` and, if not, the reason
+    (each backend asked through its stage folder's table), in :data:`BACKEND_CHOICES` order."""
     dev, engines = torch.device(device), Path(engines_dir)
     out = []
-    for (stage, name), why in AVAILABILITY.items():
-        reason = why(dev, engines)
-        out.append(BackendInfo(stage, name, reason is None, reason or ""))
+    for stage, names in BACKEND_CHOICES.items():
+        table = _TABLES[stage].get(family)
+        if table is None:
+            raise ValueError(f"unknown model family {family!r}; choose one of {', '.join(_TABLES[stage])}")
+        for name in names:
+            why, note = table[name]
+            reason = why(dev, engines)
+            out.append(BackendInfo(stage, name, reason is None, reason or "", note))
     return out
 
 
-def check_available(config: BackendConfig, device: torch.device | str) -> None:
-    """Raise :class:`BackendUnavailable` naming the first stage whose chosen backend cannot run here."""
-    infos = {(b.stage, b.name): b for b in available_backends(device)}
+def check_available(config: BackendConfig, device: torch.device | str, family: str = "cosyvoice2") -> None:
+    """Raise :class:`BackendUnavailable` naming the first stage whose chosen backend cannot run here (for
+    ``family``'s models)."""
+    infos = {(b.stage, b.name): b for b in available_backends(device, family=family)}
     for stage in ("llm", "flow", "vocoder"):
         name = getattr(config, stage)
         info = infos.get((stage, name))

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from cosyvoice_fast.llm.stage import LLMState
+from cosyvoice_fast.engine.outbox import Outbox
 from cosyvoice_fast.frontend.request import ModelInputs, SynthesisRequest
 from cosyvoice_fast.config.schedule import ChunkCall, ChunkCursor
 from cosyvoice_fast.telemetry.record import RequestTelemetry
@@ -75,7 +76,7 @@ class RequestState:
     stages: Any
     llm_generator: torch.Generator
     vocoder_generator: torch.Generator
-    out: "queue.Queue[Any]" = field(default_factory=queue.Queue)
+    out: "queue.Queue[Any]" = field(default_factory=Outbox)  # awaitable by asyncio consumers
     cancelled: threading.Event = field(default_factory=threading.Event)
     segment: SegmentState | None = None
     next_segment: int = 0

@@ -6,15 +6,21 @@ the engine's observers how the request ended.  ``engine`` is duck-typed (its ``_
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any
 
 from cosyvoice_fast.frontend.request import AudioChunk
+from cosyvoice_fast.frontend.text_normalize import EmptyTextError, TextTooLongError
+from cosyvoice_fast.frontend.text_source import TextSourceTimeout
 from cosyvoice_fast.telemetry.record import RequestTelemetry, now
 from cosyvoice_fast.engine.state import RequestState
 
 #: the end-of-stream marker a request's output queue receives last
 DONE = object()
+#: failures that are the client's doing (its text, or its text source's pace): outcome ``rejected``, logged as one
+#: line by the request log, never with a traceback
+CLIENT_ERRORS = (EmptyTextError, TextTooLongError, TextSourceTimeout)
 
 
 class RequestStream:
@@ -22,7 +28,8 @@ class RequestStream:
 
     ``close()`` (also on ``with`` exit and when the object is garbage-collected, even before the first chunk)
     cancels the request if it is still running.  Unlike a generator it may be closed from another thread while a
-    ``next`` is blocked waiting: that ``next`` then ends the iteration.
+    ``next`` is blocked waiting: that ``next`` then ends the iteration.  ``async for`` iterates the same chunks on an
+    event loop without a thread per waiting stream (:meth:`__anext__`).
     """
 
     def __init__(self, engine: Any, state: RequestState):
@@ -47,12 +54,36 @@ class RequestStream:
     def __next__(self) -> AudioChunk:
         if self._ended:
             raise StopIteration
-        item = self._state.out.get()
+        chunk = self._take(self._state.out.get())
+        if chunk is None:
+            raise StopIteration
+        return chunk
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> AudioChunk:
+        """The next chunk, awaited without holding a thread (the output queue wakes this loop when the engine
+        puts a chunk); ``StopAsyncIteration`` at the end.  Cancelling the awaiting task leaves the request
+        running: call :meth:`close` to cancel it."""
+        if self._ended:
+            raise StopAsyncIteration
+        out = self._state.out
+        item = await out.aget() if hasattr(out, "aget") else await asyncio.to_thread(out.get)
+        chunk = self._take(item)
+        if chunk is None:
+            raise StopAsyncIteration
+        return chunk
+
+    def _take(self, item: object) -> AudioChunk | None:
+        """One item of the output queue -> the chunk to hand out (None at the end; raises a request's error)."""
+        if self._ended:
+            return None
         if item is DONE:
             self._end("ok" if self._got_last else "cancelled")
-            raise StopIteration
+            return None
         if isinstance(item, BaseException):
-            self._end("error")
+            self._end("rejected" if isinstance(item, CLIENT_ERRORS) else "error")
             raise item
         item.timing.delivered = now()
         if item.is_last:
@@ -63,6 +94,13 @@ class RequestStream:
 
     def close(self) -> None:
         self._end("ok" if self._got_last else "cancelled")
+
+    def fail(self, error: str) -> None:
+        """End the request as failed by its consumer (e.g. the audio could not be encoded): observers count it
+        ``error`` with ``error`` as the reason, not ``ok``."""
+        if not self._ended and self._state.telemetry.error is None:
+            self._state.telemetry.error = error
+        self._end("error")
 
     def _end(self, outcome: str) -> None:
         with self._lock:

@@ -301,24 +301,28 @@ class CudaGraphFlow:
             self.capture_all(rows or (1,), progress)
 
     def capture_all(self, rows: Sequence[int], progress: bool = True) -> int:
-        """Capture every (bucket x rows x attention mode) estimator graph, every encoder graph and every
-        incremental shape, then freeze them: from here on a shape nobody captured runs eagerly.  Returns the
-        graphs captured."""
+        """Capture every incremental shape, encoder graph and (bucket x rows x attention mode) estimator graph,
+        then freeze them: from here on a shape nobody captured runs eagerly.  Returns the graphs captured.
+
+        In the order first chunks need them (``config.graph_plan.stage_jobs``): the incremental graphs, the
+        streaming encoder and estimator graphs, then the full-attention ones (final chunks)."""
         from tqdm.auto import tqdm
 
         dtype = next(self.flow.parameters()).dtype
+        n = self.incremental.graphs.capture_all(progress=progress) if self.incremental is not None else 0
         lengths = self.estimator.buckets or tuple(range(self.estimator.granularity, self.estimator.max_frames + 1,
                                                         self.estimator.granularity))
         row_buckets = sorted({bucket_rows(2 * r) or ROW_SIZES[-1] for r in rows})
-        jobs = [(f, s, r) for f in lengths for s in (True, False) for r in row_buckets if self.estimator._fits(r, f)]
+        jobs = [(f, s, r) for s in (True, False) for f in lengths for r in row_buckets if self.estimator._fits(r, f)]
         for cache in self.estimator.all_caches():
             cache.max_graphs = max(cache.max_graphs, len(jobs))
+        enc = self.encoder.jobs()
+        n += self.encoder.capture_jobs([j for j in enc if j[2]], dtype, progress)
         for f, s, r in tqdm(jobs, desc="capturing flow graphs", unit="graph", disable=not progress, leave=False):
             self.estimator.capture(f, s, dtype, r)
         self.estimator.freeze()
-        n = len(jobs) + self.encoder.capture_all(dtype, progress)
-        if self.incremental is not None:
-            n += self.incremental.graphs.capture_all(progress=progress)
+        n += len(jobs) + self.encoder.capture_jobs([j for j in enc if not j[2]], dtype, progress)
+        self.encoder.freeze()
         return n
 
     def recompute(self, inputs: Any, tokens: Tensor, call: ChunkCall, stream: bool = True) -> Tensor:

@@ -121,16 +121,21 @@ class GraphEncoder:
 
     def capture_all(self, dtype: torch.dtype, progress: bool = True) -> int:
         """Capture every graph of :meth:`jobs`, then freeze; returns how many."""
+        n = self.capture_jobs(self.jobs(), dtype, progress)
+        self.freeze()
+        return n
+
+    def capture_jobs(self, jobs: Sequence[tuple[int, int, bool]], dtype: torch.dtype, progress: bool = True) -> int:
+        """Capture the graphs ``jobs`` (some of :meth:`jobs`, in the order given: the flow stage captures the
+        streaming ones, which first chunks need, before the full-attention ones); returns how many."""
         from tqdm.auto import tqdm
 
-        jobs = self.jobs()
         for c in self.caches.values():
-            c.max_graphs = max(c.max_graphs, len(jobs))
-        for b, r, s in tqdm(jobs, desc="capturing flow-encoder graphs", unit="graph", disable=not progress,
+            c.max_graphs = max(c.max_graphs, len(self.jobs()))
+        for b, r, s in tqdm(jobs, desc="capturing flow-encoder graphs", unit="graph", disable=not progress or not jobs,
                             leave=False):
             with self.lock:
                 self.caches[s].get((b, r, dtype), self._example(b, r, dtype))
-        self.freeze()
         return len(jobs)
 
     # ---------------------------------------------------------------------------------------------- calls

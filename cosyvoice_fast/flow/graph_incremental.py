@@ -51,7 +51,9 @@ import torch
 from torch import Tensor, nn
 
 from cosyvoice_fast.flow.model.cfm import NOISE_FRAMES, euler_schedule
-from cosyvoice_fast.config.schedule import ChunkCall, bucket_frames
+from cosyvoice_fast.config.graph_plan import INCREMENTAL_CAPACITY, INCREMENTAL_FRAMES, incremental_bucket, \
+    incremental_shapes
+from cosyvoice_fast.config.schedule import ChunkCall
 from cosyvoice_fast.flow.incremental import IncrementalFlow
 from cosyvoice_fast.flow.incremental_state import StateCapacityError
 from cosyvoice_fast.flow.model.incremental import (
@@ -79,8 +81,10 @@ class IncrementalEstimatorGraphs:
     ``capture=False`` (always on CPU) runs the same function eagerly on the same buffers.
     """
 
-    def __init__(self, flow: nn.Module, max_frames: int = DEFAULT_STATE_FRAMES, granularity: int | None = None,
-                 kv_granularity: int = 250, max_graphs: int = 48, capture: bool | None = None,
+    def __init__(self, flow: nn.Module, max_frames: int = DEFAULT_STATE_FRAMES,
+                 frame_buckets: tuple[int, ...] = INCREMENTAL_FRAMES,
+                 capacity_buckets: tuple[int, ...] = INCREMENTAL_CAPACITY, max_graphs: int = 48,
+                 capture: bool | None = None,
                  estimator: Callable[..., Tensor] | None = None):
         """``estimator``: computes one Euler step on a window (``guided_solve``'s argument; default the eager
         maths, the ``fused`` backend passes :meth:`~cosyvoice_fast.flow.kernels.estimator_fused.FusedEstimator.
@@ -93,8 +97,8 @@ class IncrementalEstimatorGraphs:
         self.device, self.dtype = p.device, p.dtype
         self.capture = (p.device.type == "cuda") if capture is None else capture
         self.chunk = est.cfg.static_chunk_size
-        self.granularity = granularity or self.chunk
-        self.kv_granularity = kv_granularity
+        #: new-frame and key-capacity buckets (``config.graph_plan``): a handful of graphs serve every call
+        self.frame_buckets, self.capacity_buckets = tuple(frame_buckets), tuple(capacity_buckets)
         self.max_frames = min(max_frames, NOISE_FRAMES)
         self.max_graphs = max_graphs
         self.steps = flow.decoder.cfg.n_timesteps
@@ -208,13 +212,7 @@ class IncrementalEstimatorGraphs:
 
     def shapes(self, max_solve_frames: int) -> list[tuple[int, int]]:
         """Every (frames bucket, key capacity) a call of at most ``max_solve_frames`` new frames can use."""
-        out = []
-        for nb in range(self.granularity, min(max_solve_frames, self.max_frames) + 1, self.granularity):
-            for cap in range(self.kv_granularity, self.max_frames + self.kv_granularity, self.kv_granularity):
-                cap = min(cap, self.max_frames)
-                if cap >= nb and (nb, cap) not in out:
-                    out.append((nb, cap))
-        return out
+        return incremental_shapes(self.max_frames, max_solve_frames, self.frame_buckets, self.capacity_buckets)
 
     def capture_all(self, max_solve_frames: int = 400, progress: bool = False) -> int:
         """Capture every shape of :meth:`shapes` now (start-up), then freeze: a call of more new frames (a
@@ -243,10 +241,11 @@ class IncrementalEstimatorGraphs:
         if n == 0:
             return x0.float(), cache
         new_start = max(start, (min(commit_end, start + n) // self.chunk) * self.chunk)
-        nb = bucket_frames(n, self.granularity)
-        if start + nb > self.max_frames:
+        if start + n > self.max_frames:
             raise StateCapacityError(f"{start + n} frames > the {self.max_frames} the buffers hold")
-        cap = min(bucket_frames(start + nb, self.kv_granularity), self.max_frames)
+        # past the last frame bucket: the exact length (like a shape near the buffers' end: eager when frozen)
+        nb, cap = incremental_bucket(n, start, self.max_frames, self.frame_buckets, self.capacity_buckets) or (
+            n, self.max_frames)
         dev = self.device
         with self.lock, torch.inference_mode():
             g = self._graph(nb, cap) or _Graph(None, self._new_inputs(nb, cap), None)

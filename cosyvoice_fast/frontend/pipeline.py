@@ -1,6 +1,7 @@
 """The frontend as the engine sees it: a :class:`SynthesisRequest` in, one :class:`ModelInputs` out.
 
-It ties the pieces of this package together per mode, with CosyVoice2's LM-input layout:
+It ties the pieces of this package together per mode, with CosyVoice2's LM-input layout (CosyVoice3 writes its
+prompt texts with a system prompt: the family's :class:`~cosyvoice_fast.frontend.prompt_rules.PromptRules`):
 
 ==============  ==============================  =====================  ==========================================
 mode            LM prompt text                  LM prompt speech       flow (tokens, mel, embedding)
@@ -30,6 +31,7 @@ import torch
 
 from cosyvoice_fast.frontend.request import ModelInputs, SynthesisRequest
 from cosyvoice_fast.frontend.audio import DEFAULT_LIMITS, AudioSource, PromptAudioError, PromptLimits
+from cosyvoice_fast.frontend.prompt_rules import COSYVOICE2_RULES, END_OF_PROMPT, PromptRules
 from cosyvoice_fast.frontend.speaker import (
     OnnxSpeakerEmbedder, OnnxSpeechTokenizer, PromptFeatures, SpeakerCache, SpeakerCacheError, extract_prompt,
     validate_speaker_name,
@@ -38,7 +40,6 @@ from cosyvoice_fast.frontend.text import DEFAULT_MAX_CHARS, TextTokenizer, norma
 from cosyvoice_fast.frontend.text_normalize import WetextTN
 from cosyvoice_fast.frontend.text_stream import IncrementalText
 
-END_OF_PROMPT = "<|endofprompt|>"
 PROMPT_SAMPLE_RATE = 24000  # the prompt mel's rate; CosyVoice2's flow and HiFT run at 24 kHz
 
 
@@ -65,13 +66,15 @@ class FrontendConfig:
 @dataclass(frozen=True)
 class PromptSide:
     """The prompt half of a request's model inputs (features, the LM layout's mode, prompt text ids) and
-    whether it came from a cache; :meth:`model_inputs` adds the text."""
+    whether it came from a cache; :meth:`model_inputs` adds the text.  ``lm_prefix``: ids the LM must see
+    before the text when the mode gives it no prompt text (CosyVoice3's system prompt in cross-lingual mode)."""
 
     prompt: PromptFeatures
     mode: str
     prompt_text: torch.Tensor | None
     speaker: str | None
     cache_hit: bool
+    lm_prefix: torch.Tensor | None = None
 
     def model_inputs(self, segments: list[torch.Tensor]) -> ModelInputs:
         return Frontend.build_inputs(segments, self.prompt, self.mode, self.prompt_text, speaker=self.speaker)
@@ -81,6 +84,8 @@ class PromptSide:
         """(prompt text ids, prompt speech tokens) as the LM sees them (see the module table), each (1, n)."""
         empty = torch.zeros(1, 0, dtype=torch.int32)
         text = self.prompt_text if self.prompt_text is not None and self.mode in ("zero_shot", "instruct2") else empty
+        if self.mode == "cross_lingual" and self.lm_prefix is not None:  # a bi-streamed text: the prefix leads it
+            text = self.lm_prefix
         return text, self.prompt.speech_token if self.mode == "zero_shot" else empty
 
 
@@ -108,8 +113,9 @@ class Frontend:
 
     def __init__(self, tokenizer: TextTokenizer, speech_tokenizer: OnnxSpeechTokenizer,
                  embedder: OnnxSpeakerEmbedder, speakers: SpeakerCache | None = None,
-                 config: FrontendConfig | None = None) -> None:
+                 config: FrontendConfig | None = None, rules: PromptRules = COSYVOICE2_RULES) -> None:
         self.tokenizer = tokenizer
+        self.rules = rules  # the model family's prompt-text rules (see frontend.prompt_rules)
         self.speech_tokenizer = speech_tokenizer
         self.embedder = embedder
         self.speakers = speakers
@@ -122,24 +128,27 @@ class Frontend:
 
     @classmethod
     def from_model_dir(cls, root: str | Path, speaker_cache_dir: str | Path | None = "speakers",
-                       sample_rate: int = PROMPT_SAMPLE_RATE, config: FrontendConfig | None = None) -> "Frontend":
-        """Load the tokenizer now and the ONNX models lazily (a saved-speaker request never needs them)."""
+                       sample_rate: int = PROMPT_SAMPLE_RATE, config: FrontendConfig | None = None,
+                       rules: PromptRules = COSYVOICE2_RULES) -> "Frontend":
+        """Load the tokenizer now and the ONNX models lazily (a saved-speaker request never needs them);
+        ``rules``: the model family's (``prompt_rules.rules_for_family``), CosyVoice2's by default."""
         if sample_rate != PROMPT_SAMPLE_RATE:
             raise ValueError(f"sample_rate {sample_rate}: the CosyVoice2 frontend computes a 24 kHz prompt mel; "
                              "is this a CosyVoice2 model directory?")
         cfg = config or FrontendConfig()
         root = Path(root)
-        return cls(TextTokenizer.from_dir(root),
-                   OnnxSpeechTokenizer(root / "speech_tokenizer_v2.onnx", device=cfg.onnx_device),
+        return cls(TextTokenizer.from_dir(root, special_tokens=rules.special_tokens),
+                   OnnxSpeechTokenizer(root / rules.speech_tokenizer_file, device=cfg.onnx_device),
                    OnnxSpeakerEmbedder(root / "campplus.onnx", device=cfg.onnx_device),
-                   SpeakerCache(speaker_cache_dir) if speaker_cache_dir is not None else None, cfg)
+                   SpeakerCache(speaker_cache_dir) if speaker_cache_dir is not None else None, cfg, rules)
 
     # ------------------------------------------------------------------------------------------------ text
 
     def text_segments(self, text: str) -> list[torch.Tensor]:
         """Normalise and split ``text``; one (1, n) int32 id tensor per segment."""
         c = self.config
-        pieces = normalize_and_split(text, self.tokenizer.encode, text_frontend=c.text_frontend,
+        pieces = normalize_and_split(text, self.tokenizer.encode, text_frontend=c.text_frontend
+                                     and not self.rules.as_written(text),
                                      max_chars=c.max_chars, tn=self.tn, max_tokens=c.split_max_tokens,
                                      min_tokens=c.split_min_tokens, merge_len=c.split_merge_len)
         return [self._ids(p) for p in pieces]
@@ -147,7 +156,7 @@ class Frontend:
     def encode_prompt_text(self, text: str) -> torch.Tensor:
         """A transcript or instruction: normalised as one piece (never split), then tokenised."""
         text = text.strip()
-        if self.config.text_frontend:
+        if self.config.text_frontend and not self.rules.as_written(text):
             text = normalize(text, max_chars=self.config.max_chars, tn=self.tn)
         return self._ids(text)
 
@@ -190,7 +199,8 @@ class Frontend:
         transcript = transcript.strip()
         saved = PromptFeatures(speech_token=feats.speech_token, speech_feat=feats.speech_feat,
                                embedding=feats.embedding, prompt_text=transcript,
-                               prompt_text_tokens=self.encode_prompt_text(transcript) if transcript else None,
+                               prompt_text_tokens=self.encode_prompt_text(self.rules.zero_shot_prompt_text(transcript))
+                               if transcript else None,
                                token_mel_ratio=feats.token_mel_ratio, extra=dict(feats.extra), meta=dict(feats.meta))
         cache.add(name, saved, overwrite=overwrite)
         return saved
@@ -207,6 +217,8 @@ class Frontend:
         """The request's model inputs and whether the prompt came from a cache (saved speaker or LRU)."""
         segments = self.text_segments(request.text)
         side = self.prepare_prompt(request)
+        if side.mode == "cross_lingual" and side.lm_prefix is not None and END_OF_PROMPT not in request.text:
+            segments = [torch.cat([side.lm_prefix, s], dim=1) for s in segments]  # each piece opens with it
         return side.model_inputs(segments), side.cache_hit
 
     def prepare_prompt(self, request: SynthesisRequest) -> "PromptSide":
@@ -220,7 +232,7 @@ class Frontend:
             prompt = self._cache().get(request.speaker)
             has_text = prompt.prompt_text_tokens is not None and prompt.prompt_text_tokens.shape[1] > 0
             return PromptSide(prompt, "zero_shot" if has_text else "cross_lingual", prompt.prompt_text_tokens,
-                              request.speaker, True)
+                              request.speaker, True, None if has_text else self._lm_prefix())
         if request.prompt_wav is None:
             raise PromptAudioError(f"mode '{mode}' needs a prompt voice: upload or record 3 to 10 s of clear speech")
         prompt_text = None
@@ -228,16 +240,19 @@ class Frontend:
             if not request.prompt_text.strip():
                 raise ValueError("zero-shot mode needs the prompt's transcript (what is said in the prompt audio); "
                                  "without one use cross-lingual mode")
-            prompt_text = self.encode_prompt_text(request.prompt_text)
+            prompt_text = self.encode_prompt_text(self.rules.zero_shot_prompt_text(request.prompt_text))
         elif mode == "instruct2":
             instruct = request.instruct_text.strip()
             if not instruct:
                 raise ValueError("instruct mode needs an instruction, e.g. 'Speak slowly and calmly.'")
-            if not instruct.endswith(END_OF_PROMPT):
-                instruct += END_OF_PROMPT
-            prompt_text = self.encode_prompt_text(instruct)
+            prompt_text = self.encode_prompt_text(self.rules.instruct_prompt_text(instruct))
         prompt, hit = self.prompt_features(request.prompt_wav, request.prompt_sr)
-        return PromptSide(prompt, mode, prompt_text, None, hit)
+        return PromptSide(prompt, mode, prompt_text, None, hit, self._lm_prefix() if mode == "cross_lingual" else None)
+
+    def _lm_prefix(self) -> torch.Tensor | None:
+        """The family's cross-lingual prefix as ids (None where it has none)."""
+        prefix = self.rules.cross_lingual_prefix
+        return self._ids(prefix) if prefix else None
 
     def text_stream(self, lang: str | None = None) -> IncrementalText:
         """An incremental normaliser + tokeniser with this frontend's tokenizer, rules and length limit."""

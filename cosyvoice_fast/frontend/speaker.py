@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import tempfile
@@ -237,6 +238,14 @@ def validate_speaker_name(name: object) -> str:
     return name
 
 
+def _write_failed(name: str, e: OSError) -> None:
+    """Log the OS error once (for the operator) and raise a message for the user without server paths."""
+    logging.getLogger(__name__).warning("saving speaker %r failed: %s", name, e)
+    raise SpeakerCacheError(f"could not save the voice '{name}': the server cannot write its speaker folder "
+                            f"({e.strerror or type(e).__name__}); the operator must make it writable (or start "
+                            "with another --speaker-cache DIR)") from None
+
+
 class SpeakerCache:
     """Named :class:`PromptFeatures` in a directory, ``<name>.safetensors`` each.
 
@@ -278,16 +287,21 @@ class SpeakerCache:
         if not overwrite and path.exists():
             raise SpeakerCacheError(f"a speaker named '{name}' already exists: pick another name or delete it first")
         blob = save(prompt.tensors(), metadata={_META_KEY: json.dumps(prompt.metadata(), ensure_ascii=False)})
-        self.dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=self.dir)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=self.dir)
+        except OSError as e:  # read-only or full disk: the operator's to fix; the user gets a sentence, not errno
+            _write_failed(name, e)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(blob)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-        except BaseException:
+        except BaseException as e:
             Path(tmp).unlink(missing_ok=True)
+            if isinstance(e, OSError):
+                _write_failed(name, e)
             raise
         with self._lock:
             self._memo.pop(name, None)

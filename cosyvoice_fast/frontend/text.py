@@ -211,18 +211,22 @@ class TextTokenizer:
 
     special_tokens: tuple[str, ...] = SPECIAL_TOKENS
 
-    def __init__(self, backend: Tokenizer, *, skip_special_tokens: bool = True, clean_up_spaces: bool = False) -> None:
+    def __init__(self, backend: Tokenizer, *, skip_special_tokens: bool = True, clean_up_spaces: bool = False,
+                 special_tokens: Sequence[str] = SPECIAL_TOKENS) -> None:
         self._tok = backend
         self.skip_special_tokens = skip_special_tokens
         self._clean_up = clean_up_spaces
-        for t in (EOS_TOKEN, *SPECIAL_TOKENS):
+        self.special_tokens = tuple(special_tokens)  # the family's markup list (CosyVoice3's is longer)
+        for t in (EOS_TOKEN, *self.special_tokens):
             if backend.token_to_id(t) is None:
                 raise ValueError(f"tokenizer lacks the special token {t!r}; build it with TextTokenizer.from_dir")
-        self.special_token_ids: dict[str, int] = {t: backend.token_to_id(t) for t in (EOS_TOKEN, *SPECIAL_TOKENS)}
+        self.special_token_ids: dict[str, int] = {t: backend.token_to_id(t) for t in (EOS_TOKEN, *self.special_tokens)}
 
     @classmethod
-    def from_dir(cls, path: str | Path, *, skip_special_tokens: bool = True) -> TextTokenizer:
-        """Load from a model directory (or its ``CosyVoice-BlankEN`` folder itself).
+    def from_dir(cls, path: str | Path, *, skip_special_tokens: bool = True,
+                 special_tokens: Sequence[str] = SPECIAL_TOKENS) -> TextTokenizer:
+        """Load from a model directory (or its ``CosyVoice-BlankEN`` folder itself); ``special_tokens``: the
+        family's markup list (``PromptRules.special_tokens``; CosyVoice2's by default).
 
         Uses ``tokenizer.json`` when present, else ``vocab.json`` + ``merges.txt``.  The tokens declared in
         ``tokenizer_config.json`` are registered first (in id order), then CosyVoice2's, in upstream's order, so
@@ -257,10 +261,10 @@ class TextTokenizer:
         for content in [t for t in named if tok.token_to_id(t) is None]:  # named in the config, declared nowhere
             tok.add_special_tokens([AddedToken(content, normalized=False, special=True)])
         # What CosyVoice2's tokenizer passes to add_special_tokens: eos, pad, then the markup tokens.
-        for content in (EOS_TOKEN, EOS_TOKEN, *SPECIAL_TOKENS):
+        for content in (EOS_TOKEN, EOS_TOKEN, *special_tokens):
             tok.add_special_tokens([AddedToken(content, normalized=False, special=True)])
         return cls(tok, skip_special_tokens=skip_special_tokens,
-                   clean_up_spaces=bool(cfg.get("clean_up_tokenization_spaces", False)))
+                   clean_up_spaces=bool(cfg.get("clean_up_tokenization_spaces", False)), special_tokens=special_tokens)
 
     def __len__(self) -> int:
         """Vocabulary size including added tokens (ids are 0 .. len-1)."""

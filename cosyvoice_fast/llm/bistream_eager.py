@@ -25,8 +25,11 @@ from cosyvoice_fast.llm.model.sampling import Sampler
 
 
 def bistream_spec(llm: Qwen2LM) -> BistreamSpec:
-    """The schedule constants of ``llm`` (CosyVoice2 interleaves 5 text rows with 15 speech rows)."""
-    return BistreamSpec(speech_token_size=llm.cfg.speech_token_size)
+    """The schedule constants of ``llm`` (5 text rows interleaved with 15 speech rows), its ids from the config."""
+    c = llm.cfg
+    s = c.speech_token_size
+    return BistreamSpec(speech_token_size=s, eos_offset=c.eos_token - s, fill_offset=c.fill_id - s,
+                        extra_rows=c.vocab_out - s, endofprompt_id=c.endofprompt_id)
 
 
 def masked(logp: torch.Tensor, banned: Sequence[int]) -> torch.Tensor:

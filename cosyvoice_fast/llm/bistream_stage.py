@@ -28,6 +28,7 @@ import torch
 
 from cosyvoice_fast.llm.model.bistream import BistreamState
 from cosyvoice_fast.llm.model.sampling import Sampler
+from cosyvoice_fast.llm.token_filter import TokenFilter
 from cosyvoice_fast.llm.stage import LLMState, StepResult
 from cosyvoice_fast.llm.bistream_eager import EagerBistream, decide
 
@@ -79,7 +80,7 @@ class BistreamLLM:
             raise RuntimeError("a bi-streaming state needs a text feed: use bistream_inputs() to admit the request")
         return BistreamLLMState(text=text, prompt_text=inputs.prompt_text, prompt_speech=inputs.llm_prompt_speech_token,
                                 generator=generator, min_len=0, max_len=max_tokens or 1 << 30, ignore_eos=ignore_eos,
-                                bistream=feed.state, feed=feed)
+                                bistream=feed.state, feed=feed, token_filter=TokenFilter.for_config(self.llm.cfg))
 
     def prefill(self, states: Sequence[BistreamLLMState]) -> list[StepResult]:
         for st in states:

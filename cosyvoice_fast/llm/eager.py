@@ -36,10 +36,10 @@ class EagerLLM:
         """Mask as :meth:`Qwen2LM.generate` does for this step, draw, record the token on ``st``."""
         cfg = self.llm.cfg
         if st.ignore_eos:
-            logp[cfg.speech_token_size:] = -float("inf")
+            logp[cfg.first_stop_id:] = -float("inf")
         elif st.step < st.min_len:
-            logp[cfg.eos_token] = -float("inf")
-        tok = accept_token(st, int(self.sampler(logp, st.history, st.generator)), cfg.speech_token_size)
+            logp[cfg.min_len_masked_id] = -float("inf")
+        tok = accept_token(st, int(self.sampler(logp, st.history, st.generator)), cfg.first_stop_id)
         if st.done:
             self.release(st)
         return tok

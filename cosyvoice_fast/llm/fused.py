@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -40,10 +41,15 @@ def why_unavailable(llm: torch.nn.Module) -> str | None:
 
 class _FusedView:
     """The speech LM as the graph runner sees it: the same module (parameters, embeddings, head, prefill),
-    except that ``decoder`` is the fused drop-in."""
+    except that ``decoder`` is the fused drop-in.  The fused head kernels add a bias; a head without one
+    (CosyVoice3's) is handed to them with a zero bias, which adds exactly nothing."""
 
     def __init__(self, llm: torch.nn.Module, decoder: Any):
-        self.__dict__.update(_llm=llm, decoder=decoder)
+        head = llm.llm_decoder
+        if head.bias is None:
+            head = SimpleNamespace(weight=head.weight, bias=torch.zeros(head.weight.shape[0], dtype=head.weight.dtype,
+                                                                        device=head.weight.device))
+        self.__dict__.update(_llm=llm, decoder=decoder, _head=head)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["_llm"], name)
@@ -53,7 +59,7 @@ class _FusedView:
         """The model's decode step on the fused decoder; a step below cuBLAS rows runs from the embedding
         gather to the speech head's logits as one kernel chain (:func:`~..kernels.qwen2_decode.step_logits`)."""
         llm, decoder = self.__dict__["_llm"], self.__dict__["decoder"]
-        logits = decoder.step_logits(llm.speech_embedding.weight, llm.llm_decoder, tokens, pos, cache, kv_len)
+        logits = decoder.step_logits(llm.speech_embedding.weight, self.__dict__["_head"], tokens, pos, cache, kv_len)
         if logits is None:
             hidden = decoder(llm.speech_embedding(tokens), pos, cache, kv_len=kv_len)
             return llm.log_probs(hidden[:, -1])

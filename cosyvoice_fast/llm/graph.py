@@ -321,7 +321,7 @@ class CudaGraphLLM(SlotSteps, DecodeAhead):
             state.slot = None
 
     def _accept(self, st: LLMState, token: int) -> int | None:
-        tok = accept_token(st, token, self.llm.cfg.speech_token_size)
+        tok = accept_token(st, token, self.llm.cfg.first_stop_id)
         if st.done:
             self.release(st)
         return tok

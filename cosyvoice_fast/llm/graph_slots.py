@@ -61,16 +61,17 @@ class SlotSteps:
     _step_in: torch.Tensor
 
     def _set_mask(self, s: Slot, step: int, min_len: int, ignore_eos: bool) -> None:
-        """Mirror eager's per-step masking: all stop ids with ``ignore_eos``, else eos for the first ``min_len``."""
+        """Mirror eager's per-step masking: all stop ids with ``ignore_eos``, else the config's min-len id (eos in
+        CosyVoice2, sos in CosyVoice3) for the first ``min_len``."""
         mode = "stops" if ignore_eos else ("eos" if step < min_len else "none")
         if mode == s.mask_mode:
             return
         cfg = self.llm.cfg
         s.bias.zero_()
         if mode == "stops":
-            s.bias[cfg.speech_token_size:] = _NEG_INF
+            s.bias[cfg.first_stop_id:] = _NEG_INF
         elif mode == "eos":
-            s.bias[cfg.eos_token] = _NEG_INF
+            s.bias[cfg.min_len_masked_id] = _NEG_INF
         s.mask_mode = mode
 
     def _take(self, s: Slot, history: list[int], gen: torch.Generator, token: int,

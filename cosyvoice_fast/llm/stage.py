@@ -14,6 +14,8 @@ from typing import Any, Protocol, Sequence, Union
 
 import torch
 
+from cosyvoice_fast.llm.token_filter import NO_FILTER, TokenFilter
+
 
 @dataclass(eq=False)
 class LLMState:
@@ -26,7 +28,8 @@ class LLMState:
     or ``max_len`` tokens exist; a done state holds no slot.  ``no_ahead`` is the engine's word, set before each
     decode call, that it will not ask for this state's next step right away (the step's token completes the
     request's first chunk, whose solve should find the GPU free): a backend that launches steps ahead of the
-    call that asks for them (``decode_ahead``) does not for this state this time."""
+    call that asks for them (``decode_ahead``) does not for this state this time.  ``token_filter`` is the
+    family's rule for which tokens reach the flow and ``silent_run`` its state (see :meth:`to_flow`)."""
 
     text: torch.Tensor
     prompt_text: torch.Tensor | None
@@ -42,6 +45,15 @@ class LLMState:
     extra: Any = None
     done: bool = False
     no_ahead: bool = False
+    token_filter: TokenFilter = NO_FILTER
+    silent_run: int = 0
+
+    def to_flow(self, token: int) -> list[int]:
+        """What of the drawn ``token`` goes on to the flow: ``[token]``, or ``[]`` when the family's filter drops
+        it (CosyVoice3 drops long runs of silent tokens; the LM's ``history`` keeps every token either way).
+        Call once per drawn token, in order: it advances the rule."""
+        keep, self.silent_run = self.token_filter.step(self.silent_run, token)
+        return [token] if keep else []
 
     @property
     def ready(self) -> bool:
@@ -68,11 +80,14 @@ StepResult = Union[int, None, BaseException]
 
 def new_llm_state(model: torch.nn.Module, inputs: Any, text: torch.Tensor, generator: torch.Generator,
                   max_tokens: int | None, ignore_eos: bool) -> LLMState:
-    """An :class:`LLMState` with the model's length limits (upstream's 2x/20x text rules, ``max_tokens``)."""
+    """An :class:`LLMState` with the model's length limits (upstream's 2x/20x text rules, ``max_tokens``) and
+    token filter; a prompt the model refuses (a CosyVoice3 one without ``<|endofprompt|>``) raises here, before
+    any device work."""
+    model.check_prompt(text, inputs.prompt_text)
     min_len, max_len = model.length_limits(int(text.shape[-1]), max_tokens, ignore_eos)
     return LLMState(text=text, prompt_text=inputs.prompt_text, prompt_speech=inputs.llm_prompt_speech_token,
                     generator=generator, min_len=min_len, max_len=max_len, ignore_eos=ignore_eos,
-                    done=max_len <= 0)
+                    done=max_len <= 0, token_filter=TokenFilter.for_config(model.cfg))
 
 
 def accept_token(state: LLMState, token: int, stop: int) -> int | None:

@@ -66,6 +66,9 @@ class ExtendedVocab:
 def export_qwen2_checkpoint(llm: torch.nn.Module, cfg: LLMConfig, out_dir: str | Path,
                             dtype: torch.dtype = torch.float16) -> ExtendedVocab:
     """Write ``config.json``, ``model.safetensors`` and ``speech_head.safetensors`` to ``out_dir``."""
+    if cfg.family != "cosyvoice2":
+        raise ValueError(f"the TensorRT-LLM export handles CosyVoice2's LM layout only, not {cfg.family}'s "
+                         "(no llm_embedding, a head without bias); use the fused or cudagraph LLM backend")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     q = cfg.qwen

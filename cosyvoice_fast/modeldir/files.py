@@ -1,7 +1,10 @@
-"""Find, validate and load a CosyVoice2 model directory.
+"""Find, validate and load a CosyVoice2 or CosyVoice3 model directory.
 
-The same code path loads the official CosyVoice2-0.5B directory, the tiny parity fixture and the synthetic
-directories written by :mod:`cosyvoice_fast.modeldir.synthetic`, so a parity test of this loader is a test of what users run.
+The family comes from the directory itself (``cosyvoice2.yaml`` or ``cosyvoice3.yaml``, see
+:mod:`cosyvoice_fast.modeldir.families`); a directory that holds both, neither, or a speech tokenizer of the other
+family is refused naming the file.  The same code path loads the official directories, the tiny parity fixtures
+and the synthetic directories written by :mod:`cosyvoice_fast.modeldir.synthetic`, so a parity test of this loader
+is a test of what users run.
 Weights are read with ``torch.load(weights_only=True)`` (no pickle code execution) and matched strictly: every
 missing, unexpected or mis-shaped key is an error that names the file, the key and what to do.
 """
@@ -19,44 +22,61 @@ from torch import nn
 
 from cosyvoice_fast.config.yamlfile import ConfigError
 from cosyvoice_fast.config.model import ModelConfig
+from cosyvoice_fast.modeldir.families import FAMILIES, FOREIGN_YAMLS, Family, Modules, family_of
+from cosyvoice_fast.modeldir.families import build_modules as _build_family_modules
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DIR = Path("pretrained_models") / "CosyVoice2-0.5B"
-REQUIRED_FILES = ("cosyvoice2.yaml", "llm.pt", "flow.pt", "hift.pt", "CosyVoice-BlankEN/config.json")
-FRONTEND_FILES = ("campplus.onnx", "speech_tokenizer_v2.onnx", "CosyVoice-BlankEN/vocab.json",
-                  "CosyVoice-BlankEN/merges.txt")
-_HINT_DOWNLOAD = ("download CosyVoice2-0.5B again (python -m cosyvoice_fast download) or pass --synthetic tiny "
+REQUIRED_FILES = FAMILIES["cosyvoice2"].required_files  # CosyVoice2's; each Family lists its own
+FRONTEND_FILES = FAMILIES["cosyvoice2"].frontend_files
+_HINT_DOWNLOAD = ("download the model again (python -m cosyvoice_fast download) or pass --synthetic tiny "
                   "to try the app without weights")
 
 
+def _hint_download(family: str) -> str:
+    """What to do about a broken file of ``family``'s directory."""
+    return (f"download {family_of(family).download} again (python -m cosyvoice_fast download) or pass "
+            "--synthetic tiny to try the app without weights")
+
+
 class ModelFileError(ValueError):
-    """A model file is missing, unreadable, unsafe or does not match CosyVoice2; the message says which and why."""
+    """A model file is missing, unreadable, unsafe or does not match its family; the message says which and why."""
 
 
 @dataclass(frozen=True, slots=True)
 class ModelFiles:
-    """Paths of a validated model directory."""
+    """Paths of a validated model directory and the family its files name."""
 
     root: Path
+    family: str = "cosyvoice2"
 
     def path(self, rel: str) -> Path:
         return self.root / rel
 
     @property
+    def spec(self) -> Family:
+        return family_of(self.family)
+
+    @property
     def has_frontend(self) -> bool:
         """True when the ONNX speech tokenizer, speaker model and BPE files are present (prompt voices work)."""
-        return all(self.path(f).is_file() for f in FRONTEND_FILES)
+        return not self.missing_frontend_files()
 
     def missing_frontend_files(self) -> list[str]:
-        return [f for f in FRONTEND_FILES if not self.path(f).is_file()]
+        return [f for f in self.spec.frontend_files if not self.path(f).is_file()]
+
+
+#: where ``download`` puts the CosyVoice3 model; used when the CosyVoice2 default is absent
+DEFAULT_MODEL_DIR3 = Path("pretrained_models") / "Fun-CosyVoice3-0.5B"
 
 
 def find_model_dir(model_dir: str | Path | None) -> Path | None:
-    """The directory to load: the one given, else ``pretrained_models/CosyVoice2-0.5B`` if it exists, else None."""
+    """The directory to load: the one given, else ``pretrained_models/CosyVoice2-0.5B`` or
+    ``pretrained_models/Fun-CosyVoice3-0.5B`` (the first that exists), else None."""
     if model_dir is not None:
         return Path(model_dir)
-    return DEFAULT_MODEL_DIR if DEFAULT_MODEL_DIR.is_dir() else None
+    return next((d for d in (DEFAULT_MODEL_DIR, DEFAULT_MODEL_DIR3) if d.is_dir()), None)
 
 
 def _shown(path: Path) -> str:
@@ -65,39 +85,73 @@ def _shown(path: Path) -> str:
     return str(Path(path).absolute())
 
 
+def detect_family(root: Path) -> Family:
+    """The family ``root``'s files name: exactly one family yaml, and not another family's speech tokenizer in
+    place of its own (the frontend would tokenise prompts with the wrong model)."""
+    yamls = [f for f in FAMILIES.values() if (root / f.yaml).is_file()]
+    if len(yamls) > 1:
+        names = " and ".join(f.yaml for f in yamls)
+        raise ModelFileError(f"Model directory {_shown(root)} holds both {names}: it mixes {yamls[0].title} and "
+                             f"{yamls[1].title} files. Keep the yaml that came with these weights (remove the other), "
+                             "or download the model again into an empty directory.")
+    if not yamls:
+        for other, title in FOREIGN_YAMLS.items():
+            if (root / other).is_file():
+                raise ModelFileError(f"Model directory {_shown(root)} holds {other}: it looks like a {title} model; "
+                                     "cosyvoice_fast runs CosyVoice2 and CosyVoice3 only. Point --model-dir at a "
+                                     "CosyVoice2-0.5B or Fun-CosyVoice3-0.5B directory.")
+        wanted = " or ".join(f.yaml for f in FAMILIES.values())
+        raise ModelFileError(f"Model directory {_shown(root)} is missing {wanted} (the file that says which model "
+                             f"it is). To fix it, {_HINT_DOWNLOAD}.")
+    family = yamls[0]
+    if (root / family.speech_tokenizer).is_file():  # its own tokenizer is there: a spare file of another is harmless
+        return family
+    for other in FAMILIES.values():
+        if other is not family and other.speech_tokenizer != family.speech_tokenizer \
+                and (root / other.speech_tokenizer).is_file():
+            raise ModelFileError(f"Model directory {_shown(root)} holds {family.yaml} ({family.title}) but also "
+                                 f"{other.speech_tokenizer}, the {other.title} speech tokenizer: an unexpected file "
+                                 f"(a {family.title} directory has {family.speech_tokenizer}). Remove it and put the "
+                                 f"{family.download} files here, or download the model again.")
+    return family
+
+
 def validate_model_dir(model_dir: str | Path) -> ModelFiles:
-    """Check that every required file exists; the error lists all that are missing."""
+    """Detect the family and check that every required file exists; the error lists all that are missing."""
     root = Path(model_dir)
     if not root.is_dir():
         raise ModelFileError(f"Model directory {_shown(root)} does not exist or is not a directory. Pass "
-                             f"--model-dir pointing at CosyVoice2-0.5B, or {_HINT_DOWNLOAD}.")
-    missing = [f for f in REQUIRED_FILES if not (root / f).is_file()]
-    if "cosyvoice2.yaml" in missing:  # say so when it is another generation's directory, not a broken one
-        for other, family in (("cosyvoice.yaml", "CosyVoice1"), ("cosyvoice3.yaml", "CosyVoice3")):
-            if (root / other).is_file():
-                raise ModelFileError(f"Model directory {_shown(root)} holds {other}: it looks like a {family} "
-                                     "model; cosyvoice_fast runs CosyVoice2 only. Point --model-dir at a "
-                                     "CosyVoice2-0.5B directory.")
+                             "--model-dir pointing at CosyVoice2-0.5B or Fun-CosyVoice3-0.5B, or download one "
+                             "(python -m cosyvoice_fast download) or pass --synthetic tiny to try the app without "
+                             "weights.")
+    family = detect_family(root)
+    missing = [f for f in family.required_files if not (root / f).is_file()]
     if missing:
         raise ModelFileError(f"Model directory {_shown(root)} is missing {', '.join(missing)}. To fix it, "
-                             f"{_HINT_DOWNLOAD}.")
-    return ModelFiles(root)
+                             f"{_hint_download(family.name)}.")
+    return ModelFiles(root, family.name)
 
 
 def read_config(files: ModelFiles) -> ModelConfig:
-    return ModelConfig.from_files(files.path("cosyvoice2.yaml"), files.path("CosyVoice-BlankEN/config.json"))
+    """The directory's hyperparameters; the yaml's classes must name the family its file name does."""
+    config = ModelConfig.from_files(files.path(files.spec.yaml), files.path("CosyVoice-BlankEN/config.json"))
+    if config.family != files.family:
+        found = family_of(config.family)
+        raise ConfigError(f"{files.spec.yaml}: its llm and flow are {found.title}'s, but the file name says "
+                          f"{files.spec.title}; rename it {found.yaml} if these are {found.title} weights")
+    return config
 
 
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6: a zip archive
 _PICKLE_MAGIC = b"\x80"  # the legacy torch.save format and plain pickle files start with a protocol opcode
 
 
-def load_state_dict_file(path: Path) -> dict[str, torch.Tensor]:
+def load_state_dict_file(path: Path, family: str = "cosyvoice2") -> dict[str, torch.Tensor]:
     """``torch.load(weights_only=True)`` with errors that say, in whole sentences, what is wrong with which file
     (its absolute path) and what to do.  The file's first bytes decide the diagnosis: torch's own exceptions for a
     random or cut-off file are arbitrary (IndexError, KeyError, "invalid load key"), so they are not shown."""
     shown = _shown(path)
-    redownload = f"To fix it, {_HINT_DOWNLOAD}."
+    redownload = f"To fix it, {_hint_download(family)}."
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -170,18 +224,21 @@ class LoadedModels:
     device: torch.device
     dtype: torch.dtype
 
+    @property
+    def family(self) -> str:
+        """``cosyvoice2`` or ``cosyvoice3``: which stage runners serve these networks."""
+        return self.config.family
 
-_FAMILY = ("Is this a CosyVoice2 (not CosyVoice1/3) model, and do cosyvoice2.yaml and "
-           "CosyVoice-BlankEN/config.json belong to the same download?")
+
+def _family_hint(spec: Family) -> str:
+    others = "/".join(["CosyVoice1"] + [f.title[-1] for f in FAMILIES.values() if f is not spec])  # CosyVoice1/3
+    return (f"Is this a {spec.title} (not {others}) model, and do {spec.yaml} and CosyVoice-BlankEN/config.json "
+            "belong to the same download?")
 
 
-def build_modules(config: ModelConfig) -> tuple[nn.Module, nn.Module, nn.Module]:
-    """Instantiate the three networks (random init) for ``config``."""
-    from cosyvoice_fast.flow.model.flow import CausalMaskedDiffWithXvec
-    from cosyvoice_fast.vocoder.model.hift import HiFTGenerator
-    from cosyvoice_fast.llm.model.speech_lm import Qwen2LM
-
-    return Qwen2LM(config.llm), CausalMaskedDiffWithXvec(config.flow), HiFTGenerator(config.hift)
+def build_modules(config: ModelConfig) -> Modules:
+    """Instantiate the three networks (random init) for ``config`` (its family's, see ``modeldir/families.py``)."""
+    return _build_family_modules(config)
 
 
 def load_models(model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -205,10 +262,11 @@ def load_models(model_dir: str | Path, device: str | torch.device = "cpu", dtype
     bar = tqdm(steps, desc=f"loading {files.root.name}", unit="file", disable=not progress, leave=False)
     for fname, module, fix in bar:
         bar.set_postfix_str(fname)
-        sd = load_state_dict_file(files.path(fname))
+        sd = load_state_dict_file(files.path(fname), files.family)
         if fix is not None:
             sd = fix(sd)
-        load_strict(module, sd, _shown(files.path(fname)), _FAMILY)
+        hint = files.spec.mismatch_hint(fname, sd) or _family_hint(files.spec)
+        load_strict(module, sd, _shown(files.path(fname)), hint)
         log.info("loaded %s (%d tensors)", fname, len(sd))
     dev = torch.device(device)
     llm = llm.to(dev, dtype).eval()

@@ -1,9 +1,11 @@
 """Synthetic model directories: the real file layout with deterministic random weights.
 
 Timing does not depend on weight values, so GPU benchmarks and demos run on ``--synthetic full`` (CosyVoice2-0.5B
-sizes) or ``--synthetic tiny`` (the parity fixture's sizes) without any download.  The directory is written in the
-official format (cosyvoice2.yaml with hyperpyyaml tags, CosyVoice-BlankEN/config.json, llm.pt, flow.pt, hift.pt and,
-for the frontend, tiny ONNX models and a byte-level BPE vocabulary) so that exactly the same loader is exercised.
+sizes) or ``--synthetic tiny`` (the parity fixture's sizes) without any download; ``full3`` / ``tiny3`` are the same
+for CosyVoice3 (Fun-CosyVoice3-0.5B's sizes / its fixture's: ``cosyvoice3.yaml``, speech_tokenizer_v3.onnx).  The
+directory is written in the official format (the family's yaml with hyperpyyaml tags, CosyVoice-BlankEN/config.json,
+llm.pt, flow.pt, hift.pt and, for the frontend, tiny ONNX models and a byte-level BPE vocabulary) so that exactly
+the same loader is exercised.
 The audio it produces is noise: say so wherever it is shown.
 """
 
@@ -17,11 +19,14 @@ from pathlib import Path
 
 import torch
 
-from cosyvoice_fast.config.model import ModelConfig, full_config, tiny_config
+from cosyvoice_fast.config.model import ModelConfig, QwenConfig, full_config, tiny_config
+from cosyvoice_fast.modeldir.synthetic3 import SIZES3, cosyvoice3_yaml
 
 log = logging.getLogger(__name__)
 
 SIZES = {"tiny": tiny_config, "full": full_config}
+#: every ``--synthetic`` name: CosyVoice2's sizes, then CosyVoice3's
+SYNTHETIC_MODELS = (*SIZES, *SIZES3)
 
 
 def _yaml_text(c: ModelConfig) -> str:
@@ -133,7 +138,10 @@ hift: !new:cosyvoice.hifigan.generator.HiFTGenerator
 
 
 def _qwen_json(c: ModelConfig) -> dict:
-    q = c.llm.qwen
+    return _qwen_dict(c.llm.qwen)
+
+
+def _qwen_dict(q: QwenConfig) -> dict:
     return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
             "hidden_size": q.hidden_size, "num_hidden_layers": q.num_hidden_layers,
             "num_attention_heads": q.num_attention_heads, "num_key_value_heads": q.num_key_value_heads,
@@ -148,15 +156,21 @@ def write_synthetic_model_dir(out_dir: str | Path, size: str = "tiny", seed: int
 
     ``seed`` makes weights reproducible; the global RNG is forked so callers' random state is untouched.
     """
-    from cosyvoice_fast.modeldir.files import build_modules
+    from cosyvoice_fast.modeldir.files import build_modules, read_config, validate_model_dir
 
-    if size not in SIZES:
-        raise ValueError(f"unknown synthetic size {size!r}; choose one of {', '.join(SIZES)}")
-    cfg = SIZES[size]()
+    if size not in SYNTHETIC_MODELS:
+        raise ValueError(f"unknown synthetic size {size!r}; choose one of {', '.join(SYNTHETIC_MODELS)}")
     out = Path(out_dir)
     (out / "CosyVoice-BlankEN").mkdir(parents=True, exist_ok=True)
-    (out / "cosyvoice2.yaml").write_text(_yaml_text(cfg), encoding="utf-8")
-    (out / "CosyVoice-BlankEN" / "config.json").write_text(json.dumps(_qwen_json(cfg), indent=2), encoding="utf-8")
+    if size in SIZES:
+        qwen, yaml_name, text = SIZES[size]().llm.qwen, "cosyvoice2.yaml", _yaml_text(SIZES[size]())
+    else:
+        qwen, yaml_name, text = SIZES3[size].qwen, "cosyvoice3.yaml", cosyvoice3_yaml(SIZES3[size])
+    (out / yaml_name).write_text(text, encoding="utf-8")
+    (out / "CosyVoice-BlankEN" / "config.json").write_text(json.dumps(_qwen_dict(qwen), indent=2), encoding="utf-8")
+    for name in ("llm.pt", "flow.pt", "hift.pt"):  # so that the directory validates; written for real below
+        (out / name).touch()
+    cfg = read_config(validate_model_dir(out))  # what the loader will read: the yaml is the one truth
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         llm, flow, hift = build_modules(cfg)

@@ -1,6 +1,7 @@
 """Frontend files for synthetic model directories: a byte-level Qwen2 BPE vocabulary and two tiny ONNX models.
 
-They have the real files' names, formats and tensor interfaces (``speech_tokenizer_v2.onnx``: 128-bin log-mel
+They have the real files' names, formats and tensor interfaces (``speech_tokenizer_v2.onnx``, or ``_v3.onnx`` for
+CosyVoice3: 128-bin log-mel
 (1, 128, T) + length -> (1, T/4) speech token ids; ``campplus.onnx``: fbank (1, T, 80) -> (1, 192)), so the
 whole prompt-voice path runs for demos and tests; their outputs are meaningless (random projections).
 """
@@ -22,9 +23,15 @@ def _byte_alphabet() -> list[str]:
     return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
 
 
-def write_bpe_files(blank_en: Path) -> int:
-    """vocab.json (256 byte tokens, no merges), merges.txt, tokenizer_config.json; returns the base size."""
+#: the real Qwen2 vocabulary's size before its added tokens (``<|endoftext|>`` is 151643, ``<|endofprompt|>`` 151646)
+QWEN2_BASE_VOCAB = 151643
+
+
+def write_bpe_files(blank_en: Path, base_size: int = 256) -> int:
+    """vocab.json (256 byte tokens, no merges; padded with never-matched filler tokens up to ``base_size`` so that
+    the added tokens get the real tokenizer's ids), merges.txt, tokenizer_config.json; returns the base size."""
     vocab = {t: i for i, t in enumerate(_byte_alphabet())}
+    vocab.update({f"<|synthetic_filler_{i}|>": i for i in range(len(vocab), base_size)})
     (blank_en / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
     (blank_en / "merges.txt").write_text("#version: 0.2\n", encoding="utf-8")
     n = len(vocab)
@@ -85,7 +92,12 @@ def write_speaker_model(path: Path, dim: int = 192, seed: int = 1) -> None:
 
 
 def write_frontend_files(out: Path, cfg: ModelConfig, seed: int = 0) -> None:
-    write_bpe_files(out / "CosyVoice-BlankEN")
+    """The frontend files of ``cfg``'s family.  A CosyVoice3 LM with the real text vocabulary checks for the
+    real ``<|endofprompt|>`` id, so its byte vocabulary is padded to the real base size."""
+    from cosyvoice_fast.modeldir.families import family_of
+
+    real = cfg.family == "cosyvoice3" and cfg.llm.qwen.vocab_size > QWEN2_BASE_VOCAB + 3
+    write_bpe_files(out / "CosyVoice-BlankEN", QWEN2_BASE_VOCAB if real else 256)
     n_tokens = min(cfg.llm.speech_token_size, cfg.flow.vocab_size)
-    write_speech_tokenizer(out / "speech_tokenizer_v2.onnx", n_tokens, seed)
+    write_speech_tokenizer(out / family_of(cfg.family).speech_tokenizer, n_tokens, seed)
     write_speaker_model(out / "campplus.onnx", cfg.flow.spk_embed_dim, seed + 1)

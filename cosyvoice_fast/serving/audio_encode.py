@@ -4,7 +4,8 @@ Every container is written by FFmpeg's muxers through PyAV (no hand-written code
 WAV muxer on an output that cannot seek, so it writes the standard unknown-length header (RIFF and data sizes
 0xFFFFFFFF, as OpenAI's streamed wav does) and never comes back to patch it; ``opus`` is Ogg Opus with 20 ms pages
 (the Ogg muxer otherwise holds a second of audio before writing a page); ``mp3`` (LAME), ``aac`` (ADTS) and
-``flac`` are their native streams.  ``pcm`` is raw 16-bit little-endian mono at the engine's rate (OpenAI's
+``flac`` their native streams, except that ``flac`` is sent whole at the end (:class:`FlacEncoder`: its header must
+carry the length).  ``pcm`` is raw 16-bit little-endian mono at the engine's rate (OpenAI's
 ``pcm``), a plain sample conversion.  ``flush_packets`` makes each muxed packet leave at once, so the bytes of a
 chunk are available as soon as the chunk is encoded.
 """
@@ -12,6 +13,7 @@ chunk are available as soon as the chunk is encoded.
 from __future__ import annotations
 
 import importlib
+import io
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,7 +98,7 @@ class AvEncoder(StreamEncoder):
 
         spec = CONTAINERS[fmt]
         self.sample_rate = sample_rate
-        self._sink = _Sink()
+        self._sink = self._new_sink()
         self._out = av.open(self._sink, mode="w", format=spec.muxer,
                             options={"flush_packets": "1", **dict(spec.options)})
         self._stream = self._out.add_stream(spec.codec, rate=sample_rate, layout="mono")
@@ -127,6 +129,10 @@ class AvEncoder(StreamEncoder):
             self._out.close()
         return self._sink.take()
 
+    @staticmethod
+    def _new_sink() -> "_Sink | _WholeFile":
+        return _Sink()
+
     def close(self) -> None:
         """Release the container without a proper ending (the client is gone)."""
         if not self._closed:
@@ -137,10 +143,39 @@ class AvEncoder(StreamEncoder):
                 pass
 
 
+class _WholeFile(io.BytesIO):
+    """A seekable output whose bytes are handed over only when the container is closed."""
+
+    def take(self) -> bytes:
+        return self.getvalue() if self.closed_by_muxer else b""
+
+    closed_by_muxer = False
+
+
+class FlacEncoder(AvEncoder):
+    """FLAC, sent whole at the end: a FLAC stream's STREAMINFO header must carry the total sample count (and MD5)
+    for common readers (libsndfile/soundfile read a streamed header's "unknown" length as 2**63 frames and fail),
+    and the count is known only at the end, so the muxer writes to a seekable buffer and rewrites the header.
+    Ask for ``pcm``, ``wav``, ``opus`` or ``mp3`` to hear audio while it is made."""
+
+    @staticmethod
+    def _new_sink() -> _WholeFile:
+        return _WholeFile()
+
+    def finish(self) -> bytes:
+        if not self._closed:
+            self._closed = True
+            for packet in self._stream.encode(None):
+                self._out.mux(packet)
+            self._out.close()
+            self._sink.closed_by_muxer = True
+        return self._sink.take()
+
+
 def make_encoder(fmt: str, sample_rate: int) -> StreamEncoder:
     """The encoder of ``response_format`` ``fmt`` (one of :data:`FORMATS`)."""
     if fmt == "pcm":
         return PcmEncoder()
     if fmt not in CONTAINERS:
         raise ValueError(f"response_format {fmt!r}: choose one of {', '.join(FORMATS)}")
-    return AvEncoder(fmt, sample_rate)
+    return FlacEncoder(fmt, sample_rate) if fmt == "flac" else AvEncoder(fmt, sample_rate)

@@ -8,6 +8,7 @@ from cosyvoice_fast.engine.engine import EngineBusy, EngineClosed
 from cosyvoice_fast.frontend.audio import PromptAudioError
 from cosyvoice_fast.frontend.speaker import SpeakerCacheError
 from cosyvoice_fast.frontend.text_normalize import EmptyTextError, TextTooLongError
+from cosyvoice_fast.frontend.text_source import TextSourceTimeout
 from cosyvoice_fast.serving.speech_request import ApiError, bad
 
 
@@ -18,7 +19,10 @@ def engine_error(e: BaseException) -> ApiError:
     if isinstance(e, EngineBusy):
         return ApiError(429, f"{e}", code="engine_busy")
     if isinstance(e, EngineClosed):
-        return ApiError(503, "the engine is shutting down: try another server or again later", code="unavailable")
+        return ApiError(503, "The server is shutting down: the request was ended before its audio was complete; "
+                             "try another server or again later", code="unavailable")
+    if isinstance(e, TextSourceTimeout):  # the client was too slow sending text: its error, not the server's
+        return ApiError(408, str(e), param="text", code="text_timeout")
     if isinstance(e, BackendUnavailable):
         return bad("backends", str(e))
     if isinstance(e, ValueError):

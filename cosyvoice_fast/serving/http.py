@@ -17,26 +17,27 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
+import dataclasses
 import json
 import logging
 import math
-import secrets
 from typing import Any, AsyncIterator, Callable
 
-from fastapi import APIRouter, Depends, FastAPI, Request, WebSocketException
-from fastapi.requests import HTTPConnection
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 
 from cosyvoice_fast.serving.speech_request import (
-    MAX_BODY_BYTES, ApiError, SpeechParams, bad, parse_speech, require_encoder, synthesis_request,
+    ApiError, SpeechParams, bad, parse_speech, require_encoder, synthesis_request,
 )
-from cosyvoice_fast.serving.store import LiveRequest, RequestStore, engine_record
+from cosyvoice_fast.serving.store import LiveRequest, RequestStore, api_store, engine_record
 from cosyvoice_fast.serving.voices import voice_list
 from cosyvoice_fast.serving.audio_encode import MEDIA_TYPES, make_encoder
 from cosyvoice_fast.serving.errors import engine_error
-from cosyvoice_fast.serving.ws import add_ws_routes
+from cosyvoice_fast.serving.aio import next_chunk, open_stream
+from cosyvoice_fast.serving.auth import auth_dependency
+from cosyvoice_fast.serving.body import parse_json, read_body, read_raw
+from cosyvoice_fast.serving.ws import WsLimits, add_ws_routes
 from cosyvoice_fast.frontend.request import AudioChunk
 from cosyvoice_fast.telemetry.record import now
 
@@ -52,62 +53,44 @@ def error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
-class _ApiRoute(APIRoute):
+def _count(svc: Any, status: int, code: str | None) -> None:
+    metrics = getattr(svc, "metrics", None)
+    if metrics is not None and hasattr(metrics, "count_api_error"):
+        metrics.count_api_error(status, code or "error")
+
+
+def _route_class(get_service: Callable[[], Any]) -> type[APIRoute]:
     """Routes whose :class:`ApiError` (raised in the handler or a dependency such as auth) becomes OpenAI's
-    error JSON instead of FastAPI's ``{"detail": ...}``."""
+    error JSON instead of FastAPI's ``{"detail": ...}``, and whose unexpected failures are a logged 500 in the
+    same shape; every error response is counted in /metrics (``cosyvoice_api_errors``)."""
 
-    def get_route_handler(self) -> Callable:
-        handler = super().get_route_handler()
+    class _ApiRoute(APIRoute):
+        def get_route_handler(self) -> Callable:
+            handler = super().get_route_handler()
 
-        async def guarded(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except ApiError as e:
-                return error_response(e)
+            async def guarded(request: Request) -> Response:
+                try:
+                    response = await handler(request)
+                except ApiError as e:
+                    response = error_response(e)
+                    _count(get_service(), e.status, e.code)
+                    return response
+                except Exception as e:  # noqa: BLE001 - a bug: logged, answered in the API's shape, counted
+                    log.exception("%s %s failed", request.method, request.url.path)
+                    _count(get_service(), 500, "internal_error")
+                    return error_response(ApiError(500, f"internal error ({type(e).__name__}); the server log "
+                                                        "has the details", code="internal_error"))
+                if response.status_code >= 500:
+                    _count(get_service(), response.status_code, "engine_error")
+                return response
 
-        return guarded
+            return guarded
 
-
-def api_store(service: Any) -> RequestStore:
-    """The request store of ``service`` (made on first use; observes the engine so every request's final
-    telemetry is kept by id)."""
-    store = getattr(service, "_api_store", None)
-    if store is None:
-        store = RequestStore()
-        service.engine.add_observer(store.observe)
-        service._api_store = store  # per service (not a field of Service: owned by the app's start-up code)
-    return store
-
-
-async def _read_body(request: Request) -> dict[str, Any]:
-    """JSON or multipart form (file part ``prompt_audio``) -> a dict; 413 past the size limit."""
-    length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise ApiError(413, f"request body is {int(length) / 2**20:.1f} MB; at most {MAX_BODY_BYTES // 2**20} MB "
-                            "are accepted (the prompt audio should be 3 to 10 s)", param="prompt_audio",
-                       code="body_too_large")
-    ctype = request.headers.get("content-type", "")
-    if ctype.startswith("multipart/form-data") or ctype.startswith("application/x-www-form-urlencoded"):
-        form = await request.form(max_part_size=MAX_BODY_BYTES)
-        out: dict[str, Any] = {}
-        for key, value in form.multi_items():
-            out[key] = await value.read() if hasattr(value, "read") else value
-        if isinstance(out.get("backends"), str) and out["backends"].startswith("{"):
-            out["backends"] = _json(out["backends"].encode(), "backends")
-        return out
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise ApiError(413, f"request body is larger than {MAX_BODY_BYTES // 2**20} MB", param="prompt_audio",
-                       code="body_too_large")
-    return _json(raw, "body")
+    return _ApiRoute
 
 
 def _json(raw: bytes, param: str) -> Any:
-    try:
-        return json.loads(raw or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad(param, f"{param} is not valid JSON ({e.msg if hasattr(e, 'msg') else e}): send a JSON object "
-                         "with Content-Type: application/json") from None
+    return parse_json(raw, param)
 
 
 async def _disconnected(request: Request) -> None:
@@ -120,22 +103,31 @@ async def _disconnected(request: Request) -> None:
 async def _next_chunk(stream: Any, watcher: asyncio.Future) -> AudioChunk | None:
     """The stream's next chunk (None at its end); ``ClientGone`` (and the request cancelled) if the client
     leaves first."""
-    fut = asyncio.ensure_future(asyncio.to_thread(next, stream, None))
+    fut = asyncio.ensure_future(next_chunk(stream))
     done, _ = await asyncio.wait({fut, watcher}, return_when=asyncio.FIRST_COMPLETED)
     if fut in done:
         return fut.result()
-    stream.close()  # thread-safe: the worker drops the request and wakes the blocked `next`
+    fut.cancel()
+    stream.close()  # thread-safe: the worker drops the request
     raise ClientGone
 
 
 async def _admit(engine: Any, req: Any, watcher: asyncio.Future) -> Any:
-    """``engine.stream(req)`` (frontend + admission) in a thread; a request whose client left meanwhile is closed."""
-    fut = asyncio.ensure_future(asyncio.to_thread(engine.stream, req))
+    """Open the request's stream (frontend + admission); a request whose client left meanwhile is closed."""
+    fut = asyncio.ensure_future(open_stream(engine, req))
     done, _ = await asyncio.wait({fut, watcher}, return_when=asyncio.FIRST_COMPLETED)
     if fut in done:
         return fut.result()
     fut.add_done_callback(lambda f: None if f.cancelled() or f.exception() is not None else f.result().close())
     raise ClientGone
+
+
+def _with_id(response: Response, rid: str, err: ApiError | None = None, svc: Any = None) -> Response:
+    """An error response carrying the request's id (its telemetry says why it was refused)."""
+    response.headers["X-Request-Id"] = rid
+    if err is not None and svc is not None:
+        _count(svc, err.status, err.code)
+    return response
 
 
 def _sse(event: dict[str, Any]) -> bytes:
@@ -148,60 +140,76 @@ def _usage(live: LiveRequest) -> dict[str, Any]:
             "ttfb_ms": round(t.ttfb * 1e3, 1) if math.isfinite(t.ttfb) else None}
 
 
-def create_api_router(get_service: Callable[[], Any]) -> APIRouter:
+def create_api_router(get_service: Callable[[], Any], ws_limits: WsLimits | None = None) -> APIRouter:
     """Every ``/v1`` route, bound to the service ``get_service()`` returns (no authentication here)."""
-    router = APIRouter(route_class=_ApiRoute)
-    add_ws_routes(router, get_service)  # bi-streaming: text pieces in, audio out, one WebSocket
+    router = APIRouter(route_class=_route_class(get_service))
+    add_ws_routes(router, get_service, ws_limits)  # bi-streaming: text pieces in, audio out, one WebSocket
 
     @router.post("/v1/audio/speech")
     async def speech(request: Request) -> Response:
         svc = get_service()
         store = api_store(svc)
         received = now()
+        rid = store.new_id()  # the server's id: the only address of this request (a capability)
+        session = request.headers.get("x-session") or None
         body: Any = {}
         try:
-            body = await _read_body(request)
+            if session is not None and not store.has_session(session):
+                raise bad("X-Session", "unknown session: get one from POST /v1/sessions (sessions are kept while "
+                                       "the server runs), or send no X-Session header", code="unknown_session")
+            body = await read_body(request)
             params = parse_speech(body)
             require_encoder(params.response_format)  # the WebSocket route sends pcm16 and needs no encoder
             speakers = svc.frontend.list_speakers() if svc.frontend is not None else []
-            req = synthesis_request(params, speakers, svc.engine.default_backend)
+            req = dataclasses.replace(synthesis_request(params, speakers, svc.engine.default_backend),
+                                      request_id=rid)
         except ApiError as e:
-            rid = body.get("request_id") if isinstance(body, dict) else None
-            if isinstance(rid, str) and rid:
-                store.finish(rid[:64], "rejected", error=e.message)
+            label = body.get("request_id") if isinstance(body, dict) else None
+            store.start(rid, received, label if isinstance(label, str) else None, session)
+            store.finish(rid, "rejected", error=e.message)
             metrics = getattr(svc, "metrics", None)
             if metrics is not None:
                 metrics.count_rejected("ApiError")
-            raise
-        live = store.start(req.request_id, received)
+            return _with_id(error_response(e), rid, e, svc)
+        live = store.start(rid, received, params.request_id, session)
         watcher = asyncio.ensure_future(_disconnected(request))
         try:
             stream = await _admit(svc.engine, req, watcher)
+            live.cancel = stream.close  # the owner's Stop (the bearer of rid, or of session.label)
             record = engine_record(stream)
             if record is not None:  # reading and checking the body came before the engine saw it: a TTFB stage
                 record.app_queue_s = max(0.0, record.received - received)
+                record.params["label"] = params.request_id
                 live.telemetry = record  # followers (the app's dashboard) see the engine's record as it fills
             first = await _next_chunk(stream, watcher)
         except ClientGone:
             watcher.cancel()
+            store.finish(rid, "cancelled")
             return Response(status_code=499)
         except Exception as e:  # noqa: BLE001 - refused or failed before any audio: an HTTP error
             watcher.cancel()
             err = engine_error(e)
             if err.status == 500:
-                log.exception("request %s failed before its first chunk", req.request_id)
-            store.finish(req.request_id, "rejected", error=err.message)
-            return error_response(err)
+                log.exception("request %s failed before its first chunk", rid)
+            store.finish(rid, "rejected" if err.status < 500 else "error", error=err.message)
+            return _with_id(error_response(err), rid)
         if first is None:
             watcher.cancel()
             stream.close()
-            return error_response(ApiError(500, "the engine produced no audio for this request"))
-        headers = {"X-Request-Id": req.request_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+            store.finish(rid, "error", error="the engine produced no audio for this request")
+            return _with_id(error_response(ApiError(500, "the engine produced no audio for this request")), rid)
+        headers = {"X-Request-Id": rid, "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                    "X-Sample-Rate": str(svc.engine.sample_rate)}
         sse = params.stream_format == "sse"
         media = "text/event-stream" if sse else MEDIA_TYPES[params.response_format]
-        chunks = _stream_body(params, stream, first, watcher, store, live, svc.engine.sample_rate)
+        chunks = _stream_body(params, stream, first, watcher, store, live, svc)
         return StreamingResponse(chunks, media_type=media, headers=headers)
+
+    @router.post("/v1/sessions")
+    async def new_session() -> dict[str, Any]:
+        """A session key: requests sent with ``X-Session: <key>`` may be addressed as ``<key>.<request_id>``
+        by whoever holds the key (the page hands its own requests to its dashboard this way)."""
+        return {"session": api_store(get_service()).new_session()}
 
     @router.get("/v1/audio/voices")
     async def voices() -> dict[str, Any]:
@@ -220,7 +228,7 @@ def create_api_router(get_service: Callable[[], Any]) -> APIRouter:
     @router.post("/v1/requests/{request_id}/client")
     async def client_report(request_id: str, request: Request) -> dict[str, Any]:
         """The listener's page reports what it measured (``heard_ms``: click to first sample played)."""
-        body = _json(await request.body(), "body")
+        body = _json(await read_raw(request, limit=16384), "body")
         if not isinstance(body, dict) or not body:
             raise bad("body", "send a JSON object such as {\"heard_ms\": 512.3}")
         figures = {}
@@ -237,23 +245,39 @@ def create_api_router(get_service: Callable[[], Any]) -> APIRouter:
     return router
 
 
+class _EncodeFailed(Exception):
+    """The encoder raised: the request ends as an error (not ``ok``), whatever the engine delivered."""
+
+
 async def _stream_body(params: SpeechParams, stream: Any, first: AudioChunk, watcher: asyncio.Future,
-                       store: RequestStore, live: LiveRequest, sample_rate: int) -> AsyncIterator[bytes]:
+                       store: RequestStore, live: LiveRequest, svc: Any) -> AsyncIterator[bytes]:
     """Encode and send each chunk as it comes; SSE wraps the same bytes in base64 delta events and ends with a
-    done event carrying the usage and the request's telemetry."""
-    enc = make_encoder(params.response_format, sample_rate)
+    done event carrying the usage and the request's telemetry.  A failure after the response started (engine
+    error, server shutdown, encoder failure) ends SSE with an ``error`` event and aborts a raw audio response
+    (the client sees a broken transfer, never a clean end of a cut-off utterance)."""
+    enc = make_encoder(params.response_format, svc.engine.sample_rate)
     sse = params.stream_format == "sse"
     chunk: AudioChunk | None = first
     last: AudioChunk | None = None
+    tail: bytes | None = None
     try:
         while chunk is not None:
             store.add_chunk(live, chunk)
             last = chunk
-            data = enc.encode(chunk.samples)
+            try:
+                data = enc.encode(chunk.samples)
+                if chunk.is_last:  # before the end marker is read, so a failing trailer is not counted ok
+                    tail = enc.finish()
+            except Exception as e:  # noqa: BLE001
+                raise _EncodeFailed(f"{type(e).__name__}: {e}") from e
             if data:
                 yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}) if sse else data
             chunk = await _next_chunk(stream, watcher)
-        tail = enc.finish()
+        if tail is None:
+            try:
+                tail = enc.finish()
+            except Exception as e:  # noqa: BLE001
+                raise _EncodeFailed(f"{type(e).__name__}: {e}") from e
         if sse:
             if tail:
                 yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(tail).decode()})
@@ -264,6 +288,24 @@ async def _stream_body(params: SpeechParams, stream: Any, first: AudioChunk, wat
             yield tail
     except ClientGone:
         log.info("request %s: client disconnected; cancelled", live.request_id)
+    except Exception as e:  # noqa: BLE001 - after the headers: tell the client in-band or abort the transfer
+        if isinstance(e, _EncodeFailed):
+            err = ApiError(500, f"the audio could not be encoded as {params.response_format} ({e}); ask for "
+                                "response_format 'pcm' or 'wav'", code="encode_failed")
+            if hasattr(stream, "fail"):
+                stream.fail(f"EncodeError: {e}")
+            log.error("request %s: encoding %s failed: %s", live.request_id, params.response_format, e)
+        else:
+            err = engine_error(e)
+            if err.status >= 500 and err.code != "unavailable":
+                log.error("request %s failed mid-stream: %s", live.request_id, err.message)
+            else:
+                log.warning("request %s ended early: %s", live.request_id, err.message)
+        store.finish(live.request_id, "error", error=err.message)
+        _count(svc, err.status, err.code)
+        if not sse:
+            raise
+        yield _sse({"type": "error", "request_id": live.request_id, **err.body()})
     finally:  # no awaits here: this also runs when the server cancels the response task
         watcher.cancel()
         stream.close()
@@ -271,51 +313,16 @@ async def _stream_body(params: SpeechParams, stream: Any, first: AudioChunk, wat
             enc.close()
 
 
-def auth_dependency(app: Any, auth: Any) -> Callable:
-    """A FastAPI dependency accepting the page's Gradio session cookie, ``Authorization: Bearer user:password``
-    or HTTP Basic with one of ``auth``'s accounts (a ``(user, password)`` pair or a list of them)."""
-    pairs = [auth] if isinstance(auth, tuple) and len(auth) == 2 and isinstance(auth[0], str) else list(auth)
-    accounts = {str(u): str(p) for u, p in pairs}
-
-    def valid(user: str, password: str) -> bool:
-        ok = accounts.get(user)
-        return ok is not None and secrets.compare_digest(ok.encode(), password.encode())
-
-    async def check(request: HTTPConnection) -> None:  # a Request, or the WebSocket of the bi-streaming route
-        header = request.headers.get("authorization", "")
-        scheme, _, cred = header.partition(" ")
-        if scheme.lower() == "bearer" and valid(*_split(cred.strip())):
-            return
-        if scheme.lower() == "basic":
-            try:
-                if valid(*_split(base64.b64decode(cred.strip()).decode())):
-                    return
-            except (binascii.Error, UnicodeDecodeError):
-                pass
-        tokens, cookie_id = getattr(app, "tokens", None), getattr(app, "cookie_id", None)
-        if tokens is not None and cookie_id is not None:
-            for name in (f"access-token-{cookie_id}", f"access-token-unsecure-{cookie_id}"):
-                if request.cookies.get(name) in tokens:
-                    return
-        if request.scope.get("type") == "websocket":  # refused at the handshake; a close reason holds 123 bytes
-            raise WebSocketException(code=1008, reason="not authenticated: send Authorization: Bearer user:password")
-        raise ApiError(401, "not authenticated: this server runs with --auth; send 'Authorization: Bearer "
-                            "user:password' (the openai client's api_key='user:password') or log in to the page",
-                       code="invalid_api_key")
-
-    return check
-
-
-def _split(cred: str) -> tuple[str, str]:
-    user, _, password = cred.partition(":")
-    return user, password
-
-
-def mount_api(app: FastAPI, service: Any, auth: Any = None) -> None:
+def mount_api(app: FastAPI, service: Any, auth: Any = None, ws_limits: WsLimits | None = None) -> None:
     """Add the ``/v1`` routes of ``service`` to ``app``, behind ``auth`` when given, ahead of the app's own routes
-    (so a catch-all of the host app cannot shadow them; works before or after the server started)."""
-    router = create_api_router(lambda: service)
-    deps = [Depends(auth_dependency(app, auth))] if auth else None
+    (so a catch-all of the host app cannot shadow them; works before or after the server started).  With
+    ``auth``, the app's ``/openapi.json`` needs the same login."""
+    router = create_api_router(lambda: service, ws_limits)
+    check = auth_dependency(app, auth) if auth else None
+    deps = [Depends(check)] if check else None
+    if check is not None and getattr(app, "openapi_url", None):
+        router.add_api_route(app.openapi_url, lambda: JSONResponse(app.openapi()), methods=["GET"],
+                             include_in_schema=False)
     before = len(app.router.routes)
     app.include_router(router, dependencies=deps)
     added = app.router.routes[before:]

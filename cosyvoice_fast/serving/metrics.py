@@ -52,6 +52,9 @@ class EngineMetrics:
                                     registry=r)
         self.refused = Counter("cosyvoice_refused", "Requests refused because the engine's admission queue was full "
                                "(EngineBusy; HTTP 429/503)", registry=r)
+        self.api_errors = Counter("cosyvoice_api_errors", "Error answers of the /v1 HTTP and WebSocket routes by "
+                                  "status and code (parse errors, refusals, WebSocket timeouts and limits, failed "
+                                  "encodes, 5xx)", ["status", "code"], registry=r)
         for o in ("ok", "cancelled", "error", "rejected"):
             self.requests.labels(o)  # present (at 0) from the start, so rates work before the first failure
         # the serving process: resident memory, CPU seconds, open file descriptors (Linux /proc), start time
@@ -93,6 +96,10 @@ class EngineMetrics:
         self.requests.labels("rejected").inc()
         self.errors.labels(error_type).inc()
 
+    def count_api_error(self, status: int, code: str) -> None:
+        """An error answer of the API (HTTP status, or the WebSocket's equivalent) with its OpenAI ``code``."""
+        self.api_errors.labels(str(status), code).inc()
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -109,27 +116,31 @@ def queue_wait(tele: RequestTelemetry) -> float:
 
 def health(service: Any) -> dict[str, Any]:
     """Readiness of ``service``: ``ready`` is True when the model is loaded and the engine accepts work."""
-    from cosyvoice_fast.engine.stages import available_backends
+    from cosyvoice_fast.engine.stages import available_backends, family_of_models
 
     engine = service.engine
     stats = engine.stats()
     running = bool(stats["running"])
     models = service.models
     backends: dict[str, list[str]] = {}
-    for b in available_backends(models.device):
+    family = family_of_models(models)
+    for b in available_backends(models.device, family=family):
         if b.available:
             backends.setdefault(b.stage, []).append(b.name)
+    startup = getattr(service, "startup", None)  # engine.startup.StartupProgress (None: not tracked)
     warming = list(getattr(service, "warming", lambda: [])())  # start-up work still running (service.start_warmup)
     return {"ready": bool(running) and not warming,
             "status": ("warming up: " + ", ".join(warming)) if running and warming
             else "ok" if running else "engine stopped", "warming": warming,
-            "model_loaded": models is not None, "model": service.model_name, "synthetic": bool(service.synthetic),
+            "model_loaded": models is not None, "model": service.model_name, "family": family,
+            "synthetic": bool(service.synthetic),
             "device": str(models.device), "dtype": str(models.dtype).replace("torch.", ""),
             "frontend": service.frontend is not None, "backends": backends,
             "backends_built": sorted(f"{c['llm']}/{c['flow']}/{c['vocoder']} {c['dtype']}"
                                      + ("" if c["incremental"] else " recompute") for c in stats["stage_configs"]),
             "active_requests": stats["active"] + stats["queued"], "queued_requests": stats["queued"],
             "sample_rate": engine.sample_rate,
+            "startup": startup.snapshot() if startup is not None else None,  # phase, graphs N/M, estimate
             "time": time.time()}
 
 

@@ -5,18 +5,22 @@ each request to a lightly loaded replica, restarts replicas that die and exports
 serves the project's own HTTP API (``/v1/audio/speech`` streamed, ``/v1/audio/voices``) plus ``GET /health``
 through Serve's proxy, so clients cannot tell one replica from a cluster.
 
+Requests go to the least-loaded replica of all (:mod:`~cosyvoice_fast.serving.ray_router`: Serve's count of
+each replica's requests, the burst's own choices, then each engine's streams running + queued).
 Limits follow the engine: a replica is sent at most ``max_streams + queue_limit`` requests (what its engine
-admits, running plus waiting in its admission queue); beyond that requests wait in the proxy, up to ``max_queued_requests``, then get 503 with a Retry-After.
+admits, running plus waiting in its admission queue); beyond that requests wait in the proxy, up to
+``max_queued_requests``, then get 503 with a Retry-After.
 A replica whose engine worker stopped fails its health check and is replaced.  Saved speakers live in one shared
 directory (``--speaker-dir``; a network file system across hosts), read by every replica.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -60,6 +64,7 @@ class RayServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     address: str | None = None
+    proxy_location: str = "EveryNode"
     metrics_period_s: float = 5.0
     health_check_period_s: float = 5.0
 
@@ -81,6 +86,7 @@ class RayServeOptions:
         need(isinstance(self.port, int) and 0 < self.port < 65536, "port", "must be a TCP port (1-65535)")
         need(self.metrics_period_s > 0, "metrics_period_s", "must be positive")
         need(self.health_check_period_s > 0, "health_check_period_s", "must be positive")
+        need(self.proxy_location in ("EveryNode", "HeadOnly"), "proxy_location", "must be EveryNode or HeadOnly")
         need(self.dtype in (None, "fp32", "fp16", "bf16"), "dtype", "must be fp32, fp16 or bf16")
         if self.backend is not None:
             backend_config(self.backend, "fp32")  # a bad name fails here, in the driver, not in every replica
@@ -183,6 +189,11 @@ class TTSReplica:
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_asgi_app(lambda: self.service)
 
+    def record_routing_stats(self) -> dict:
+        """This replica's engine load for the router (:mod:`~cosyvoice_fast.serving.ray_router`), every second."""
+        st = self.service.engine.stats()
+        return {"active": int(st["active"]), "queued": int(st["queued"])}
+
     def check_health(self) -> None:
         """Serve calls this every ``health_check_period_s``; raising marks the replica unhealthy (replaced)."""
         stats = self.service.engine.stats()
@@ -217,16 +228,29 @@ def build_app(opts: RayServeOptions, gpus_available: float) -> Any:
             "min_replicas": opts.min_replicas, "max_replicas": opts.max_replicas,
             "initial_replicas": min(max(opts.replicas, opts.min_replicas), opts.max_replicas),
             "target_ongoing_requests": opts.target_ongoing or opts.engine.max_streams}}
-    from ray.serve.config import BackpressureConfig
+    from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
-    return TTSReplica.options(
+    from cosyvoice_fast.serving.ray_router import LeastLoadedRouter
+
+    # What a replica is built from, without the replica count: redeploying with another count (bench's scale-out,
+    # an operator's `--replicas`) keeps the running replicas (a stable `version`) and only adds or removes some.
+    replica_opts = replace(opts, replicas=1, min_replicas=1, max_replicas=None, target_ongoing=None,
+                           max_queued_requests=None, address=None, proxy_location="EveryNode")
+    deployment = TTSReplica.options(
         max_ongoing_requests=opts.capacity,
         max_queued_requests=opts.max_queued_requests or opts.capacity * (opts.max_replicas or opts.replicas),
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=1),
+        request_router_config=RequestRouterConfig(request_router_class=LeastLoadedRouter,
+                                                  request_routing_stats_period_s=1.0),
         ray_actor_options={"num_gpus": gpus, "num_cpus": opts.cpus_per_replica},
         health_check_period_s=opts.health_check_period_s,
         **scaling,
-    ).bind(opts, device)
+    )
+    # Ray 2.60 removed `version=` from the public options and gives every `serve.run` a random code version,
+    # which restarts every replica (~100 s each with captured graphs); a version derived from what the replicas
+    # are built from makes a new replica count a lightweight update, as Serve's own config deploys do.
+    deployment._version = hashlib.sha256(repr((replica_opts, device, gpus)).encode()).hexdigest()[:16]
+    return deployment.bind(replica_opts, device)
 
 
 def start(opts: RayServeOptions) -> bool:
@@ -239,9 +263,27 @@ def start(opts: RayServeOptions) -> bool:
     started = not ray.is_initialized() and opts.address is None
     if not ray.is_initialized():
         ray.init(address=opts.address, runtime_env=runtime_env, include_dashboard=False)
-    serve.start(http_options={"host": opts.host, "port": opts.port})
-    serve.run(build_app(opts, cluster_gpus()), name=APP_NAME, route_prefix="/", blocking=False)
+    serve.start(proxy_location=opts.proxy_location, http_options={"host": opts.host, "port": opts.port})
+    deploy(opts)
     return started
+
+
+def deploy(opts: RayServeOptions) -> None:
+    """(Re)deploy the app with ``opts`` on the connected cluster, waiting until its replicas are healthy.  Only
+    the replica count changed: the running replicas stay and replicas are added or removed."""
+    serve.run(build_app(opts, cluster_gpus()), name=APP_NAME, route_prefix="/", blocking=False)
+
+
+def replica_actor_name(replica_id: str) -> str:
+    """The Ray actor name of this app's replica ``replica_id`` (the ``x-replica`` header of its responses)."""
+    return f"SERVE_REPLICA::{APP_NAME}#TTSReplica#{replica_id}"
+
+
+def kill_replica(replica_id: str) -> None:
+    """Kill one replica's actor (its process) as a crash would; Serve starts a replacement."""
+    import ray
+
+    ray.kill(ray.get_actor(replica_actor_name(replica_id), namespace="serve"), no_restart=True)
 
 
 def stop(started_ray: bool) -> None:

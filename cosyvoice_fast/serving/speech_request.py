@@ -37,7 +37,7 @@ _FIELDS = {"model", "input", "voice", "response_format", "speed", "stream_format
 class ApiError(Exception):
     """An HTTP error in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 408: "timeout_error",
              413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error", 500: "server_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
@@ -47,6 +47,12 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "api_error"),
                           "param": self.param, "code": self.code}}
+
+
+def short(value: Any, limit: int = 40) -> str:
+    """``repr`` of a client's string, cut to ``limit`` characters (a 10,000-character name is never echoed)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"…' ({len(str(value))} characters)"
 
 
 def bad(param: str, message: str, code: str = "invalid_value") -> ApiError:
@@ -92,6 +98,13 @@ class SpeechParams:
         if len(self.input) > MAX_INPUT_CHARS:
             raise ApiError(413, f"input is {len(self.input)} characters long; at most {MAX_INPUT_CHARS} are "
                                 "accepted per request: split the text", param="input", code="input_too_long")
+        for name, text in (("prompt_text", self.prompt_text), ("instruction", self.instruction)):
+            if isinstance(text, str) and len(text) > MAX_INPUT_CHARS:
+                raise ApiError(413, f"{name} is {len(text)} characters long; at most {MAX_INPUT_CHARS} are accepted "
+                                    f"(a prompt's transcript or an instruction is a sentence or two)", param=name,
+                               code="input_too_long")
+        if self.voice is not None and len(self.voice) > 200:
+            raise bad("voice", f"voice is {len(self.voice)} characters long: name a voice from GET /v1/audio/voices")
         if self.response_format not in FORMATS:
             raise bad("response_format", f"response_format {self.response_format!r} is not supported: choose "
                                          f"one of {', '.join(FORMATS)}")
@@ -170,7 +183,8 @@ def parse_speech(body: Mapping[str, Any]) -> SpeechParams:
         raise bad("body", "the body must be a JSON object (or a multipart form)")
     unknown = sorted(set(body) - _FIELDS)
     if unknown:
-        raise bad(unknown[0], f"unknown field {unknown[0]!r}; accepted fields: {', '.join(sorted(_FIELDS))}",
+        raise bad(unknown[0][:64], f"unknown field {short(unknown[0])}; accepted fields: "
+                                   f"{', '.join(sorted(_FIELDS))}",
                   code="unknown_field")
     if "input" not in body:
         raise bad("input", "'input' is missing: send the text to speak", code="missing_field")
@@ -200,8 +214,8 @@ def synthesis_request(p: SpeechParams, speakers: list[str], default_backend: Bac
             mode = mode or v.mode
         else:
             names = speakers + [n for n in bundled if n not in speakers]
-            raise ApiError(400, f"voice {p.voice!r} is not known here; choose one of {', '.join(names) or '(none)'}"
-                                " (GET /v1/audio/voices) or send prompt_audio", param="voice", code="voice_not_found")
+            raise ApiError(400, f"voice {short(p.voice)} is not known here; choose one of "
+                                f"{', '.join(names) or '(none)'} (GET /v1/audio/voices) or send prompt_audio", param="voice", code="voice_not_found")
     mode = mode or ("zero_shot" if transcript.strip() else "cross_lingual")
     if mode == "speaker" and speaker is None:
         raise bad("mode", "mode 'speaker' needs 'voice' to name a saved speaker")

@@ -38,9 +38,21 @@ def bundled_voices(assets: Path = ASSETS) -> dict[str, BundledVoice]:
 
 def voice_list(frontend: Any, assets: Path = ASSETS) -> list[dict[str, Any]]:
     """JSON of ``GET /v1/audio/voices``: saved speakers first (they shadow a bundled voice of the same name)."""
-    saved = sorted(frontend.list_speakers()) if frontend is not None else []
+    saved = sorted(n for n in frontend.list_speakers() if _usable(frontend, n)) if frontend is not None else []
     out = [{"id": n, "name": n, "kind": "saved", "mode": "speaker"} for n in saved]
     if frontend is not None:  # bundled voices need the frontend to analyse them
         out += [{"id": v.id, "name": v.id, "kind": "bundled", "mode": v.mode, "transcript": v.transcript or None}
                 for v in bundled_voices(assets).values() if v.id not in saved]
     return out
+
+
+def _usable(frontend: Any, name: str) -> bool:
+    """A saved speaker whose file loads (memoised by the cache; a damaged or foreign file is not offered)."""
+    cache = getattr(frontend, "speakers", None)
+    if cache is None:
+        return True
+    try:
+        cache.get(name)
+    except ValueError:  # SpeakerCacheError: damaged, or removed meanwhile
+        return False
+    return True

@@ -6,8 +6,10 @@ from typing import Sequence
 
 import torch
 
+from cosyvoice_fast.vocoder.stream import ChunkJoining
 
-class EagerVocoder:
+
+class EagerVocoder(ChunkJoining):
     """HiFT in fp32 with the request's own generator for the NSF source noise."""
 
     def __init__(self, hift: torch.nn.Module):

@@ -29,6 +29,7 @@ import torch
 
 from cosyvoice_fast.config.backends import BackendUnavailable
 from cosyvoice_fast.vocoder.eager import batch_sources
+from cosyvoice_fast.vocoder.stream import ChunkJoining
 from cosyvoice_fast.kernels.graphs import CapturedGraph, GraphCache, capture, cuda_missing
 
 
@@ -48,7 +49,7 @@ def fp32_convs() -> Iterator[None]:
         torch.backends.cudnn.allow_tf32 = saved
 
 
-class CudaGraphVocoder:
+class CudaGraphVocoder(ChunkJoining):
     def __init__(self, hift: torch.nn.Module, max_graphs: int = 48, max_batch: int = 16, min_batch: int = 6,
                  rows: Sequence[int] = (), lengths: Sequence[int] = (), final_lengths: Sequence[int] = (),
                  progress: bool = True):
@@ -70,10 +71,12 @@ class CudaGraphVocoder:
         self.batch_replays = 0  # chunk batches (one row included) served by a start-up graph
         self.eager_batches = 0  # batches that ran an eager filter pass (no graph for their shape)
         self._pool = torch.cuda.graph_pool_handle()
-        jobs = {(n, r) for n in lengths for r in self.batch_rows}
+        # capture order (``config.graph_plan.hift_jobs``): the streamed lengths first (first chunks are the
+        # shortest of them), then the lengths only final chunks have
+        jobs = sorted({(n, r) for n in lengths for r in self.batch_rows})
         if self.batch_rows:
-            jobs |= {(n, self.batch_rows[0]) for n in final_lengths}
-        self._capture_batches(sorted(jobs), progress)
+            jobs += sorted({(n, self.batch_rows[0]) for n in final_lengths} - set(jobs))
+        self._capture_batches(jobs, progress)
 
     def _plain_model(self, hift: torch.nn.Module) -> torch.nn.Module:
         """The module the graphs run: a weight-norm-folded copy (``fused`` also swaps in its kernels here)."""

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from cosyvoice_fast.vocoder.crossfade import fade_in_out, hamming_fade_window
 from cosyvoice_fast.config.schedule import MEL_CACHE_FRAMES
-from cosyvoice_fast.vocoder.stage import VocoderStage
+from cosyvoice_fast.vocoder.stage import ChunkVocoder, Vocoded, VocodeJob
 
 log = logging.getLogger(__name__)
 
@@ -32,21 +32,6 @@ class VocoderCache:
 
 
 VocoderFn = Callable[[torch.Tensor, torch.Tensor], "tuple[torch.Tensor, torch.Tensor]"]
-
-
-@dataclass
-class VocodeJob:
-    """One chunk to vocode: its new mel frames, the stream's carry-over, and the request's noise generator."""
-
-    mel: torch.Tensor
-    cache: VocoderCache | None
-    finalize: bool
-    generator: torch.Generator | None = None
-    speed: float = 1.0
-
-
-#: a job's outcome: samples to emit (1, N) and the stream's new carry-over
-Vocoded = tuple[torch.Tensor, "VocoderCache | None"]
 
 
 def _prepare(job: VocodeJob, overlap: int) -> tuple[torch.Tensor, torch.Tensor] | Vocoded:
@@ -106,7 +91,7 @@ def vocode_chunk(vocoder: VocoderFn, mel: torch.Tensor, cache: VocoderCache | No
     return _finish(job, full_mel, speech, source, overlap)
 
 
-def vocode_chunks(vocoder: VocoderStage, jobs: Sequence[VocodeJob], samples_per_frame: int = 480
+def vocode_chunks(vocoder: ChunkVocoder, jobs: Sequence[VocodeJob], samples_per_frame: int = 480
                   ) -> list[Vocoded | Exception]:
     """Vocode several streams' chunks on one vocoder stage: calls of one shape (mel frames, cached source
     samples) share one ``vocoder.vocode_batch`` forward (at most its ``max_batch`` rows); a lone call runs through
@@ -148,3 +133,11 @@ def vocode_chunks(vocoder: VocoderStage, jobs: Sequence[VocodeJob], samples_per_
         for (i, mel, _), res in zip(group, results):
             out[i] = res if isinstance(res, Exception) else _finish(jobs[i], mel, res[0], res[1], overlap)
     return out  # type: ignore[return-value]
+
+
+class ChunkJoining:
+    """``vocode_jobs`` for a CosyVoice2 stage (one with ``vocode`` / ``vocode_batch``): the cross-faded joining
+    of :func:`vocode_chunks`."""
+
+    def vocode_jobs(self, jobs: Sequence[VocodeJob]) -> list[Vocoded | Exception]:
+        return vocode_chunks(self, jobs)  # type: ignore[arg-type]

@@ -83,16 +83,17 @@ class GuidanceBatch(NamedTuple):
     cond: Tensor  # (2, 80, T), row 1 zero
 
 
-class CausalCFM(nn.Module):
-    """Holds the estimator (``estimator.*`` keys) and runs the guided Euler solve."""
+class GuidedCFM(nn.Module):
+    """Holds an estimator (``estimator.*`` keys) and runs the guided Euler solve.  The estimator is any module
+    with the :data:`Estimator` calling convention: CosyVoice2's U-Net (:class:`CausalCFM`) or CosyVoice3's DiT."""
 
-    def __init__(self, cfg: CFMConfig, decoder_cfg: DecoderConfig):
+    def __init__(self, cfg: CFMConfig, estimator: nn.Module, channels: int):
         super().__init__()
         self.cfg = cfg
-        self.estimator = CausalConditionalDecoder(decoder_cfg)
+        self.estimator = estimator
         # Not in the checkpoint (persistent=False); being a buffer, ``.to(device)`` moves it with the module.
         # Note ``.to(dtype)`` casts it too, which matches upstream casting the noise to mu's dtype.
-        self.register_buffer("noise", fixed_noise(channels=decoder_cfg.out_channels), persistent=False)
+        self.register_buffer("noise", fixed_noise(channels=channels), persistent=False)
 
     @staticmethod
     def guidance_batch(mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor) -> GuidanceBatch:
@@ -168,3 +169,10 @@ class CausalCFM(nn.Module):
         for i in range(n_timesteps):
             x = self.euler_step(x, ts[i], dts[i], g, streaming, estimator)
         return x.float()
+
+
+class CausalCFM(GuidedCFM):
+    """CosyVoice2's CFM: the guided solve around the U-Net estimator."""
+
+    def __init__(self, cfg: CFMConfig, decoder_cfg: DecoderConfig):
+        super().__init__(cfg, CausalConditionalDecoder(decoder_cfg), decoder_cfg.out_channels)

@@ -146,11 +146,12 @@ class PreLookahead(nn.Module):
     encoded) or are zeros at the true end of the utterance.
     """
 
-    def __init__(self, channels: int, lookahead: int):
+    def __init__(self, channels: int, lookahead: int, hidden: int | None = None):
         super().__init__()
         self.lookahead = lookahead
-        self.conv1 = nn.Conv1d(channels, channels, kernel_size=lookahead + 1)
-        self.conv2 = nn.Conv1d(channels, channels, kernel_size=3)
+        hidden = channels if hidden is None else hidden  # CosyVoice3: 80 mel channels in/out, 1024 between
+        self.conv1 = nn.Conv1d(channels, hidden, kernel_size=lookahead + 1)
+        self.conv2 = nn.Conv1d(hidden, channels, kernel_size=3)
 
     def forward(self, x: Tensor, context: Tensor | None = None) -> Tensor:
         """x (B, T, C); context (B, n <= lookahead, C) or None -> (B, T, C)."""

@@ -27,7 +27,7 @@ from cosyvoice_fast.kernels.common import can_run_on
 
 #: the longest ``top_k`` head drawn from (the draw's variates ``q`` are drawn for all of it)
 MAX_TOP_K = 64
-#: the widest row one program holds in registers (the speech vocabulary is 6564)
+#: the widest row one program holds in registers (the speech vocabulary is 6564; CosyVoice3: 6761)
 MAX_VOCAB = 16384
 
 @triton.jit

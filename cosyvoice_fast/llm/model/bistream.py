@@ -23,6 +23,11 @@ The schedule (what upstream's ``Qwen2LM.inference_bistream`` does; described in 
 
 Chunks are consumed in order and only when the schedule needs the next one (after a fill or while waiting),
 exactly as upstream pulls its text generator, so the tokens depend on the chunk boundaries, never on timing.
+
+CosyVoice3 (not recorded in its fixture; from the README's description): its own ids differ (eos, fill and the
+ids that end generation come from :class:`BistreamSpec`), and the prompt text up to and including
+``<|endofprompt|>`` is fed right after ``sos`` (only the rest of the prompt text joins the text stream), so the
+start rule "5 text rows after a lone ``sos``" does not apply to it, as upstream.
 """
 
 from __future__ import annotations
@@ -43,36 +48,58 @@ SEGMENT_KINDS = ("sos", "task", "text", "prompt_speech", "speech")
 class BistreamSpec:
     """The constants of the schedule: the text : speech interleave and the special speech-token ids.
 
-    ``speech_token_size`` is the number of real speech tokens; eos, the id upstream rejects and the fill token
-    follow it (CosyVoice2: 6561, 6562, 6563)."""
+    ``speech_token_size`` (S) is the number of real speech tokens; the LM's own ids follow it: ``extra_rows`` of
+    them, eos at S + ``eos_offset`` and the fill at S + ``fill_offset`` (CosyVoice2: 3 ids, eos 6561, the id
+    upstream rejects 6562, fill 6563; CosyVoice3: 200 ids, eos 6562, fill 6564).  ``endofprompt_id``: the text
+    id that closes CosyVoice3's system prompt, which is fed right after sos (None: CosyVoice2, no such part)."""
 
     text_rows: int = 5
     speech_rows: int = 15
     speech_token_size: int = 6561
+    eos_offset: int = 0
+    fill_offset: int = 2
+    extra_rows: int = 3
+    endofprompt_id: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("text_rows", "speech_rows", "speech_token_size"):
+        for name in ("text_rows", "speech_rows", "speech_token_size", "extra_rows"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"BistreamSpec.{name}={value!r}: must be a whole number >= 1")
+        if not (0 <= self.eos_offset < self.extra_rows and 0 <= self.fill_offset < self.extra_rows
+                and self.eos_offset != self.fill_offset):
+            raise ValueError(f"BistreamSpec: eos_offset {self.eos_offset} and fill_offset {self.fill_offset} must "
+                             f"differ and lie in 0 .. extra_rows - 1 = {self.extra_rows - 1}")
 
     @property
     def eos_id(self) -> int:
-        return self.speech_token_size
+        return self.speech_token_size + self.eos_offset
 
     @property
     def invalid_id(self) -> int:
-        return self.speech_token_size + 1
+        """The first of the LM's own ids that is neither eos nor fill (upstream raises on any such id)."""
+        return min(set(self.lm_ids) - {self.eos_id, self.fill_id})
 
     @property
     def fill_id(self) -> int:
-        return self.speech_token_size + 2
+        return self.speech_token_size + self.fill_offset
+
+    @property
+    def vocab_out(self) -> int:
+        return self.speech_token_size + self.extra_rows
+
+    @property
+    def lm_ids(self) -> range:
+        """The LM's own ids (not speech tokens)."""
+        return range(self.speech_token_size, self.vocab_out)
 
     def banned(self, phase: int) -> tuple[int, ...]:
-        """Ids the sampler must not pick: eos while text may still come (upstream's own mask), and the ids
-        upstream would raise on (the invalid id always, the fill once the text has ended).  Masking them never
-        changes a pick upstream completes; it turns upstream's crash into the best allowed token."""
-        return (self.eos_id, self.invalid_id) if phase == PHASE_TEXT else (self.invalid_id, self.fill_id)
+        """Ids the sampler must not pick: every LM id but the fill while text may still come (upstream masks
+        id S and raises on the others), every LM id but eos once it has ended (upstream raises on them).
+        Masking them never changes a pick upstream completes; it turns upstream's crash into the best allowed
+        token."""
+        keep = self.fill_id if phase == PHASE_TEXT else self.eos_id
+        return tuple(i for i in self.lm_ids if i != keep)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,14 +189,25 @@ class BistreamState:
         self.prompt_speech = [int(i) for i in self.prompt_speech]
         s = len(self.prompt_speech)
         self.next_fill = (s // self.spec.speech_rows + 1) * self.spec.speech_rows - s
-        self._queue_start = 0  # first text-stream row still queued (rows before it were fed)
+        head = self._system_rows()
+        self._queue_start = head  # first text-stream row still queued (rows before it were fed)
         self._speech_placed = 0
-        self._pending: list[Segment] = [Segment("sos", 0, 1)]
+        self._pending: list[Segment] = [Segment("sos", 0, 1)] + ([Segment("text", 0, head)] if head else [])
         self._inbox: deque[list[int]] = deque()
         self._source_ended = False
         self._need_chunk = True  # the schedule reads the next chunk before it can decode
         self._plan: StepPlan | None = None
         self._advance()
+
+    def _system_rows(self) -> int:
+        """Prompt-text rows up to and including ``<|endofprompt|>`` (fed right after sos), 0 without one."""
+        eop = self.spec.endofprompt_id
+        if eop is None:
+            return 0
+        if eop not in self.text_ids:
+            raise ValueError(f"bi-streaming needs the prompt text to hold <|endofprompt|> (text id {eop}): start it "
+                             "with 'You are a helpful assistant.<|endofprompt|>' (the transcript, if any, after it)")
+        return self.text_ids.index(eop) + 1
 
     # ------------------------------------------------------------------------------------------ text side
 
@@ -231,8 +269,8 @@ class BistreamState:
             raise BistreamError(f"step {len(self.out)} is a forced fill ({plan.forced}), got {token}")
         if plan.forced is None and token in plan.banned:
             raise BistreamError(f"token {token} is not allowed in this phase (banned: {plan.banned})")
-        if not 0 <= token <= self.spec.fill_id:
-            raise BistreamError(f"token {token} is outside the LM's vocabulary (0 .. {self.spec.fill_id})")
+        if not 0 <= token < self.spec.vocab_out:
+            raise BistreamError(f"token {token} is outside the LM's vocabulary (0 .. {self.spec.vocab_out - 1})")
         self._plan = None
         self.cache_len += plan.rows
         index = len(self.out)

@@ -1,9 +1,13 @@
-"""CosyVoice2's speech LM: Qwen2 over ``[sos, text, task, prompt speech]`` predicting 25 Hz speech tokens.
+"""The speech LM (CosyVoice2 ``Qwen2LM``, CosyVoice3 ``CosyVoice3LM``): Qwen2 over ``[sos, text, task, prompt
+speech]`` predicting 25 Hz speech tokens.
 
 The LM sees text through Qwen2's own token embeddings and speech through a separate ``speech_embedding``
-table; two learned vectors (``llm_embedding``: row 0 = sos, row 1 = task id) frame the text.  Its head
-``llm_decoder`` scores ``speech_token_size + 3`` classes: the speech tokens, then eos and two more special
-ids, all of which end generation.
+table; two learned vectors frame the text: sos and task id.  Its head ``llm_decoder`` scores the speech tokens
+and then the LM's own ids, every one of which ends generation.  The two families differ only in data that
+:class:`~cosyvoice_fast.config.model.LLMConfig` derives from its ``family``, so one class serves both:
+CosyVoice2 keeps sos / task in a 2-row ``llm_embedding`` and has ``speech_token_size + 3`` biased outputs;
+CosyVoice3 takes them from ``speech_embedding`` rows, has ``speech_token_size + 200`` outputs without a bias,
+and every prompt must hold the ``<|endofprompt|>`` text id.
 
 What the prompt contributes depends on the mode (see ``cosyvoice.cli.frontend`` upstream):
 
@@ -53,9 +57,10 @@ class Qwen2LM(nn.Module):
     def __init__(self, cfg: LLMConfig):
         super().__init__()
         self.cfg = cfg
-        self.llm_embedding = nn.Embedding(2, cfg.llm_input_size)
+        if not cfg.frame_in_speech_table:
+            self.llm_embedding = nn.Embedding(2, cfg.llm_input_size)
         self.llm = QwenBackbone(cfg)
-        self.llm_decoder = nn.Linear(cfg.llm_output_size, cfg.vocab_out)
+        self.llm_decoder = nn.Linear(cfg.llm_output_size, cfg.vocab_out, bias=cfg.decoder_bias)
         self.speech_embedding = nn.Embedding(cfg.vocab_out, cfg.llm_input_size)
 
     # ------------------------------------------------------------------------------------------ inputs
@@ -67,6 +72,24 @@ class Qwen2LM(nn.Module):
     def _param(self) -> torch.Tensor:
         return self.speech_embedding.weight
 
+    def frame_row(self, kind: str) -> torch.Tensor:
+        """The (H,) input vector of ``sos`` or ``task``: a row of ``llm_embedding`` (CosyVoice2) or of
+        ``speech_embedding`` (CosyVoice3), as the config says."""
+        row = self.cfg.sos_id if kind == "sos" else self.cfg.task_id
+        table = self.speech_embedding if self.cfg.frame_in_speech_table else self.llm_embedding
+        return table.weight[row]
+
+    def check_prompt(self, text: torch.Tensor | None, prompt_text: torch.Tensor | None = None) -> None:
+        """Refuse a CosyVoice3 input whose prompt text and text lack ``<|endofprompt|>`` (the LM was trained
+        only on prompts that hold it; upstream asserts the same).  No check when the config names no id."""
+        eop = self.cfg.endofprompt_id
+        if eop is None:
+            return
+        if not any(t is not None and bool((t == eop).any()) for t in (prompt_text, text)):
+            raise ValueError(f"the prompt text holds no <|endofprompt|> (text id {eop}): a CosyVoice3 prompt must "
+                             "end its system part with it, e.g. 'You are a helpful assistant.<|endofprompt|>' "
+                             "followed by the transcript")
+
     def build_lm_input(self, text: torch.Tensor, prompt_text: torch.Tensor | None = None,
                        prompt_speech_token: torch.Tensor | None = None) -> torch.Tensor:
         """``[sos, embed_tokens(prompt_text ++ text), task_id, speech_embedding(prompt_speech_token)]`` -> (1, L, H).
@@ -76,10 +99,12 @@ class Qwen2LM(nn.Module):
         """
         dev = self._param().device
         ids = [x for x in (_as_ids(prompt_text, dev), _as_ids(text, dev)) if x is not None]
-        parts = [self.llm_embedding.weight[self.cfg.sos_id].reshape(1, 1, -1)]
-        if ids:
-            parts.append(self.decoder.embed_tokens(torch.cat(ids, dim=1)))
-        parts.append(self.llm_embedding.weight[self.cfg.task_id].reshape(1, 1, -1))
+        all_ids = torch.cat(ids, dim=1) if ids else None
+        self.check_prompt(all_ids)
+        parts = [self.frame_row("sos").reshape(1, 1, -1)]
+        if all_ids is not None:
+            parts.append(self.decoder.embed_tokens(all_ids))
+        parts.append(self.frame_row("task").reshape(1, 1, -1))
         speech = _as_ids(prompt_speech_token, dev)
         if speech is not None:
             parts.append(self.speech_embedding(speech))
@@ -107,8 +132,7 @@ class Qwen2LM(nn.Module):
         ids = ids.long()
         text = self.decoder.embed_tokens(ids.clamp(0, self.decoder.embed_tokens.num_embeddings - 1))
         speech = self.speech_embedding(ids.clamp(0, self.speech_embedding.num_embeddings - 1))
-        w = self.llm_embedding.weight
-        frame = torch.where((pos == 0)[:, None], w[self.cfg.sos_id], w[self.cfg.task_id])  # (N, H)
+        frame = torch.where((pos == 0)[:, None], self.frame_row("sos"), self.frame_row("task"))  # (N, H)
         out = torch.where((pos > end + 1)[..., None], speech, frame)
         return torch.where(((pos >= 1) & (pos <= end))[..., None], text, out)
 
@@ -126,8 +150,7 @@ class Qwen2LM(nn.Module):
         for seg in segments:
             kind, start, length = seg if isinstance(seg, tuple) else (seg.kind, seg.start, seg.length)
             if kind in ("sos", "task"):
-                row = self.cfg.sos_id if kind == "sos" else self.cfg.task_id
-                parts.append(self.llm_embedding.weight[row].reshape(1, 1, -1).expand(1, length, -1))
+                parts.append(self.frame_row(kind).reshape(1, 1, -1).expand(1, length, -1))
                 continue
             source, table = {"text": (text_ids, self.decoder.embed_tokens),
                              "prompt_speech": (prompt_speech, self.speech_embedding),
@@ -203,8 +226,9 @@ class Qwen2LM(nn.Module):
         """Yield speech token ids one at a time (prefill runs on the first ``next``).
 
         Length rules follow upstream: with ``n`` target-text tokens, at most ``20 n`` tokens are produced and
-        eos is masked out of the distribution for the first ``2 n`` draws.  Any id >= ``speech_token_size``
-        (eos or the two other special ids) ends generation and is never yielded.
+        id ``speech_token_size`` (eos in CosyVoice2, sos in CosyVoice3) is masked out of the distribution for the
+        first ``2 n`` draws.  Any id >= ``speech_token_size`` (the LM's own ids) ends generation and is never
+        yielded.
 
         ``max_tokens`` caps the count; with ``ignore_eos`` every stop id is masked at every step and exactly
         ``max_tokens`` tokens are produced (used for comparable benchmarks).  Each step's math runs under
@@ -214,7 +238,7 @@ class Qwen2LM(nn.Module):
         n_text = int(text.shape[-1])
         min_len, max_len = self.length_limits(n_text, max_tokens, ignore_eos)
         sample = sampler if sampler is not None else self.default_sampler()
-        stop = self.cfg.speech_token_size
+        stop = self.cfg.first_stop_id
         history: list[int] = []
         cache: KVCache | None = None
         pos = 0
@@ -231,9 +255,16 @@ class Qwen2LM(nn.Module):
                 if ignore_eos:
                     logp[stop:] = -float("inf")
                 elif step < min_len:
-                    logp[self.cfg.eos_token] = -float("inf")
+                    logp[self.cfg.min_len_masked_id] = -float("inf")
                 token = int(sample(logp, history, generator))
             if token >= stop:
                 return
             history.append(token)
             yield token
+
+
+def build_speech_lm(cfg: LLMConfig) -> Qwen2LM:
+    """The speech LM of ``cfg``'s family, untrained (load ``llm.pt`` into it strictly).  One class serves both
+    families: CosyVoice3's ``CosyVoice3LM`` differs from CosyVoice2's ``Qwen2LM`` only in data the config holds
+    (no ``llm_embedding``, a 6761-row head without bias, sos/task rows in ``speech_embedding``)."""
+    return Qwen2LM(cfg)
