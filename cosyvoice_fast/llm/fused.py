@@ -33,10 +33,20 @@ def why_unavailable_on(device: torch.device, engines_dir: Path | None = None) ->
     return TRITON_MISSING if importlib.util.find_spec("triton") is None else None
 
 
+#: the attention kernels' score and value products are ``tl.dot`` calls, which need K >= 16 on a GPU
+MIN_HEAD_DIM = 16
+
+
 def why_unavailable(llm: torch.nn.Module) -> str | None:
     """The reason this backend cannot drive ``llm`` here, or None when it can."""
     reason = why_unavailable_on(next(llm.parameters()).device)
-    return None if reason is None else f"llm backend 'fused' {reason}; choose 'eager' instead"
+    if reason is not None:
+        return f"llm backend 'fused' {reason}; choose 'eager' instead"
+    head_dim = llm.cfg.qwen.head_dim
+    if head_dim < MIN_HEAD_DIM and next(llm.parameters()).device.type == "cuda":
+        return (f"llm backend 'fused' needs attention heads of at least {MIN_HEAD_DIM} dims (its attention is "
+                f"tl.dot tiles); this model's heads have {head_dim} (the real models have 64): choose 'cudagraph'")
+    return None
 
 
 class _FusedView:
