@@ -217,9 +217,12 @@ PLAYER_JS = r"""
       await play(id, v, performance.now(), abort);
     }
   };
-  P.click = (names, values) => {
+  // async: Gradio awaits the hook; a click before the page's session key arrived waits for it, else the request
+  // would go out with no address and the server would synthesise it a second time on its own
+  P.click = async (names, values) => {
     const t0 = clickAt !== null && performance.now() - clickAt < 2000 ? clickAt : performance.now();
     clickAt = null;
+    await sessionReady;
     const v = Object.fromEntries(names.map((n, i) => [n, values[i]]));
     const id = newId();
     // no text: nothing to request (the event's check says so in the status line); stop what was playing
@@ -242,7 +245,8 @@ PLAYER_JS = r"""
     await r.arrayBuffer();
     if (!r.ok) throw new Error("prompt warm-up refused (" + r.status + ")");
   }
-  P.abClick = (names, values, voiceNames, cfgNames) => {
+  P.abClick = async (names, values, voiceNames, cfgNames) => {
+    await sessionReady;
     const all = Object.fromEntries(names.map((n, i) => [n, values[i]]));
     const pick = (p) => Object.fromEntries([...voiceNames.map((n) => [n, all[n]]),
                                              ...cfgNames.map((n) => [n, all[p + n]])]);
