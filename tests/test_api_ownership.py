@@ -18,6 +18,7 @@ import threading
 import time
 
 import pytest
+from helpers import tiny_api
 
 websockets = pytest.importorskip("websockets")
 uvicorn = pytest.importorskip("uvicorn")
@@ -31,27 +32,11 @@ POOL = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default executor size: wh
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from fastapi import FastAPI
-
-    from cosyvoice_fast.serving.http import mount_api
-    from cosyvoice_fast.serving.service import load_service
     from cosyvoice_fast.serving.ws import WsLimits
 
-    svc = load_service(None, "tiny", "cpu", "fp32", speaker_cache_dir=tmp_path_factory.mktemp("spk"), progress=False)
-    app = FastAPI()
-    mount_api(app, svc, ws_limits=WsLimits(idle_timeout_s=60.0, max_per_client=POOL + 2))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.05)
-    yield svc, f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}/v1/audio/speech/stream"
-    srv.should_exit = True
-    thread.join(timeout=10)
-    svc.close()
+    with tiny_api(tmp_path_factory.mktemp("spk"), ws_limits=WsLimits(idle_timeout_s=60.0, max_per_client=POOL + 2)) \
+            as (svc, port):
+        yield svc, f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}/v1/audio/speech/stream"
 
 
 def _voice() -> str:

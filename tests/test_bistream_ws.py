@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 
 import numpy as np
 import pytest
+from helpers import tiny_api
 
 websockets = pytest.importorskip("websockets")
 uvicorn = pytest.importorskip("uvicorn")
@@ -20,26 +19,8 @@ START = {"type": "start", "voice": None, "mode": "cross_lingual", "max_tokens": 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from fastapi import FastAPI
-
-    from cosyvoice_fast.serving.http import mount_api
-    from cosyvoice_fast.serving.service import load_service
-
-    svc = load_service(None, "tiny", "cpu", "fp32", speaker_cache_dir=tmp_path_factory.mktemp("spk"), progress=False)
-    app = FastAPI()
-    mount_api(app, svc)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.05)
-    yield svc, f"ws://127.0.0.1:{port}/v1/audio/speech/stream"
-    srv.should_exit = True
-    thread.join(timeout=10)
-    svc.close()
+    with tiny_api(tmp_path_factory.mktemp("spk")) as (svc, port):
+        yield svc, f"ws://127.0.0.1:{port}/v1/audio/speech/stream"
 
 
 def _start(**kw) -> str:

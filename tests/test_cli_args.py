@@ -9,7 +9,9 @@ from dataclasses import fields
 import pytest
 import torch
 
-from cosyvoice_fast.config.flags import ENGINE_HELP, CliError, add_cli_args, flag, from_cli_args, pick_device
+from cosyvoice_fast.config.flags import (
+    ENGINE_HELP, SWITCH_ALIASES, CliError, add_cli_args, flag, from_cli_args, pick_device,
+)
 from cosyvoice_fast.config.backends import BackendConfig, default_dtype
 from cosyvoice_fast.config.engine import EngineConfig
 
@@ -35,7 +37,7 @@ def test_every_engine_config_field_has_a_flag_and_help():
     ap, _ = parse([])
     declared = {a.dest: a.option_strings for a in ap._actions}
     for f in fields(EngineConfig):
-        assert declared[f.name] == [flag(f.name)], f.name
+        assert declared[f.name] == [flag(f.name), *SWITCH_ALIASES.get(f.name, ())], f.name
         assert ENGINE_HELP[f.name], f.name
     assert set(ENGINE_HELP) == {f.name for f in fields(EngineConfig)}
 

@@ -201,6 +201,9 @@ def _graph_stage(flow: DiTFlow, monkeypatch=None, **kw):
 
     if monkeypatch is not None:  # CPU: fake_graphs replays eagerly; the device check is the only CUDA part
         monkeypatch.setattr(dit_graph, "why_unavailable", lambda flow, backend: None)
+        # the bookkeeping under test on the eager modules: the default BlasDiT's Triton kernels take ~100x longer
+        # under the interpreter (tests/test_cosyvoice3_dit_kernels.py replays it through this stage)
+        kw.setdefault("estimator", lambda dit: dit)
     return dit_graph.DiTGraphFlow(flow, None, **kw)
 
 
@@ -300,7 +303,8 @@ def test_gpu_cosyvoice3_graph_equals_eager_fp32(cv3_flow_cuda, stream_case):
 @pytest.mark.gpu
 def test_gpu_cosyvoice3_graph_bf16_close_to_fp32(cv3_flow_cuda, stream_case):
     """bf16 (8-bit mantissa) over 10 Euler steps: max error <= 5e-2 x the mel's scale, mean <= 1e-2 x scale
-    (a real defect is O(1)); graph and eager bf16 agree more tightly (same kernels, padding aside)."""
+    (a real defect is O(1)); graph and eager bf16 within the same max bound (the graphs run BlasDiT, whose fused
+    sites round once where eager rounds per op, so the two bf16 runs are not the same kernels)."""
     inputs32, chunk = _inputs(stream_case, "cuda"), cv3_flow_cuda.cfg.chunk_tokens
     ref = _stream(DiTEagerFlow(cv3_flow_cuda), inputs32, stream_case, chunk)
     flow16 = cv3_flow_cuda.to(torch.bfloat16)
@@ -312,7 +316,7 @@ def test_gpu_cosyvoice3_graph_bf16_close_to_fp32(cv3_flow_cuda, stream_case):
         scale = max(1.0, b.abs().max().item())
         assert torch.isfinite(a).all()
         assert _maxabs(a, b) <= 5e-2 * scale and (a.float() - b.float()).abs().mean().item() <= 1e-2 * scale
-        assert _maxabs(a, e) <= 2e-2 * scale
+        assert _maxabs(a, e) <= 5e-2 * scale
 
 
 # ------------------------------------------------------------------------------------------ fused kernels

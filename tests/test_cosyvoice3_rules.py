@@ -19,6 +19,7 @@ from cosyvoice_fast.frontend.prompt_rules import (
 from cosyvoice_fast.llm.model.speech_lm import build_speech_lm
 from cosyvoice_fast.llm.stage import LLMState, accept_token
 from cosyvoice_fast.llm.token_filter import NO_FILTER, TokenFilter
+from helpers import ScriptedLLM
 
 BASE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # what the Qwen2 tokenizer knows before them
 
@@ -64,32 +65,6 @@ def test_cosyvoice2_filters_nothing(rules):
     assert NO_FILTER.apply(script) == script
 
 
-class _ScriptedLLM:
-    """An LLM stage drawing a fixed script, its states carrying a token filter (the engine must ask it)."""
-
-    capacity = None
-    prefill_synced = True
-
-    def __init__(self, tokens: list[int], token_filter: TokenFilter):
-        self.tokens, self.filter, self.states = tokens, token_filter, []
-
-    def new_state(self, inputs, text, generator, max_tokens, ignore_eos):  # noqa: ANN001
-        st = LLMState(text, None, None, generator, 0, len(self.tokens), ignore_eos, token_filter=self.filter)
-        self.states.append(st)
-        return st
-
-    def free_slots(self):
-        return None
-
-    def decode(self, states):  # noqa: ANN001
-        return [accept_token(st, self.tokens[st.step], 1 << 30) for st in states]
-
-    prefill = decode
-
-    def release(self, state):  # noqa: ANN001
-        pass
-
-
 class _SpyFlow:
     """Records the tokens the engine hands the flow; runs the real (CosyVoice2 tiny) flow on them modulo its
     vocabulary."""
@@ -117,7 +92,7 @@ def test_cosyvoice3_silent_filter_in_the_engine(tiny_models, load_case, cfg3, ru
     eng = Engine(tiny_models)
     try:
         stages = eng.stages(BackendConfig())
-        llm = _ScriptedLLM(script, TokenFilter.for_config(cfg3))
+        llm = ScriptedLLM(script, TokenFilter.for_config(cfg3))
         spy = _SpyFlow(stages.flow, tiny_models.config.flow.vocab_size)
         stages.llm, stages.flow = llm, spy
         inputs = ModelInputs(text_segments=[torch.arange(6)[None]], prompt_text=torch.arange(4)[None],

@@ -9,37 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from cosyvoice_fast.llm.stage import LLMState, accept_token
 from cosyvoice_fast.config.backends import BackendConfig
 from cosyvoice_fast.config.yamlfile import ConfigError
 from cosyvoice_fast.config.stream import StreamParams
 from cosyvoice_fast.engine.engine import Engine
 from cosyvoice_fast.frontend.request import ModelInputs, SynthesisRequest
 from cosyvoice_fast.telemetry.record import STAGES
-
-
-class ScriptedLLM:
-    """Draws a fixed token sequence (to replay upstream's recorded tokens through the real flow/vocoder)."""
-
-    capacity = None
-    prefill_synced = True  # host-side tokens: nothing to wait for
-
-    def __init__(self, tokens: list[int]):
-        self.tokens = tokens
-
-    def new_state(self, inputs, text, generator, max_tokens, ignore_eos):  # noqa: ANN001
-        return LLMState(text, None, None, generator, 0, len(self.tokens), ignore_eos)
-
-    def free_slots(self):
-        return None
-
-    def decode(self, states):  # noqa: ANN001
-        return [accept_token(st, self.tokens[st.step], 1 << 30) for st in states]
-
-    prefill = decode
-
-    def release(self, state):  # noqa: ANN001
-        pass
+from helpers import ScriptedLLM
 
 
 class SpyFlow:

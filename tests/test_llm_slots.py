@@ -76,7 +76,10 @@ def test_stage_build_hands_slots_and_max_context_to_the_cudagraph_llm(monkeypatc
                                    device=torch.device("cuda"))
     cfg = EngineConfig(max_streams=64, max_context=2048, llm_memory_fraction=0.5)
     backends._build_llm(models, "cudagraph", torch.nn.Linear(1, 1), torch.bfloat16, cfg)
-    assert got == {"slots": 42, "max_len": 2048}
+    assert got == {"slots": 42, "max_len": 2048, "defer_capture": False}  # the default: every graph before ready
     backends._build_llm(models, "cudagraph", torch.nn.Linear(1, 1), torch.bfloat16,
-                        EngineConfig(llm_slots=3, max_context=512))
-    assert got == {"slots": 3, "max_len": 512}
+                        EngineConfig(llm_slots=3, max_context=512, background_capture=True))
+    assert got == {"slots": 3, "max_len": 512, "defer_capture": True}  # the rest after ready
+    backends._build_llm(models, "cudagraph", torch.nn.Linear(1, 1), torch.bfloat16,
+                        EngineConfig(llm_slots=3, max_context=512, background_capture=False))
+    assert got == {"slots": 3, "max_len": 512, "defer_capture": False}

@@ -62,8 +62,10 @@ def test_gpu_more_requests_than_slots_wait_and_nothing_is_captured_while_serving
 
     case = load_case("case_flow_stream")
     models = load_models(fixture_dir, device="cuda")
+    # every graph before serving (background capture off: tests/test_startup_background.py covers it)
     cfg = EngineConfig(max_streams=6, llm_slots=4, max_context=512, queue_limit=32,
-                       flow_buckets=(50, 100, 150, 200, 300, 400, 600), flow_rows=(1, 2, 4), vocoder_rows=(1,))
+                       flow_buckets=(50, 100, 150, 200, 300, 400, 600), flow_rows=(1, 2, 4), vocoder_rows=(1,),
+                       background_capture=False)
     # recompute flow: which stream gets the incremental buffers depends on timing, and with it the encoder's
     # exact shapes; the incremental graphs' start-up capture is covered in tests/test_incremental_graphs.py
     backend = BackendConfig(llm="cudagraph", flow="cudagraph", vocoder="cudagraph", dtype="fp32", incremental=False)

@@ -28,7 +28,7 @@ def test_the_default_plan_counts_per_family_and_totals():
     jobs = graph_plan([GPU], EngineConfig(), PlanDims(), llm_slots=64)
     assert plan_counts(jobs) == {"llm-decode": 28, "llm-prefill": 22, "flow-incremental": 18, "flow-encoder": 98,
                                  "flow-estimator": 88, "hift": 214}
-    assert len(jobs) == 468 and sum(j.first_chunk for j in jobs) == 286
+    assert len(jobs) == 468 and sum(j.first_chunk for j in jobs) == 77
     assert len(set(jobs)) == len(jobs)  # no graph twice
     # the fused preset captures the same shapes (other kernels inside them)
     fused = BackendConfig(llm="fused", flow="fused", vocoder="fused", dtype="bf16")
@@ -43,10 +43,13 @@ def test_first_chunk_shapes_come_first_in_every_family():
     hift = [j for j in jobs if j.family == "hift"]
     firsts = first_chunk_frames(StreamParams())
     assert firsts == tuple(range(50, 100, 2))  # 2 x (25 + prompt padding) for every prompt length mod 25
-    assert [j.shape for j in hift[:5]] == [(50, 1), (50, 2), (50, 4), (50, 8), (50, 16)]
-    assert sum(j.first_chunk for j in hift) == 25 * 5 and hift[125].shape == (108, 1)
+    # before ready: one row of every first-chunk length; then more rows, then the final-only lengths
+    assert [j.shape for j in hift[:3]] == [(50, 1), (52, 1), (54, 1)]
+    assert sum(j.first_chunk for j in hift) == 25 and [j.shape for j in hift[25:27]] == [(50, 2), (50, 4)]
+    assert hift[-1].shape == (max(final_vocoder_frames(StreamParams())), 1)
     enc = [j.shape for j in jobs if j.family == "flow-encoder"]
-    assert all(s[2] for s in enc[:49]) and not any(s[2] for s in enc[49:])
+    assert all(s[2] for s in enc[:49]) and not any(s[2] for s in enc[49:])  # streaming before full attention
+    assert {s[1] for s in enc[:11]} == {1} and enc[11][1] == 2  # one request's rows first
 
 
 def test_stages_shared_between_configs_are_counted_once_and_eager_stages_capture_nothing():
@@ -244,6 +247,7 @@ def test_planned_graphs_count_cosyvoice2_runners_only():
     from cosyvoice_fast.config.model import full_config
 
     cfg = full_config()
-    engine = EngineConfig(llm_slots=64)
-    assert planned_graphs([GPU], engine, cfg) == 468
+    engine = EngineConfig(llm_slots=64, background_capture=True)
+    assert planned_graphs([GPU], engine, cfg) == 77  # before ready; 391 more in the background after it
+    assert planned_graphs([GPU], replace(engine, background_capture=False), cfg) == 468  # the default
     assert planned_graphs([GPU], engine, replace(cfg, family="cosyvoice3")) == 0  # unknown: N/N is shown

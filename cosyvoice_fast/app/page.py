@@ -153,7 +153,7 @@ def build_demo(service: Any) -> gr.Blocks:
         if startup is not None and startup.line():
             starting = gr.Markdown(startup.line(), elem_id="startup")
             ticker = gr.Timer(2.0)
-            ticker.tick(lambda: (startup.line(), gr.Timer(active=not startup.ready)), None, [starting, ticker],
+            ticker.tick(lambda: (startup.line(), gr.Timer(active=not startup.settled)), None, [starting, ticker],
                         api_visibility="private", queue=False)
         history = gr.State([])
         first = examples[0] if examples else {}

@@ -3,8 +3,9 @@ read against the GPU's peak.
 
 ``python -m cosyvoice_fast.bench.dit_profile --out dit.json`` builds a DiT of the given sizes (default the real
 Fun-CosyVoice3-0.5B: dim 1024, 22 blocks, 16 heads x 64, ff x2) with synthetic random weights, and times one
-forward of the CFG pair (2 rows x 112 frames, bf16), for each variant (``eager``: the PyTorch modules;
-``fused``: :class:`~cosyvoice_fast.flow.kernels.dit_fused.FusedDiT`):
+forward of the CFG pair (2 rows x 112 frames, bf16), for each variant (``eager``: the PyTorch modules, what the
+``cudagraph`` stage captured before; ``cudagraph``: :class:`~cosyvoice_fast.flow.kernels.dit_blas.BlasDiT`, what it
+captures now; ``fused``: :class:`~cosyvoice_fast.flow.kernels.dit_fused.FusedDiT`, the ``fused`` stage's):
 
 * ``direct_ms``: the module called directly, no graph (CUDA events around ``iters`` warm calls, mean);
 * ``graph_ms``: the forward as a raw CUDA-graph replay (:func:`~cosyvoice_fast.bench.estimator_profile.
@@ -29,6 +30,21 @@ import torch
 from cosyvoice_fast.config.dit import DiTConfig, DiTFlowConfig
 
 H100_BF16_TFLOPS = 990.0
+#: the estimator modules timed: PyTorch modules, the cudagraph stage's BlasDiT, the fused stage's FusedDiT
+VARIANTS = ("eager", "cudagraph", "fused")
+
+
+def _module(name: str, est: torch.nn.Module, n_steps: int) -> torch.nn.Module:
+    """The estimator module a variant times (``eager``: the DiT itself)."""
+    if name == "cudagraph":
+        from cosyvoice_fast.flow.kernels.dit_blas import BlasDiT
+
+        return BlasDiT(est, n_steps)
+    if name == "fused":
+        from cosyvoice_fast.flow.kernels.dit_fused import FusedDiT
+
+        return FusedDiT(est, n_steps)
+    return est
 
 
 def dit_forward_flops(cfg: DiTConfig, rows: int, frames: int, streaming: bool = False) -> float:
@@ -107,9 +123,10 @@ def _variant(est: torch.nn.Module, flow: torch.nn.Module, args: tuple, streaming
 
 
 def profile(cfg: DiTConfig, rows: int, frames: int, dtype: torch.dtype, iters: int, streaming: bool,
-            peak: float, variants: tuple[str, ...] = ("eager", "fused")) -> dict:
-    """One JSON-ready dict: the shape, its FLOPs, and per variant (``eager``: the PyTorch DiT modules;
-    ``fused``: :class:`~cosyvoice_fast.flow.kernels.dit_fused.FusedDiT`) the times of :func:`_variant`."""
+            peak: float, variants: tuple[str, ...] = VARIANTS) -> dict:
+    """One JSON-ready dict: the shape, its FLOPs, and per variant (:data:`VARIANTS`) the times of
+    :func:`_variant` and, for the kernel variants, ``<variant>_vs_eager_maxabs`` (the same forward's largest
+    difference from the PyTorch modules)."""
     from cosyvoice_fast.flow.model.dit_flow import DiTFlow
 
     dev = torch.device("cuda")
@@ -128,15 +145,11 @@ def profile(cfg: DiTConfig, rows: int, frames: int, dtype: torch.dtype, iters: i
            "peak_tflops": peak}
     for name in variants:
         try:
-            if name == "fused":
-                from cosyvoice_fast.flow.kernels.dit_fused import FusedDiT
-
-                module = FusedDiT(est)
+            module = _module(name, est, flow.cfg.cfm.n_timesteps)
+            if module is not est:
                 with torch.inference_mode():
                     ref, got = est(*args, streaming), module(*args, streaming)
-                res["fused_vs_eager_maxabs"] = float((ref.float() - got.float()).abs().max())
-            else:
-                module = est
+                res[f"{name}_vs_eager_maxabs"] = float((ref.float() - got.float()).abs().max())
             res[name] = _variant(module, flow, args, streaming, iters, frames, flops, peak)
         except Exception as e:  # noqa: BLE001 - one variant's failure is reported, the other still measured
             res[name] = {"error": f"{type(e).__name__}: {e}"}
@@ -157,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--streaming", action="store_true", help="chunk-causal attention (non-final chunks)")
     ap.add_argument("--peak-tflops", type=float, default=H100_BF16_TFLOPS)
-    ap.add_argument("--variants", default="eager,fused", help="comma list of eager, fused")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="comma list of eager (the PyTorch modules: the old cudagraph path), cudagraph (BlasDiT: "
+                         "what the cudagraph stage captures), fused (FusedDiT)")
     ap.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -167,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = DiTConfig(dim=a.dim, depth=a.depth, heads=a.heads, dim_head=a.dim_head, ff_mult=a.ff_mult)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
     variants = tuple(v for v in a.variants.split(",") if v)
-    if not variants or set(variants) - {"eager", "fused"}:
-        ap.error(f"--variants takes eager and/or fused, got {a.variants!r}")
+    if not variants or set(variants) - set(VARIANTS):
+        ap.error(f"--variants takes any of {', '.join(VARIANTS)}, got {a.variants!r}")
     res = profile(cfg, a.rows, a.frames, dtype, a.iters, a.streaming, a.peak_tflops, variants)
     text = json.dumps(res, indent=2)
     print(text)

@@ -190,6 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     from cosyvoice_fast.serving.service import load_service
 
     run = from_cli_args(a, ap)
+    levels = [int(x) for x in a.concurrency.split(",")]
+    room = run.engine.max_streams + run.engine.queue_limit
+    if max(levels) > room:  # a wave the engine cannot hold measures refusals, not the engine
+        ap.error(f"--concurrency {max(levels)} is more than the engine holds (--max-streams {run.engine.max_streams} "
+                 f"+ --queue-limit {run.engine.queue_limit} = {room}); raise them or lower the concurrency")
     a.dtype = run.dtype  # the device's default when not given: the results and the table say which
     svc = load_service(**run.service_kwargs(), speaker_cache_dir=None, progress=False)
     dev = svc.models.device
@@ -211,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                 log.warning("skipping backend %s: %s", name, "; ".join(missing))
                 results["runs"].append({"backend": name, "skipped": "; ".join(missing)})
                 continue
-            for c in (int(x) for x in a.concurrency.split(",")):
+            for c in levels:
                 log.info("backend %s, concurrency %d, %d requests", name, c, a.requests)
                 requests: list[dict[str, Any]] | None = [] if a.timeline else None
                 agg = bench_config(svc.engine, backend, c, a.requests, a, requests)

@@ -22,86 +22,13 @@ import time
 from dataclasses import replace
 from typing import Any, Callable
 
-from cosyvoice_fast.telemetry.record import percentile
+from cosyvoice_fast.bench.load import in_process, run_load, save_voice, speak, summarize
 
 log = logging.getLogger(__name__)
 
-VOICE = "bench"
-SAMPLE_RATE = 24000
-
-
-def body(i: int, gen_tokens: int, hop_first: int) -> dict:
-    return {"input": f"benchmark sentence number {i}, long enough to be a typical request.", "voice": VOICE,
-            "seed": i, "max_tokens": gen_tokens, "token_hop_len_first": hop_first, "response_format": "pcm"}
-
-
-def speak(client: Any, url: str, i: int, gen_tokens: int, hop_first: int,
-          on_first: Callable[[dict], None] | None = None) -> dict:
-    """One streamed request: ``status``, ``replica``, ``ttfb_s``, ``audio_s``, ``end`` (monotonic) and, when it
-    failed, ``error`` (an HTTP status with its message, or the broken transfer)."""
-    out: dict[str, Any] = {"i": i, "ttfb_s": float("nan"), "audio_s": 0.0}
-    t0 = time.perf_counter()
-    n = 0
-    try:
-        with client.stream("POST", f"{url}/v1/audio/speech", json=body(i, gen_tokens, hop_first)) as r:
-            out.update(status=r.status_code, replica=r.headers.get("x-replica"),
-                       retry_after=r.headers.get("retry-after"))
-            if r.status_code != 200:
-                out["error"] = f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:200]}"
-                return out
-            for data in r.iter_raw():
-                if data and n == 0:
-                    out["ttfb_s"] = time.perf_counter() - t0
-                    if on_first is not None:
-                        on_first(out)
-                n += len(data)
-    except Exception as e:  # noqa: BLE001 - a broken stream is a result here
-        out["error"] = f"{type(e).__name__}: {e}"
-    finally:
-        out["end"] = time.monotonic()
-        out["audio_s"] = n / 2 / SAMPLE_RATE
-    return out
-
-
-def run_load(fn: Callable[[int], dict], first: int, n: int, concurrency: int) -> tuple[list[dict], float]:
-    """``fn(i)`` for i in first..first+n-1, ``concurrency`` at a time; the results and the wall time."""
-    out: list[dict] = []
-    lock = threading.Lock()
-    todo = iter(range(first, first + n))
-
-    def worker() -> None:
-        while True:
-            with lock:
-                i = next(todo, None)
-            if i is None:
-                return
-            r = fn(i)
-            with lock:
-                out.append(r)
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out, time.perf_counter() - t0
-
-
-def summarize(results: list[dict], wall_s: float) -> dict:
-    """TTFB p50/p95/max (ms) of the successful requests, audio-s/s, errors and the per-replica split."""
-    ok = [r for r in results if "error" not in r]
-    ttfb = [r["ttfb_s"] * 1e3 for r in ok]
-    split: dict[str, int] = {}
-    for r in results:
-        key = r.get("replica") or "none"
-        split[key] = split.get(key, 0) + 1
-    errors = [r["error"] for r in results if "error" in r]
-    return {"requests": len(results), "ok": len(ok), "errors": len(errors), "error_samples": errors[:3],
-            "ttfb_p50_ms": percentile(ttfb, 50), "ttfb_p95_ms": percentile(ttfb, 95),
-            "ttfb_max_ms": max(ttfb, default=float("nan")), "wall_s": wall_s,
-            "audio_s_per_s": sum(r["audio_s"] for r in ok) / wall_s if wall_s > 0 else float("nan"),
-            "per_replica": dict(sorted(split.items(), key=lambda kv: -kv[1]))}
+#: seconds after which a level counts as stalled (every level here takes a few seconds on a GPU)
+STALL_S = 90.0
+TOKENS_PER_SECOND = 25  # speech tokens per second of audio (both families)
 
 
 def wait_healthy(replicas: int, timeout_s: float) -> float:
@@ -184,12 +111,18 @@ def kill_phase(client: Any, url: str, n: int, per_replica: int, gen_tokens: int,
     for t in threads:
         t.join()
     lost = [r for r in outs if r.get("replica") == victim]
+    full_s = gen_tokens / TOKENS_PER_SECOND  # a stream that ran to its max_tokens (the synthetic LM never stops early)
     kept = [r for r in outs if r.get("replica") != victim]
     refused = [r for r in sent if r.get("status") == 503]
     res: dict[str, Any] = {
         "in_flight_per_replica": counts, "victim": victim, "victim_streams": len(lost),
         "victim_streams_done_before_kill": sum(1 for r in lost if r["end"] < killed_at),
         "victim_streams_with_error": sum(1 for r in lost if "error" in r),
+        # a stream of the victim that ended without an error must have all its audio (it finished as the kill
+        # landed); one that ended short without an error would be a silent truncation a client cannot detect
+        "victim_streams_complete": sum(1 for r in lost if "error" not in r and r["audio_s"] >= full_s - 0.05),
+        "victim_streams_short_without_error": sum(1 for r in lost if "error" not in r
+                                                  and r["audio_s"] < full_s - 0.05),
         "victim_error_after_kill_s_max": max((r["end"] - killed_at for r in lost), default=float("nan")),
         "victim_error_samples": [r.get("error") for r in lost[:2]],
         "survivor_streams": len(kept), "survivor_streams_ok": sum(1 for r in kept if "error" not in r),
@@ -212,66 +145,45 @@ def kill_phase(client: Any, url: str, n: int, per_replica: int, gen_tokens: int,
 
 
 # ------------------------------------------------------------------------------------------------ the run
-def save_voice(svc: Any, opts: Any, prompt_wav: str | None, seconds: float) -> None:
-    """Save the ``bench`` voice into the replicas' speaker directory: ``seconds`` of ``prompt_wav`` (or of noise:
-    the synthetic model's audio is noise anyway), through the loaded service's frontend or a bare one."""
-    import numpy as np
+def dump_replica_stacks() -> None:
+    """Ask every Serve replica process of this host for its thread stacks (``TTSReplica`` registers faulthandler
+    on SIGUSR1: the stacks land in the replica's log), so a stalled run says what each thread waited on."""
+    import os
+    import signal
+    import subprocess
 
-    if svc is not None:
-        frontend = svc.frontend
-    else:
-        from cosyvoice_fast.frontend.pipeline import Frontend
-        from cosyvoice_fast.modeldir.synthetic import synthetic_model_dir
-
-        root = opts.model_dir or synthetic_model_dir(opts.synthetic or "tiny")
-        frontend = Frontend.from_model_dir(root, speaker_cache_dir=opts.speaker_dir)
-    if prompt_wav:
-        from cosyvoice_fast.frontend.audio import load_audio
-
-        wav, sr = load_audio(prompt_wav)
-    else:
-        sr = SAMPLE_RATE
-        wav = np.random.default_rng(0).standard_normal(int(seconds * sr)).astype(np.float32) * 0.1
-    frontend.add_speaker(VOICE, wav[: int(seconds * sr)], sr, "a short transcript")
-
-
-def in_process(svc: Any, gen_tokens: int, hop_first: int) -> Callable[[int], dict]:
-    """The same request as :func:`speak`, to the engine in this process."""
-    from cosyvoice_fast.config.stream import StreamParams
-    from cosyvoice_fast.frontend.request import SynthesisRequest
-
-    def one(i: int) -> dict:
-        b = body(i, gen_tokens, hop_first)
-        req = SynthesisRequest(text=b["input"], mode="speaker", speaker=VOICE, seed=i, max_tokens=gen_tokens,
-                               stream_params=StreamParams(token_hop_len_first=hop_first))
-        out: dict[str, Any] = {"i": i, "ttfb_s": float("nan"), "audio_s": 0.0, "replica": "in-process"}
-        t0 = time.perf_counter()
+    pids = subprocess.run(["pgrep", "-f", "ServeReplica"], capture_output=True, text=True).stdout.split()
+    for pid in pids:
         try:
-            for chunk in svc.engine.stream(req):
-                if out["ttfb_s"] != out["ttfb_s"]:
-                    out["ttfb_s"] = time.perf_counter() - t0
-                out["audio_s"] += len(chunk.samples) / SAMPLE_RATE
-        except Exception as e:  # noqa: BLE001
-            out["error"] = f"{type(e).__name__}: {e}"
-        out["end"] = time.monotonic()
-        return out
-
-    return one
+            os.kill(int(pid), signal.SIGUSR1)
+        except (OSError, ValueError):
+            pass
+    log.warning("a level has run %.0f s: asked replica processes %s for their stacks (see their logs)", STALL_S,
+                pids)
 
 
 def level(fn: Callable[[int], dict], concurrency: int, rounds: int) -> dict:
     """Warm up with one request per stream, then ``rounds`` requests per stream at ``concurrency`` (at least 8
-    requests at one stream: the proxy overhead is read there)."""
-    run_load(fn, 10_000, concurrency, concurrency)
-    results, wall = run_load(fn, 0, rounds * concurrency if concurrency > 1 else max(8, rounds), concurrency)
+    requests at one stream: the proxy overhead is read there).  A level still running after :data:`STALL_S`
+    gets the replicas' stacks dumped into their logs (:func:`dump_replica_stacks`)."""
+    watchdog = threading.Timer(STALL_S, dump_replica_stacks)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        run_load(fn, 10_000, concurrency, concurrency)
+        results, wall = run_load(fn, 0, rounds * concurrency if concurrency > 1 else max(8, rounds), concurrency)
+    finally:
+        watchdog.cancel()
     return {"concurrency": concurrency, **summarize(results, wall)}
 
 
 def run_scale(opts: Any, counts: list[int], per_replica: int, rounds: int, gen_tokens: int, hop_first: int,
               baseline: bool, kill_one: bool, prompt_wav: str | None, replacement_timeout_s: float,
-              save: Callable[[dict], None] = lambda r: None) -> dict:
+              save: Callable[[dict], None] = lambda r: None, peak_per_replica: int = 0) -> dict:
     """The whole scale-out run (module doc); returns what the JSON report holds, handing it to ``save`` after
-    every phase too (a run cut short by a time limit keeps what it measured)."""
+    every phase too (a run cut short by a time limit keeps what it measured).  ``peak_per_replica``: at the
+    largest count, one more level at that many streams per replica (the "64 streams on 2 replicas" row: each
+    replica full and its admission queue in use), reported as the row's ``peak``."""
     import gc
 
     import httpx
@@ -312,6 +224,8 @@ def run_scale(opts: Any, counts: list[int], per_replica: int, rounds: int, gen_t
             if n == counts[0]:
                 row["one_stream"] = level(fn, 1, rounds)
             row["load"] = level(fn, per_replica * n, rounds)
+            if peak_per_replica and n == counts[-1]:
+                row["peak"] = level(fn, peak_per_replica * n, rounds)
             report["levels"].append(row)
             save(report)
             log.info("%d replicas: %s", n, row["load"])
@@ -339,6 +253,8 @@ def print_report(r: dict) -> None:
         if "one_stream" in lv:
             rows.append((f"{lv['replicas']} replica(s)", lv["one_stream"]))
         rows.append((f"{lv['replicas']} replica(s)", lv["load"]))
+        if "peak" in lv:
+            rows.append((f"{lv['replicas']} replica(s)", lv["peak"]))
     print(f"{'':>14} {'conc':>5} {'req':>5} {'ok':>5} {'TTFB p50/p95/max ms':>26} {'audio-s/s':>10}  per replica")
     for name, x in rows:
         print(f"{name:>14} {x['concurrency']:>5} {x['requests']:>5} {x['ok']:>5} "

@@ -18,99 +18,34 @@ import gc
 import json
 import logging
 import tempfile
-import threading
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
-import numpy as np
-
-from cosyvoice_fast.telemetry.record import percentile
+from cosyvoice_fast.bench.load import in_process, run_load, save_voice, speak, summarize
 
 log = logging.getLogger(__name__)
 
-VOICE = "bench"
 
-
-def _save_voice(svc: Any) -> None:
-    """A 3 s noise prompt saved as ``bench`` (no audio file needed: the GPU box has no audio decoders)."""
-    sr = svc.models.config.sample_rate
-    wav = np.random.default_rng(0).standard_normal(3 * sr).astype(np.float32) * 0.1
-    svc.frontend.add_speaker(VOICE, wav, sr, "a short transcript")
-
-
-def _body(i: int, gen_tokens: int, hop_first: int) -> dict:
-    return {"input": f"benchmark sentence number {i}, long enough to be a typical request.", "voice": VOICE,
-            "seed": i, "max_tokens": gen_tokens, "token_hop_len_first": hop_first, "response_format": "pcm"}
-
-
-def _run(fn: Callable[[int], float], n: int, concurrency: int, first: int) -> list[float]:
-    """``fn(i)`` for i in first..first+n-1, ``concurrency`` at a time; their TTFBs (seconds)."""
-    out: list[float] = []
-    lock = threading.Lock()
-    todo = iter(range(first, first + n))
-
-    def worker() -> None:
-        while True:
-            with lock:
-                i = next(todo, None)
-            if i is None:
-                return
-            t = fn(i)
-            with lock:
-                out.append(t)
-
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
-
-
-def in_process(svc: Any, gen_tokens: int, hop_first: int) -> Callable[[int], float]:
-    from cosyvoice_fast.config.stream import StreamParams
-    from cosyvoice_fast.frontend.request import SynthesisRequest
-
-    def one(i: int) -> float:
-        b = _body(i, gen_tokens, hop_first)
-        req = SynthesisRequest(text=b["input"], mode="speaker", speaker=VOICE, seed=i, max_tokens=gen_tokens,
-                               stream_params=StreamParams(token_hop_len_first=hop_first))
-        t0 = time.perf_counter()
-        ttfb = float("nan")
-        for chunk in svc.engine.stream(req):
-            if ttfb != ttfb:
-                ttfb = time.perf_counter() - t0
-        return ttfb
-
-    return one
-
-
-def over_http(url: str, gen_tokens: int, hop_first: int) -> Callable[[int], float]:
+def over_http(url: str, gen_tokens: int, hop_first: int) -> Callable[[int], dict]:
+    """:func:`~cosyvoice_fast.bench.load.speak` through one client that keeps up to 256 connections."""
     import httpx
 
     client = httpx.Client(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=256))
-
-    def one(i: int) -> float:
-        t0 = time.perf_counter()
-        ttfb = float("nan")
-        with client.stream("POST", f"{url}/v1/audio/speech", json=_body(i, gen_tokens, hop_first)) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()[:200]}")
-            for data in r.iter_raw():
-                if data and ttfb != ttfb:
-                    ttfb = time.perf_counter() - t0
-        return ttfb
-
-    return one
+    return lambda i: speak(client, url, i, gen_tokens, hop_first)
 
 
-def measure(fn: Callable[[int], float], levels: list[int], requests: int) -> dict[int, dict[str, float]]:
+def measure(fn: Callable[[int], dict], levels: list[int], requests: int) -> dict[int, dict[str, float]]:
+    """TTFB p50/p95 at each concurrency, after a warm-up there (graphs, batch shapes); any failed request stops
+    the comparison (a TTFB beside an error would compare different work)."""
     res = {}
     for c in levels:
-        _run(fn, c, c, first=10_000)  # warm-up at this concurrency (graphs, batch shapes)
-        ttfbs = _run(fn, requests, c, first=0)
-        res[c] = {"p50_ms": percentile(ttfbs, 50) * 1e3, "p95_ms": percentile(ttfbs, 95) * 1e3, "n": len(ttfbs)}
+        run_load(fn, 10_000, c, c)
+        results, wall = run_load(fn, 0, requests, c)
+        s = summarize(results, wall)
+        if s["errors"]:
+            raise RuntimeError(f"{s['errors']} of {s['requests']} requests failed at concurrency {c}: "
+                               f"{s['error_samples'][0]}")
+        res[c] = {"p50_ms": s["ttfb_p50_ms"], "p95_ms": s["ttfb_p95_ms"], "n": s["requests"]}
         log.info("concurrency %d: TTFB p50 %.1f ms, p95 %.1f ms", c, res[c]["p50_ms"], res[c]["p95_ms"])
     return res
 
@@ -136,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
                                           "ignores --concurrency and --requests")
     scale.add_argument("--per-replica", type=int, default=16, help="concurrent streams per replica (default 16)")
     scale.add_argument("--rounds", type=int, default=2, help="timed requests per stream (default 2)")
+    scale.add_argument("--peak-per-replica", type=int, default=0,
+                       help="at the largest count, one more level at this many streams per replica (e.g. 32: "
+                            "64 streams on 2 replicas, each full with its queue in use); default: none")
     scale.add_argument("--kill-one", action="store_true",
                        help="at the largest count, kill one replica mid-load (fault, 503 and replacement checks)")
     scale.add_argument("--replacement-timeout", type=float, default=240.0,
@@ -163,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                            speaker_dir=speakers, replicas=1, port=a.port)
     device = "cuda" if gpu else "cpu"
     svc = load_replica_service(opts, device)
-    _save_voice(svc)
+    save_voice(svc, opts, None, 3.0)
     local = measure(in_process(svc, a.gen_tokens, a.token_hop_len_first), levels, a.requests)
     svc.close()
     del svc
@@ -210,7 +148,8 @@ def scale_main(a: argparse.Namespace) -> int:
         Path(a.out).write_text(json.dumps({**report, "args": vars(a)}, indent=1, default=str))
 
     report = run_scale(opts, counts, a.per_replica, a.rounds, a.gen_tokens, a.token_hop_len_first,
-                       not a.no_baseline, a.kill_one, a.prompt_wav, a.replacement_timeout, save)
+                       not a.no_baseline, a.kill_one, a.prompt_wav, a.replacement_timeout, save,
+                       peak_per_replica=a.peak_per_replica)
     save(report)
     print_report(report)
     return 0

@@ -1,12 +1,19 @@
 """CosyVoice2's flow and vocoder hyperparameters: the conformer encoder, the U-Net CFM estimator and HiFT.
 
-Siblings of :mod:`cosyvoice_fast.config.dit` and :mod:`cosyvoice_fast.config.causal_hift` (CosyVoice3's); filled by
-:mod:`cosyvoice_fast.config.model` from ``cosyvoice2.yaml``, which re-exports them under their old home.
+Siblings of :mod:`cosyvoice_fast.config.dit` and :mod:`cosyvoice_fast.config.causal_hift` (CosyVoice3's), with
+their readers of ``cosyvoice2.yaml``; what both families share (CFM, HiFT sizes) is in
+:mod:`cosyvoice_fast.config.sections`.  :mod:`cosyvoice_fast.config.model` re-exports them under their old home.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from cosyvoice_fast.config.sections import (  # noqa: F401 - CFMConfig re-exported: its home before CosyVoice3
+    CFMConfig, HiFTSizes, cfm_config_from_doc, hift_sizes_from_doc,
+)
+from cosyvoice_fast.config.yamlfile import field_types, require
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,18 +48,6 @@ class DecoderConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class CFMConfig:
-    """Conditional flow matching sampler settings."""
-
-    in_channels: int = 240
-    spk_emb_dim: int = 80
-    sigma_min: float = 1e-6
-    t_scheduler: str = "cosine"
-    inference_cfg_rate: float = 0.7
-    n_timesteps: int = 10
-
-
-@dataclass(frozen=True, slots=True)
 class FlowConfig:
     """CausalMaskedDiffWithXvec: speech tokens + prompt -> 80-bin mel at 50 Hz."""
 
@@ -68,34 +63,61 @@ class FlowConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class HiFTConfig:
-    """HiFTGenerator (NSF source + iSTFT HiFi-GAN) and its ConvRNN f0 predictor."""
+class HiFTConfig(HiFTSizes):
+    """HiFTGenerator (NSF source + iSTFT HiFi-GAN) and its ConvRNN f0 predictor: the shared sizes, nothing more."""
 
-    in_channels: int = 80
-    base_channels: int = 512
-    nb_harmonics: int = 8
-    sampling_rate: int = 24000
-    nsf_alpha: float = 0.1
-    nsf_sigma: float = 0.003
-    nsf_voiced_threshold: float = 10.0
-    upsample_rates: tuple[int, ...] = (8, 5, 3)
-    upsample_kernel_sizes: tuple[int, ...] = (16, 11, 7)
-    istft_n_fft: int = 16
-    istft_hop_len: int = 4
-    resblock_kernel_sizes: tuple[int, ...] = (3, 7, 11)
-    resblock_dilation_sizes: tuple[tuple[int, ...], ...] = ((1, 3, 5), (1, 3, 5), (1, 3, 5))
-    source_resblock_kernel_sizes: tuple[int, ...] = (7, 7, 11)
-    source_resblock_dilation_sizes: tuple[tuple[int, ...], ...] = ((1, 3, 5), (1, 3, 5), (1, 3, 5))
-    lrelu_slope: float = 0.1
-    audio_limit: float = 0.99
-    f0_num_class: int = 1
-    f0_in_channels: int = 80
-    f0_cond_channels: int = 512
 
-    @property
-    def upsample_factor(self) -> int:
-        """Waveform samples per mel frame (480 at 24 kHz)."""
-        n = self.istft_hop_len
-        for r in self.upsample_rates:
-            n *= r
-        return n
+_MODEL = "CosyVoice2 or CosyVoice3"  # what a missing field suggests (the message predates the family split)
+
+
+def flow_config_from_doc(doc: dict[str, Any], fname: str) -> FlowConfig:
+    """The ``flow:`` section of an inert ``cosyvoice2.yaml`` dict -> :class:`FlowConfig`; errors name the field."""
+    flow = require(doc, "flow", "", fname, _MODEL)
+    enc = require(flow, "encoder", "flow.", fname, _MODEL)
+    dec = require(flow, "decoder", "flow.", fname, _MODEL)
+    est = require(dec, "estimator", "flow.decoder.", fname, _MODEL)
+
+    def get(d: Any, key: str, where: str) -> Any:
+        return require(d, key, where, fname, _MODEL)
+
+    e = "flow.decoder.estimator."
+    with field_types(fname):
+        return FlowConfig(
+            input_size=int(get(flow, "input_size", "flow.")),
+            output_size=int(get(flow, "output_size", "flow.")),
+            spk_embed_dim=int(get(flow, "spk_embed_dim", "flow.")),
+            vocab_size=int(get(flow, "vocab_size", "flow.")),
+            token_mel_ratio=int(get(flow, "token_mel_ratio", "flow.")),
+            pre_lookahead_len=int(get(flow, "pre_lookahead_len", "flow.")),
+            encoder=EncoderConfig(
+                input_size=int(get(enc, "input_size", "flow.encoder.")),
+                output_size=int(get(enc, "output_size", "flow.encoder.")),
+                attention_heads=int(get(enc, "attention_heads", "flow.encoder.")),
+                linear_units=int(get(enc, "linear_units", "flow.encoder.")),
+                num_blocks=int(get(enc, "num_blocks", "flow.encoder.")),
+                static_chunk_size=int(enc.get("static_chunk_size", 0) or 0),
+                pre_lookahead_len=int(get(flow, "pre_lookahead_len", "flow.")),
+            ),
+            decoder=DecoderConfig(
+                in_channels=int(get(est, "in_channels", e)),
+                out_channels=int(get(est, "out_channels", e)),
+                channels=tuple(int(c) for c in get(est, "channels", e)),
+                attention_head_dim=int(get(est, "attention_head_dim", e)),
+                n_blocks=int(get(est, "n_blocks", e)),
+                num_mid_blocks=int(get(est, "num_mid_blocks", e)),
+                num_heads=int(get(est, "num_heads", e)),
+                act_fn=str(est.get("act_fn", "gelu")),
+                static_chunk_size=int(est.get("static_chunk_size", 50)),
+                num_decoding_left_chunks=int(est.get("num_decoding_left_chunks", -1)),
+            ),
+            cfm=cfm_config_from_doc(dec, fname, _MODEL),
+        )
+
+
+def hift_config_from_doc(doc: dict[str, Any], fname: str) -> HiFTConfig:
+    """The ``hift:`` section of an inert ``cosyvoice2.yaml`` dict -> :class:`HiFTConfig`; errors name the field."""
+    hift = require(doc, "hift", "", fname, _MODEL)
+    istft = require(hift, "istft_params", "hift.", fname, _MODEL)
+    f0p = require(hift, "f0_predictor", "hift.", fname, _MODEL)
+    with field_types(fname):
+        return HiFTConfig(**hift_sizes_from_doc(hift, istft, f0p, fname, _MODEL))

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cosyvoice_fast.config.cosyvoice2 import CFMConfig  # not config.model: it imports this module
-from cosyvoice_fast.config.yamlfile import ConfigError
+from cosyvoice_fast.config.sections import CFMConfig, cfm_config_from_doc
+from cosyvoice_fast.config.yamlfile import ConfigError, require
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,59 +82,48 @@ class DiTFlowConfig:
         return self.dit.static_chunk_size // self.token_mel_ratio
 
 
-def _get(d: Any, key: str, where: str, fname: str) -> Any:
-    if not isinstance(d, dict) or key not in d:
-        raise ConfigError(f"{fname}: missing field {where}{key}; is this a CosyVoice3 model directory?")
-    return d[key]
+_MODEL = "CosyVoice3"  # what a missing field suggests
 
 
 def dit_flow_config_from_doc(doc: dict[str, Any], fname: str) -> DiTFlowConfig:
     """The ``flow:`` section of an inert ``read_hyperpyyaml`` document -> :class:`DiTFlowConfig`."""
-    flow = _get(doc, "flow", "", fname)
+    flow = require(doc, "flow", "", fname, _MODEL)
     tag = getattr(flow, "tag", "")
     if "CausalMaskedDiffWithDiT" not in tag:
         raise ConfigError(f"{fname}: flow is {tag.split('.')[-1] or '?'}, expected CausalMaskedDiffWithDiT "
                           "(a CosyVoice3 model directory)")
-    pre = _get(flow, "pre_lookahead_layer", "flow.", fname)
-    dec = _get(flow, "decoder", "flow.", fname)
-    est = _get(dec, "estimator", "flow.decoder.", fname)
-    cfm = dec.get("cfm_params", {})
-    cfm = cfm.get("content", cfm) if isinstance(cfm, dict) else {}
+    pre = require(flow, "pre_lookahead_layer", "flow.", fname, _MODEL)
+    dec = require(flow, "decoder", "flow.", fname, _MODEL)
+    est = require(dec, "estimator", "flow.decoder.", fname, _MODEL)
     e = "flow.decoder.estimator."
     try:
-        pre_len = int(_get(flow, "pre_lookahead_len", "flow.", fname))
-        if int(_get(pre, "pre_lookahead_len", "flow.pre_lookahead_layer.", fname)) != pre_len:
+        pre_len = int(require(flow, "pre_lookahead_len", "flow.", fname, _MODEL))
+        if int(require(pre, "pre_lookahead_len", "flow.pre_lookahead_layer.", fname, _MODEL)) != pre_len:
             raise ConfigError(f"{fname}: flow.pre_lookahead_layer.pre_lookahead_len differs from "
                               f"flow.pre_lookahead_len={pre_len}")
-        mel_dim = int(_get(est, "mel_dim", e, fname))
+        mel_dim = int(require(est, "mel_dim", e, fname, _MODEL))
         return DiTFlowConfig(
-            input_size=int(_get(flow, "input_size", "flow.", fname)),
-            output_size=int(_get(flow, "output_size", "flow.", fname)),
-            spk_embed_dim=int(_get(flow, "spk_embed_dim", "flow.", fname)),
-            vocab_size=int(_get(flow, "vocab_size", "flow.", fname)),
-            token_mel_ratio=int(_get(flow, "token_mel_ratio", "flow.", fname)),
+            input_size=int(require(flow, "input_size", "flow.", fname, _MODEL)),
+            output_size=int(require(flow, "output_size", "flow.", fname, _MODEL)),
+            spk_embed_dim=int(require(flow, "spk_embed_dim", "flow.", fname, _MODEL)),
+            vocab_size=int(require(flow, "vocab_size", "flow.", fname, _MODEL)),
+            token_mel_ratio=int(require(flow, "token_mel_ratio", "flow.", fname, _MODEL)),
             pre_lookahead_len=pre_len,
-            pre_lookahead_channels=int(_get(pre, "channels", "flow.pre_lookahead_layer.", fname)),
+            pre_lookahead_channels=int(require(pre, "channels", "flow.pre_lookahead_layer.", fname, _MODEL)),
             dit=DiTConfig(
-                dim=int(_get(est, "dim", e, fname)),
-                depth=int(_get(est, "depth", e, fname)),
-                heads=int(_get(est, "heads", e, fname)),
-                dim_head=int(_get(est, "dim_head", e, fname)),
-                ff_mult=int(_get(est, "ff_mult", e, fname)),
+                dim=int(require(est, "dim", e, fname, _MODEL)),
+                depth=int(require(est, "depth", e, fname, _MODEL)),
+                heads=int(require(est, "heads", e, fname, _MODEL)),
+                dim_head=int(require(est, "dim_head", e, fname, _MODEL)),
+                ff_mult=int(require(est, "ff_mult", e, fname, _MODEL)),
                 mel_dim=mel_dim,
                 mu_dim=int(est.get("mu_dim") or mel_dim),
-                spk_dim=int(_get(est, "spk_dim", e, fname)),
+                spk_dim=int(require(est, "spk_dim", e, fname, _MODEL)),
                 out_channels=int(est.get("out_channels") or mel_dim),
-                static_chunk_size=int(_get(est, "static_chunk_size", e, fname)),
+                static_chunk_size=int(require(est, "static_chunk_size", e, fname, _MODEL)),
                 num_decoding_left_chunks=int(est.get("num_decoding_left_chunks", -1)),
             ),
-            cfm=CFMConfig(
-                in_channels=int(_get(dec, "in_channels", "flow.decoder.", fname)),
-                spk_emb_dim=int(_get(dec, "spk_emb_dim", "flow.decoder.", fname)),
-                sigma_min=float(cfm.get("sigma_min", 1e-6)),
-                t_scheduler=str(cfm.get("t_scheduler", "cosine")),
-                inference_cfg_rate=float(cfm.get("inference_cfg_rate", 0.7)),
-            ),
+            cfm=cfm_config_from_doc(dec, fname, _MODEL),
         )
     except ConfigError as err:
         if str(err).startswith(fname):

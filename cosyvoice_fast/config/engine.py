@@ -50,6 +50,14 @@ class EngineConfig:
       decoding; on CPU the two threads still overlap.  1 runs both sides one after the other in one thread.
     - ``capture_at_start``: capture every graph the config names when the stage set is built (a progress bar),
       so nothing is captured while serving.
+    - ``background_capture``: with ``capture_at_start``, capture only the graphs a first chunk at low
+      concurrency needs (``config.graph_plan``'s ``first_chunk``) before the server reports ready, and the rest
+      (more rows, other LLM KV buckets, final-chunk flow graphs, HiFT's later lengths) in one background thread
+      after it; until then those shapes run eagerly (the LLM: padded to a captured bigger graph), never
+      captured on a request's path.  Off by default (``--background-capture`` turns it on): on an H100 the first
+      background LLM capture beside the start-up's own GPU work was invalidated (``cudaErrorStreamCaptureInvalidated``)
+      and its graph pool then refused the family's other captures; serving while capturing has not passed a GPU
+      test yet.  Off, every graph is captured before ready, as before.
     - ``llm_memory_fraction``: share of the free GPU memory (read when the LLM stage is built) that the KV cache
       may take when ``llm_slots`` is ``None``; the rest is left to flow/vocoder graphs and their buffers.
     - ``stage_variants``: built implementations kept per stage (LLM, flow, vocoder); the least recently used one
@@ -77,6 +85,7 @@ class EngineConfig:
     vocoder_rows: tuple[int, ...] = (1, 2, 4, 8, 16)
     cuda_streams: int = 2
     capture_at_start: bool = True
+    background_capture: bool = False
     llm_memory_fraction: float = 0.25
     stage_variants: int = 3
     first_chunk_wait_ms: float = 12.0
@@ -104,7 +113,7 @@ class EngineConfig:
             w = getattr(self, name)
             if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1000.0:
                 raise ConfigError(f"EngineConfig.{name} must be a number of milliseconds in [0, 1000], got {w!r}")
-        for name in ("capture_at_start", "first_chunk_priority"):
+        for name in ("capture_at_start", "background_capture", "first_chunk_priority"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
         f = self.llm_memory_fraction

@@ -34,6 +34,9 @@ ENGINE_HELP: dict[str, str] = {
     "vocoder_rows": "vocoder batch sizes captured, comma-separated",
     "cuda_streams": "2: the LLM and flow + vocoder in their own threads and CUDA streams (overlapped); 1: one after the other",
     "capture_at_start": "capture graphs on first use instead of at start-up (faster start, slower first requests)",
+    "background_capture": "report ready after the first-chunk graphs and capture the rest in a background thread "
+                          "while serving (NOT SAFE YET: on an H100 a capture beside serving work was invalidated; "
+                          "see docs/architecture.md, Start-up); default: every graph before ready",
     "llm_memory_fraction": "share of free GPU memory the LLM KV cache may take when --llm-slots is auto",
     "stage_variants": "built backends kept per stage (LLM, flow, vocoder); the least recently used beyond it is "
                       "dropped",
@@ -44,6 +47,10 @@ ENGINE_HELP: dict[str, str] = {
     "first_chunk_priority": "keep every LM decoding while a first chunk is solved (more audio per second under "
                             "load; first chunks share the GPU) instead of pausing those past their first chunk",
 }
+
+
+#: other names of a switch's flag
+SWITCH_ALIASES: dict[str, tuple[str, ...]] = {}
 
 
 class CliError(ValueError):
@@ -165,8 +172,9 @@ def add_cli_args(parser: argparse.ArgumentParser, *, parts: Iterable[str] = PART
         for f in fields(EngineConfig):
             default = f.default if f.default is not MISSING else None
             help_text = ENGINE_HELP.get(f.name, "")
-            if isinstance(default, bool):
-                g.add_argument(flag(f.name), dest=f.name, action="store_false", default=None, help=help_text)
+            if isinstance(default, bool):  # on by default: a --no- flag turns it off; off: its flag turns it on
+                g.add_argument(flag(f.name), *SWITCH_ALIASES.get(f.name, ()), dest=f.name,
+                               action="store_false" if default else "store_true", default=None, help=help_text)
                 continue
             g.add_argument(flag(f.name), dest=f.name, type=_parser_for(default), default=None,
                            metavar=_metavar(default),

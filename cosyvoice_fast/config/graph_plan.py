@@ -5,10 +5,15 @@ the first thing to know and to keep small.  The runners (``llm/graph.py``, ``flo
 ``vocoder/graph.py``) capture exactly these lists (``tests/test_startup.py`` checks the rules against theirs);
 the start-up progress (``engine/startup.py``) shows ``capturing graphs N/M`` with ``M`` from here.
 
-Each job says whether a first chunk may need it (``first_chunk``): the LLM's graphs, the streaming-attention flow
-graphs (encoder, estimator, incremental) and HiFT's first-chunk lengths.  Those come first in each family; the
-rest (full-attention flow graphs of final chunks, HiFT's later and final chunk lengths) only serve audio after a
-stream's first chunk.  Pure arithmetic on counts; leaf module.
+Each job says whether it comes before ready (``first_chunk``): what a first chunk at LOW concurrency needs.
+That is the LLM's decode graphs for 1 and all rows at the smallest and the largest KV bucket and its prefill
+graphs for 1 and the most rows per length (the runner pads a step up to the smallest CAPTURED bucket, so these
+serve every shape), the incremental flow graphs, the streaming-attention encoder and estimator graphs of one
+request (the smallest row bucket) and HiFT's first-chunk lengths for one row.  Everything else (more rows,
+other KV buckets, full-attention flow graphs of final chunks, HiFT's later and final lengths) is captured after
+ready, in the background, with ``EngineConfig.background_capture`` (:func:`split_ready`); until then the flow
+and HiFT run such a shape eagerly (or on a bigger captured row bucket) and the LLM pads it.  Capture time is
+per graph, so the count before ready is the restart time.  Pure arithmetic on counts; leaf module.
 """
 
 from __future__ import annotations
@@ -64,11 +69,26 @@ def prefill_rows(slots: int, length: int, max_tokens: int = PREFILL_TOKENS) -> t
     return tuple(sorted({min(most, 1 << i) for i in range(most.bit_length() + 1)}))
 
 
+def ready_first(jobs: Sequence[GraphJob]) -> list[GraphJob]:
+    """``jobs`` with those captured before ready first, each part in its own order (how every runner captures:
+    its ``now`` list, then its ``deferred`` list)."""
+    return [j for j in jobs if j.first_chunk] + [j for j in jobs if not j.first_chunk]
+
+
+def ends(values: Sequence[int]) -> set[int]:
+    """The smallest and the largest of ``values``: the buckets captured before ready where a runner pads up."""
+    return {min(values), max(values)} if values else set()
+
+
 def llm_jobs(slots: int, max_len: int) -> list[GraphJob]:
-    decode = [GraphJob("llm-decode", (b, n), True) for b in kv_buckets(max_len) for n in decode_rows(slots)]
-    prefill = [GraphJob("llm-prefill", (n, r), True) for n in PREFILL_LENGTHS if n <= max_len
-               for r in prefill_rows(slots, n)]
-    return decode + prefill
+    """Decode graphs per (KV bucket, rows), then prefill graphs per (length, rows); before ready only the
+    smallest and largest KV bucket x 1 and all rows, and 1 and the most rows per prefill length (every step has
+    a captured bucket at least as big: the largest is always there)."""
+    kv, rows = kv_buckets(max_len), decode_rows(slots)
+    decode = [GraphJob("llm-decode", (b, n), b in ends(kv) and n in ends(rows)) for b in kv for n in rows]
+    prefill = [GraphJob("llm-prefill", (n, r), r in ends(prefill_rows(slots, n)))
+               for n in PREFILL_LENGTHS if n <= max_len for r in prefill_rows(slots, n)]
+    return ready_first(decode) + ready_first(prefill)
 
 
 # ---------------------------------------------------------------------------------------------- the flow
@@ -79,11 +99,13 @@ def flow_row_buckets(rows: Sequence[int]) -> tuple[int, ...]:
 
 def estimator_jobs(buckets: Sequence[int], rows: Sequence[int]) -> list[GraphJob]:
     """Step graphs per (length, attention mode, rows) within the attention budget ``rows x len^2 <= 2 x max^2``;
-    streaming (chunk-causal) graphs first: they serve first chunks of segments that recompute."""
+    streaming (chunk-causal) graphs first: they serve first chunks of segments that recompute (one request's
+    row bucket before ready)."""
     budget = 2 * max(buckets) ** 2
-    fits = [(f, r) for f in sorted(buckets) for r in flow_row_buckets(rows) if r * f * f <= budget]
-    return ([GraphJob("flow-estimator", (f, True, r), True) for f, r in fits]
-            + [GraphJob("flow-estimator", (f, False, r), False) for f, r in fits])
+    row_buckets = flow_row_buckets(rows)
+    fits = [(f, r) for f in sorted(buckets) for r in row_buckets if r * f * f <= budget]
+    return ready_first([GraphJob("flow-estimator", (f, True, r), r == row_buckets[0]) for f, r in fits]
+                       + [GraphJob("flow-estimator", (f, False, r), False) for f, r in fits])
 
 
 def encoder_token_buckets(buckets: Sequence[int], stride: int) -> tuple[int, ...]:
@@ -94,13 +116,13 @@ def encoder_token_buckets(buckets: Sequence[int], stride: int) -> tuple[int, ...
 
 def encoder_jobs(buckets: Sequence[int], rows: Sequence[int], stride: int) -> list[GraphJob]:
     """Encoder graphs per (token bucket, rows, mode) within ``rows x (stride x bucket)^2 <= 2 x (stride x
-    longest)^2``; streaming first."""
+    longest)^2``; streaming first (one request's rows before ready)."""
     max_batch = min(max(rows), FLOW_ROW_SIZES[-1] // 2)
     enc_rows = tuple(r for r in ENCODER_ROWS if r <= max_batch) or (1,)
     toks = encoder_token_buckets(buckets, stride)
     budget = 2 * (stride * toks[-1]) ** 2
     fits = [(b, r) for b in toks for r in enc_rows if r * (stride * b) ** 2 <= budget]
-    return ([GraphJob("flow-encoder", (b, r, True), True) for b, r in fits]
+    return ([GraphJob("flow-encoder", (b, r, True), r == enc_rows[0]) for b, r in fits]
             + [GraphJob("flow-encoder", (b, r, False), False) for b, r in fits])
 
 
@@ -141,7 +163,7 @@ def hift_jobs(rows: Sequence[int], max_batch: int, chunk_size: int = 25, token_m
               params: StreamParams | None = None) -> list[GraphJob]:
     """``vocoder/graph.py``'s start-up graphs in its capture order: every streamed (non-final) length x row
     count, shortest first (first chunks are the shortest streamed lengths), then the lengths only final chunks
-    have, for the smallest row count."""
+    have, for the smallest row count.  Before ready: the first-chunk lengths for the smallest row count."""
     params = params or StreamParams()
     rows = tuple(sorted({r for r in rows if 1 <= r <= max_batch}))
     if not rows:
@@ -149,7 +171,7 @@ def hift_jobs(rows: Sequence[int], max_batch: int, chunk_size: int = 25, token_m
     firsts = set(first_chunk_frames(params, chunk_size, token_mel_ratio))
     streamed = sorted({(n, r) for n in vocoder_frames(params, chunk_size, token_mel_ratio) for r in rows})
     finals = sorted({(n, rows[0]) for n in final_vocoder_frames(params, chunk_size, token_mel_ratio)} - set(streamed))
-    return [GraphJob("hift", j, j[0] in firsts) for j in streamed + finals]
+    return ready_first([GraphJob("hift", j, j[0] in firsts and j[1] == rows[0]) for j in streamed + finals])
 
 
 # ---------------------------------------------------------------------------------------------- a stage set
@@ -209,6 +231,16 @@ def graph_plan(configs: Sequence[BackendConfig], engine: EngineConfig, dims: Pla
     return out
 
 
+def split_ready(jobs: Sequence[GraphJob], engine: EngineConfig) -> tuple[list[GraphJob], list[GraphJob]]:
+    """(the graphs captured before the server reports ready, those its background thread captures after):
+    with ``background_capture`` (and ``capture_at_start``) every ``first_chunk`` graph comes first and the rest
+    after; without it all come before ready.  The runners split by the same flag and the same rule (see the
+    module docstring; ``tests/test_startup_background.py`` checks them against this list)."""
+    if not (engine.background_capture and engine.capture_at_start):
+        return list(jobs), []
+    return [j for j in jobs if j.first_chunk], [j for j in jobs if not j.first_chunk]
+
+
 def plan_counts(jobs: Sequence[GraphJob]) -> dict[str, int]:
     """Graphs per family, in first-appearance order."""
     counts: dict[str, int] = {}
@@ -218,9 +250,9 @@ def plan_counts(jobs: Sequence[GraphJob]) -> dict[str, int]:
 
 
 def planned_graphs(configs: Sequence[BackendConfig], engine: EngineConfig, model_config: Any) -> int:
-    """How many graphs building ``configs`` captures (the ``M`` of start-up's ``N/M``); 0 (unknown: the progress
-    then shows the count so far) for a model family whose runners this plan does not describe (CosyVoice3's DiT
-    flow and causal HiFT)."""
+    """How many graphs building ``configs`` captures before ready (the ``M`` of start-up's ``N/M``; the
+    background captures come on top: :func:`split_ready`); 0 (unknown: the progress then shows the count so far)
+    for a model family whose runners this plan does not describe (CosyVoice3's DiT flow and causal HiFT)."""
     if getattr(model_config, "family", "cosyvoice2") != "cosyvoice2":
         return 0
-    return len(graph_plan(configs, engine, PlanDims.of(model_config)))
+    return len(split_ready(graph_plan(configs, engine, PlanDims.of(model_config)), engine)[0])

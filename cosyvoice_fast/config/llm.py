@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cosyvoice_fast.config.yamlfile import ConfigError
+from cosyvoice_fast.config.yamlfile import ConfigError, require
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,12 +141,6 @@ class LLMConfig:
         return CV3_MAX_SILENT_RUN if self.v3 else 0
 
 
-def _get(d: Any, key: str, where: str, fname: str) -> Any:
-    if not isinstance(d, dict) or key not in d:
-        raise ConfigError(f"{fname}: missing field {where}{key}; is this a CosyVoice2 or CosyVoice3 model directory?")
-    return d[key]
-
-
 #: the text id of ``<|endofprompt|>`` in CosyVoice3's tokenizer (upstream hard-codes it in its LM)
 REAL_ENDOFPROMPT_ID = 151646
 
@@ -172,9 +166,9 @@ def llm_config_from_doc(llm: Any, qwen: QwenConfig, fname: str, endofprompt_id: 
     sampling = llm.get("sampling", {}) or {}
     try:
         return LLMConfig(
-            llm_input_size=int(_get(llm, "llm_input_size", "llm.", fname)),
-            llm_output_size=int(_get(llm, "llm_output_size", "llm.", fname)),
-            speech_token_size=int(_get(llm, "speech_token_size", "llm.", fname)),
+            llm_input_size=int(require(llm, "llm_input_size", "llm.", fname)),
+            llm_output_size=int(require(llm, "llm_output_size", "llm.", fname)),
+            speech_token_size=int(require(llm, "speech_token_size", "llm.", fname)),
             top_p=float(sampling.get("top_p", 0.8)),
             top_k=int(sampling.get("top_k", 25)),
             win_size=int(sampling.get("win_size", 10)),

@@ -16,16 +16,16 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-
+from cosyvoice_fast.config.causal_hift import causal_hift_config_from_doc
 from cosyvoice_fast.config.cosyvoice2 import (  # noqa: F401 - re-exported: their home before CosyVoice3
-    CFMConfig, DecoderConfig, EncoderConfig, FlowConfig, HiFTConfig,
+    CFMConfig, DecoderConfig, EncoderConfig, FlowConfig, HiFTConfig, flow_config_from_doc, hift_config_from_doc,
 )
+from cosyvoice_fast.config.dit import dit_flow_config_from_doc
 from cosyvoice_fast.config.llm import (  # noqa: F401 - re-exported: the LM's config lives in config.llm
     CV3_EXTRA_ROWS, CV3_MAX_SILENT_RUN, CV3_SILENT_TOKENS, LLM_FAMILIES, REAL_ENDOFPROMPT_ID, LLMConfig, QwenConfig,
     llm_config_from_doc, llm_family_of,
 )
-from cosyvoice_fast.config.yamlfile import ConfigError, read_hyperpyyaml
-
+from cosyvoice_fast.config.yamlfile import ConfigError, field_types, read_hyperpyyaml, require
 
 
 #: the model families this package serves: the yaml's llm and flow classes that name each (their ``tag``s)
@@ -76,99 +76,28 @@ def _qwen_from_json(path: Path) -> QwenConfig:
     return QwenConfig(**{n: raw[n] for n in names if n in raw})
 
 
-def _get(d: Any, key: str, where: str, fname: str) -> Any:
-    if not isinstance(d, dict) or key not in d:
-        raise ConfigError(f"{fname}: missing field {where}{key}; is this a CosyVoice2 or CosyVoice3 model directory?")
-    return d[key]
-
-
 def _model_from_doc(doc: dict[str, Any], qwen: QwenConfig, fname: str) -> ModelConfig:
-    llm = _get(doc, "llm", "", fname)
-    flow = _get(doc, "flow", "", fname)
-    hift = _get(doc, "hift", "", fname)
+    """The numbers both families share, read here; the flow and vocoder from the family's own readers."""
+    llm = require(doc, "llm", "", fname)
+    flow = require(doc, "flow", "", fname)
+    require(doc, "hift", "", fname)
     family = model_family(llm, flow, fname)
-    if family == "cosyvoice3":
-        return _cosyvoice3_from_doc(doc, qwen, fname)
-    enc = _get(flow, "encoder", "flow.", fname)
-    dec = _get(flow, "decoder", "flow.", fname)
-    est = _get(dec, "estimator", "flow.decoder.", fname)
-    cfm = dec.get("cfm_params", {})
-    cfm = cfm.get("content", cfm) if isinstance(cfm, dict) else {}
-    istft = _get(hift, "istft_params", "hift.", fname)
-    f0p = _get(hift, "f0_predictor", "hift.", fname)
-    try:
+    read_flow, read_hift = _READERS[family]
+    with field_types(fname):
         return ModelConfig(
-            sample_rate=int(_get(doc, "sample_rate", "", fname)),
-            token_frame_rate=int(_get(doc, "token_frame_rate", "", fname)),
-            token_mel_ratio=int(_get(doc, "token_mel_ratio", "", fname)),
+            family=family,
+            sample_rate=int(require(doc, "sample_rate", "", fname)),
+            token_frame_rate=int(require(doc, "token_frame_rate", "", fname)),
+            token_mel_ratio=int(require(doc, "token_mel_ratio", "", fname)),
             chunk_size=int(doc.get("chunk_size", 25)),
             llm=llm_config_from_doc(llm, qwen, fname),
-            flow=FlowConfig(
-                input_size=int(_get(flow, "input_size", "flow.", fname)),
-                output_size=int(_get(flow, "output_size", "flow.", fname)),
-                spk_embed_dim=int(_get(flow, "spk_embed_dim", "flow.", fname)),
-                vocab_size=int(_get(flow, "vocab_size", "flow.", fname)),
-                token_mel_ratio=int(_get(flow, "token_mel_ratio", "flow.", fname)),
-                pre_lookahead_len=int(_get(flow, "pre_lookahead_len", "flow.", fname)),
-                encoder=EncoderConfig(
-                    input_size=int(_get(enc, "input_size", "flow.encoder.", fname)),
-                    output_size=int(_get(enc, "output_size", "flow.encoder.", fname)),
-                    attention_heads=int(_get(enc, "attention_heads", "flow.encoder.", fname)),
-                    linear_units=int(_get(enc, "linear_units", "flow.encoder.", fname)),
-                    num_blocks=int(_get(enc, "num_blocks", "flow.encoder.", fname)),
-                    static_chunk_size=int(enc.get("static_chunk_size", 0) or 0),
-                    pre_lookahead_len=int(_get(flow, "pre_lookahead_len", "flow.", fname)),
-                ),
-                decoder=DecoderConfig(
-                    in_channels=int(_get(est, "in_channels", "flow.decoder.estimator.", fname)),
-                    out_channels=int(_get(est, "out_channels", "flow.decoder.estimator.", fname)),
-                    channels=tuple(int(c) for c in _get(est, "channels", "flow.decoder.estimator.", fname)),
-                    attention_head_dim=int(_get(est, "attention_head_dim", "flow.decoder.estimator.", fname)),
-                    n_blocks=int(_get(est, "n_blocks", "flow.decoder.estimator.", fname)),
-                    num_mid_blocks=int(_get(est, "num_mid_blocks", "flow.decoder.estimator.", fname)),
-                    num_heads=int(_get(est, "num_heads", "flow.decoder.estimator.", fname)),
-                    act_fn=str(est.get("act_fn", "gelu")),
-                    static_chunk_size=int(est.get("static_chunk_size", 50)),
-                    num_decoding_left_chunks=int(est.get("num_decoding_left_chunks", -1)),
-                ),
-                cfm=CFMConfig(
-                    in_channels=int(_get(dec, "in_channels", "flow.decoder.", fname)),
-                    spk_emb_dim=int(_get(dec, "spk_emb_dim", "flow.decoder.", fname)),
-                    sigma_min=float(cfm.get("sigma_min", 1e-6)),
-                    t_scheduler=str(cfm.get("t_scheduler", "cosine")),
-                    inference_cfg_rate=float(cfm.get("inference_cfg_rate", 0.7)),
-                ),
-            ),
-            hift=HiFTConfig(
-                in_channels=int(_get(hift, "in_channels", "hift.", fname)),
-                base_channels=int(_get(hift, "base_channels", "hift.", fname)),
-                nb_harmonics=int(_get(hift, "nb_harmonics", "hift.", fname)),
-                sampling_rate=int(_get(hift, "sampling_rate", "hift.", fname)),
-                nsf_alpha=float(_get(hift, "nsf_alpha", "hift.", fname)),
-                nsf_sigma=float(_get(hift, "nsf_sigma", "hift.", fname)),
-                nsf_voiced_threshold=float(_get(hift, "nsf_voiced_threshold", "hift.", fname)),
-                upsample_rates=tuple(int(r) for r in _get(hift, "upsample_rates", "hift.", fname)),
-                upsample_kernel_sizes=tuple(int(r) for r in _get(hift, "upsample_kernel_sizes", "hift.", fname)),
-                istft_n_fft=int(_get(istft, "n_fft", "hift.istft_params.", fname)),
-                istft_hop_len=int(_get(istft, "hop_len", "hift.istft_params.", fname)),
-                resblock_kernel_sizes=tuple(int(r) for r in _get(hift, "resblock_kernel_sizes", "hift.", fname)),
-                resblock_dilation_sizes=tuple(tuple(int(x) for x in r)
-                                              for r in _get(hift, "resblock_dilation_sizes", "hift.", fname)),
-                source_resblock_kernel_sizes=tuple(
-                    int(r) for r in _get(hift, "source_resblock_kernel_sizes", "hift.", fname)),
-                source_resblock_dilation_sizes=tuple(
-                    tuple(int(x) for x in r) for r in _get(hift, "source_resblock_dilation_sizes", "hift.", fname)),
-                lrelu_slope=float(hift.get("lrelu_slope", 0.1)),
-                audio_limit=float(hift.get("audio_limit", 0.99)),
-                f0_num_class=int(f0p.get("num_class", 1)),
-                f0_in_channels=int(_get(f0p, "in_channels", "hift.f0_predictor.", fname)),
-                f0_cond_channels=int(_get(f0p, "cond_channels", "hift.f0_predictor.", fname)),
-            ),
-        )
-    except (TypeError, ValueError) as e:
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(f"{fname}: a field has the wrong type ({e})") from e
+            flow=read_flow(doc, fname),
+            hift=read_hift(doc, fname))
+
+
+#: each family's readers of the yaml's ``flow`` and ``hift`` sections
+_READERS = {"cosyvoice2": (flow_config_from_doc, hift_config_from_doc),
+            "cosyvoice3": (dit_flow_config_from_doc, causal_hift_config_from_doc)}
 
 
 def model_family(llm: Any, flow: Any, fname: str) -> str:
@@ -182,27 +111,6 @@ def model_family(llm: Any, flow: Any, fname: str) -> str:
     raise ConfigError(f"{fname}: llm is {llm_cls or '?'} and flow is {flow_cls or '?'}, which is no model family "
                       f"cosyvoice_fast runs ({known}; not CosyVoice1, and not a mix). Point --model-dir at a "
                       "CosyVoice2-0.5B or Fun-CosyVoice3-0.5B directory.")
-
-
-def _cosyvoice3_from_doc(doc: dict[str, Any], qwen: QwenConfig, fname: str) -> ModelConfig:
-    """CosyVoice3: the shared numbers here, the DiT flow and causal HiFT from their own readers."""
-    from cosyvoice_fast.config.causal_hift import causal_hift_config_from_doc
-    from cosyvoice_fast.config.dit import dit_flow_config_from_doc
-
-    try:
-        return ModelConfig(
-            family="cosyvoice3",
-            sample_rate=int(_get(doc, "sample_rate", "", fname)),
-            token_frame_rate=int(_get(doc, "token_frame_rate", "", fname)),
-            token_mel_ratio=int(_get(doc, "token_mel_ratio", "", fname)),
-            chunk_size=int(doc.get("chunk_size", 25)),
-            llm=llm_config_from_doc(_get(doc, "llm", "", fname), qwen, fname),
-            flow=dit_flow_config_from_doc(doc, fname),
-            hift=causal_hift_config_from_doc(doc, fname))
-    except (TypeError, ValueError) as e:
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(f"{fname}: a field has the wrong type ({e})") from e
 
 
 def tiny_config() -> ModelConfig:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 import operator
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,25 @@ import yaml
 class ConfigError(ValueError):
     """A configuration value is missing, malformed or out of range; the message names file and field."""
 
+
+def require(d: Any, key: str, where: str, fname: str, model: str = "CosyVoice2 or CosyVoice3") -> Any:
+    """``d[key]``, or a :class:`ConfigError` naming the file, the dotted field (``where`` + ``key``) and the kind of
+    model directory (``model``) the reader expected; the one field getter of every section reader in config/."""
+    if not isinstance(d, dict) or key not in d:
+        raise ConfigError(f"{fname}: missing field {where}{key}; is this a {model} model directory?")
+    return d[key]
+
+
+@contextmanager
+def field_types(fname: str, what: str = "a field") -> Iterator[None]:
+    """Turn a ``TypeError`` / ``ValueError`` from converting a yaml value (``int("x")``) into a ConfigError that names
+    the file; a ConfigError raised inside passes through unchanged (it already names its field)."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{fname}: {what} has the wrong type ({e})") from e
 
 
 class _Tagged(dict):

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from cosyvoice_fast.engine.stages import StageCache
+from cosyvoice_fast.kernels.graphs import BackgroundCaptures
 from cosyvoice_fast.engine.stages import StageSet, check_available, family_of_models
 from cosyvoice_fast.config.backends import BackendConfig
 from cosyvoice_fast.config.yamlfile import ConfigError
@@ -70,6 +71,8 @@ class Engine:
         self.config = config or EngineConfig()
         self._stage_sets = StageCache(models, self.config)
         self._stage_lock = threading.Lock()
+        #: the graphs stage builds left for after ready (``EngineConfig.background_capture``), one thread
+        self.background = BackgroundCaptures(models.device)
         self._admit_pool: ThreadPoolExecutor | None = None  # asyncio front ends' admissions (aopen)
         self._observers: list[Observer] = []
         cfg = models.config
@@ -94,7 +97,9 @@ class Engine:
         with self._stage_lock:
             if config not in self._stage_sets:
                 check_available(config, self.models.device, family_of_models(self.models))
-            return self._stage_sets.get(config)
+            built = self._stage_sets.get(config)
+        self.background.add(self._stage_sets.take_deferred())  # captured behind this set's first-chunk graphs
+        return built
 
     def store_flow_state(self, speaker: str, backend: BackendConfig | None = None) -> int:
         """Compute a saved speaker's flow prompt state with ``backend``'s incremental flow (default: the
@@ -218,7 +223,7 @@ class Engine:
         built = self._stage_sets.stage_names()
         sets = [f"{c.llm}/{c.flow}/{c.vocoder}/{c.dtype}" for c in configs]
         llms = list({id(m): m for m in self._stage_sets.llm_stages()}.values())  # shared between sets: count once
-        from cosyvoice_fast.kernels.graphs import captures
+        from cosyvoice_fast.kernels.graphs import background_captures, captures
 
         caps = [m.capacity for m in llms]
         slots = None if any(c is None for c in caps) else sum(caps)
@@ -229,13 +234,14 @@ class Engine:
                 "llm_slots": slots, "llm_slots_free": free,
                 "stage_configs": [{k: getattr(c, k) for k in BackendConfig.__slots__} for c in configs],
                 "stages_built": built, "stage_variants": self.config.stage_variants,
-                "graph_captures": captures()}
+                "graph_captures": captures(), "background_captures": background_captures()}
 
     def active_requests(self) -> int:
         """Requests the engine still holds (waiting, running, or finishing a chunk computed for them)."""
         return self._sched.held()
 
     def close(self) -> None:
+        self.background.stop()
         with self._cv:
             self._sched.closed = True
             self._cv.notify_all()
@@ -288,8 +294,9 @@ class Engine:
         waiting = len(self._incoming) - _free_streams(cfg, len(self._active))  # beyond the free streams
         if waiting >= cfg.queue_limit:
             self._sched.counts["rejected"] += 1
-            raise EngineBusy(f"the engine is full: {len(self._active)} requests running (max_streams="
-                             f"{cfg.max_streams}) and {len(self._incoming)} waiting (queue_limit="
+            starting = len(self._incoming) - waiting  # admitted, taking a free stream at the worker's next turn
+            raise EngineBusy(f"the engine is full: {len(self._active) + starting} requests running (max_streams="
+                             f"{cfg.max_streams}) and {waiting} waiting (queue_limit="
                              f"{cfg.queue_limit}); try again in a moment")
 
     def _admit_checked(self, request: SynthesisRequest, tele: RequestTelemetry) -> RequestState:

@@ -28,6 +28,7 @@ from cosyvoice_fast.config.backends import BackendConfig
 from cosyvoice_fast.config.engine import EngineConfig
 from cosyvoice_fast.config.backends import BACKEND_CHOICES, BackendInfo, BackendUnavailable
 from cosyvoice_fast.flow import runners as flow_runners
+from cosyvoice_fast.kernels.graphs import CAPTURE_LOCK
 from cosyvoice_fast.flow.stage import FlowStage
 from cosyvoice_fast.llm import runners as llm_runners
 from cosyvoice_fast.llm.stage import LLMStage
@@ -108,6 +109,7 @@ class StageCache:
         self._casts: weakref.WeakValueDictionary[tuple[str, torch.dtype], torch.nn.Module] = \
             weakref.WeakValueDictionary()
         self._failed: dict[StageKey, str] = {}  # stages whose build raised (not retried: see _stage)
+        self._deferred: list[Any] = []  # built runners' captures left for the background (take_deferred)
         self._lock = threading.Lock()  # guards the dicts; held only briefly
         self._build_lock = threading.Lock()  # one build at a time
 
@@ -159,7 +161,8 @@ class StageCache:
                                      f"this process ({failed}); choose another backend, or restart to retry")
         log.info("building the %s stage: %s backend, %s", *key)
         try:
-            stage = build()  # outside the view lock: captures may take seconds
+            with CAPTURE_LOCK:  # outside the view lock: captures may take seconds; never beside a background one
+                stage = build()
         except BackendUnavailable:
             raise  # a refusal before anything was built: cheap to ask again, and the message says why
         except Exception as e:
@@ -178,7 +181,14 @@ class StageCache:
             raise e
         with self._lock:
             self._stages[key] = stage
+            self._deferred.extend(getattr(stage, "deferred", None) or ())
         return stage
+
+    def take_deferred(self) -> list[Any]:
+        """The captures built runners left for after ready (``kernels.graphs.DeferredCapture``), handed over once."""
+        with self._lock:
+            out, self._deferred = self._deferred, []
+            return out
 
     def _cast(self, part: str, dtype: torch.dtype) -> torch.nn.Module:
         module = getattr(self.models, part)

@@ -7,6 +7,11 @@ new kernel shape during its first capture, so compiling and capturing interleave
 ``warming up`` (one short request per default backend) -> ``ready``.  Each finished phase logs one line with
 its seconds; ``ready`` logs the total and writes the phase times into the compile cache directory, where the next
 start reads them as its estimate.  Thread-safe: the warm-up thread advances it while ``/health`` reads it.
+
+With background capture (``EngineConfig.background_capture``) ``capturing graphs`` covers only the graphs first
+chunks need; the rest are captured after ready by the engine's background thread (:meth:`attach_background`),
+and the status reads ``ready — capturing N/M in the background`` until it is done (one log line then, with
+its seconds, which the compile cache record keeps as ``background_s``).
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ def process_age_s() -> float | None:
 class StartupProgress:
     """The start-up phases of one server process (see the module docstring).
 
-    ``graphs`` counts graphs captured so far (default: the process-wide counter of ``kernels.graphs``),
+    ``graphs`` counts graphs captured before ready so far (default: ``kernels.graphs.captures``, which leaves
+    out the background thread's: :meth:`attach_background` shows those),
     ``kernels`` kernels compiled so far (set by :meth:`attach_cache`: new entries in Triton's cache), ``clock``
     a monotonic clock in seconds (tests pass their own).  The clock starts at the process start when known."""
 
@@ -63,6 +69,7 @@ class StartupProgress:
         self.planned = 0
         self._estimate: dict[str, Any] | None = None
         self._cache: Any = None
+        self._background: Any = None
         self.error: str | None = None
 
     # ------------------------------------------------------------------------------------------ updates
@@ -74,6 +81,25 @@ class StartupProgress:
             self._kernels = cache.entries
             self._kernels0 = cache.entries()
             self._estimate = cache.read_record(RECORD)
+
+    def attach_background(self, worker: Any) -> None:
+        """Show ``worker``'s progress (a ``kernels.graphs.BackgroundCaptures``: ``done``, ``total``, ``failed``,
+        ``finished``, ``seconds``) once ready, and keep its seconds in the compile cache record when it is done."""
+        with self._lock:
+            self._background = worker
+        worker.on_done = self._background_done
+
+    def _background_done(self, seconds: float, captured: int, failed: int) -> None:
+        if self._cache is not None:
+            record = dict(self._cache.read_record(RECORD) or {})
+            record.update(background_s=round(seconds, 2), background_graphs=captured, background_failed=failed)
+            self._cache.write_record(RECORD, record)
+
+    @property
+    def settled(self) -> bool:
+        """Ready, and no graph is being captured in the background any more (the page stops polling)."""
+        bg = self._background
+        return self.ready and (bg is None or bg.finished)
 
     def plan(self, graphs: int) -> None:
         """Graphs the stage builds will capture in all (``config.graph_plan``), shown as ``N/M``."""
@@ -133,10 +159,14 @@ class StartupProgress:
         return self._phase == "ready"
 
     def line(self) -> str:
-        """One line for a person (the page shows it while starting): empty once ready."""
+        """One line for a person (the page shows it while starting): once ready, the background captures while
+        they run, else empty."""
         snap = self.snapshot()
         if snap["phase"] == "ready":
-            return f"Start-up warm-up failed ({snap['error']}); serving anyway." if snap["error"] else ""
+            if snap["error"]:
+                return f"Start-up warm-up failed ({snap['error']}); serving anyway."
+            return "Ready" + snap["status"][len("ready"):] + "." if snap["background"] and \
+                not snap["background"]["finished"] else ""
         return f"Starting up ({snap['elapsed_s']:.0f} s so far): {snap['status']}"
 
     def snapshot(self) -> dict[str, Any]:
@@ -150,11 +180,17 @@ class StartupProgress:
             elapsed = sum(s for _, s in done) if phase == "ready" else now - self._t0
             n, m, k = self._captured(), self.planned, self._compiled()
             estimate = self._estimate.get("total_s") if self._estimate else None
+            bg = self._background
+        background = None if bg is None else {"captured": bg.done, "planned": bg.total, "failed": bg.failed,
+                                              "finished": bg.finished, "seconds": bg.seconds}
+        ready = "ready"
+        if background is not None and not background["finished"]:
+            ready = f"ready — capturing {background['captured']}/{background['planned']} graphs in the background"
         status = {"loading weights": "loading weights",
                   "capturing graphs": f"compiling kernels and capturing graphs {n}/{max(m, n)}"
                                       + (f" ({k} kernels compiled)" if k else ""),
                   "warming up": "warming up (one short request per default backend)",
-                  "ready": "ready"}[phase]
+                  "ready": ready}[phase]
         remaining = None
         if isinstance(estimate, (int, float)) and phase != "ready":
             remaining = round(max(0.0, float(estimate) - elapsed), 1)
@@ -162,4 +198,4 @@ class StartupProgress:
         return {"phase": phase, "status": status, "graphs_captured": n, "graphs_planned": max(m, n),
                 "kernels_compiled": k, "elapsed_s": round(elapsed, 2),
                 "phases": [{"name": p, "seconds": round(s, 2)} for p, s in done],
-                "estimate_s": estimate, "remaining_s": remaining, "error": self.error}
+                "estimate_s": estimate, "remaining_s": remaining, "error": self.error, "background": background}

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
@@ -183,6 +184,17 @@ class GraphEstimator:
                 self.caches[bool(streaming)].get((bucket, prows, dtype), self._example(bucket, dtype, prows))
         return bucket
 
+    def deferred_job(self, frames: int, streaming: bool, dtype: torch.dtype, rows: int = 2) -> Any:
+        """:meth:`capture`'s graph as a background job (``kernels.graphs.DeferredCapture``; caches frozen
+        meanwhile): captured without the lock, published under it."""
+        bucket, prows = self.bucket(frames), bucket_rows(rows)
+        if self.steps is not None:
+            cache, example = self.steps.caches[bool(streaming)], partial(self.steps._example, bucket, prows, dtype)
+        else:
+            cache, example = self.caches[bool(streaming)], partial(self._example, bucket, dtype, prows)
+        return cache.deferred_job("flow-estimator", (frames, streaming, rows), (bucket, prows, dtype), example,
+                                  lock=self.lock)
+
     def solve(self, x0: Tensor, g: Any, ts: Tensor, dts: Tensor, cfg_rate: float, streaming: bool) -> Tensor | None:
         """A whole guided Euler solve (:meth:`~cosyvoice_fast.flow.model.cfm.CausalCFM.solve_batch` calls it) as
         replays of one step graph, or None when it is not served by one (no ``solver``, another CFG rate or
@@ -263,14 +275,17 @@ class CudaGraphFlow:
                  state_frames: int | None = None, buckets: Sequence[int] | None = None,
                  rows: Sequence[int] | None = None, capture_at_start: bool = False, progress: bool = True,
                  estimator: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
-                 encoder: Callable[[torch.nn.Module], Callable[..., Any]] | None = None):
+                 encoder: Callable[[torch.nn.Module], Callable[..., Any]] | None = None,
+                 defer_capture: bool = False):
         """``buckets`` / ``rows`` (``EngineConfig.flow_buckets`` / ``flow_rows``): the estimator lengths and
         requests per solve to serve from graphs; with ``capture_at_start`` every one of them (both attention
         modes), every encoder bucket and every incremental shape is captured here and nothing is captured later
         (uncaptured shapes run eagerly).  ``estimator`` maps the
         model's estimator (projections already fused) to the module the graphs capture instead of it (the
         ``fused`` backend's kernels); ``encoder`` maps the flow model to the padded-encode
-        function its encoder graphs capture (:class:`GraphEncoder`'s ``encode``; default the model's own)."""
+        function its encoder graphs capture (:class:`GraphEncoder`'s ``encode``; default the model's own).
+        ``defer_capture``: capture only what first chunks need here; the full-attention graphs (final chunks)
+        are left in :attr:`deferred` for the engine's background capture thread."""
         reason = why_unavailable(flow)
         if reason is not None:
             raise BackendUnavailable(reason)
@@ -297,33 +312,19 @@ class CudaGraphFlow:
             window = getattr(self.estimator.estimator, "forward_window", None)
             self.incremental = GraphIncrementalFlow(flow, self, config, max_frames=state_frames or DEFAULT_STATE_FRAMES,
                                                     estimator=window, new_voices=self.new_voices)
+        #: captures left for after ready (``kernels.graphs.DeferredCapture``; empty unless ``defer_capture``)
+        self.deferred: list = []
         if capture_at_start:
-            self.capture_all(rows or (1,), progress)
+            self.capture_all(rows or (1,), progress, defer=defer_capture)
 
-    def capture_all(self, rows: Sequence[int], progress: bool = True) -> int:
+    def capture_all(self, rows: Sequence[int], progress: bool = True, defer: bool = False) -> int:
         """Capture every incremental shape, encoder graph and (bucket x rows x attention mode) estimator graph,
-        then freeze them: from here on a shape nobody captured runs eagerly.  Returns the graphs captured.
+        then freeze them: from here on a shape nobody captured runs eagerly.  Returns the graphs captured now;
+        with ``defer`` the full-attention ones (final chunks) become :attr:`deferred` jobs instead
+        (:func:`~cosyvoice_fast.flow.graph_capture.capture_flow`)."""
+        from cosyvoice_fast.flow.graph_capture import capture_flow
 
-        In the order first chunks need them (``config.graph_plan.stage_jobs``): the incremental graphs, the
-        streaming encoder and estimator graphs, then the full-attention ones (final chunks)."""
-        from tqdm.auto import tqdm
-
-        dtype = next(self.flow.parameters()).dtype
-        n = self.incremental.graphs.capture_all(progress=progress) if self.incremental is not None else 0
-        lengths = self.estimator.buckets or tuple(range(self.estimator.granularity, self.estimator.max_frames + 1,
-                                                        self.estimator.granularity))
-        row_buckets = sorted({bucket_rows(2 * r) or ROW_SIZES[-1] for r in rows})
-        jobs = [(f, s, r) for s in (True, False) for f in lengths for r in row_buckets if self.estimator._fits(r, f)]
-        for cache in self.estimator.all_caches():
-            cache.max_graphs = max(cache.max_graphs, len(jobs))
-        enc = self.encoder.jobs()
-        n += self.encoder.capture_jobs([j for j in enc if j[2]], dtype, progress)
-        for f, s, r in tqdm(jobs, desc="capturing flow graphs", unit="graph", disable=not progress, leave=False):
-            self.estimator.capture(f, s, dtype, r)
-        self.estimator.freeze()
-        n += len(jobs) + self.encoder.capture_jobs([j for j in enc if not j[2]], dtype, progress)
-        self.encoder.freeze()
-        return n
+        return capture_flow(self, rows, progress, defer)
 
     def recompute(self, inputs: Any, tokens: Tensor, call: ChunkCall, stream: bool = True) -> Tensor:
         """Upstream's full per-chunk recompute, graph-replayed."""

@@ -138,6 +138,13 @@ class GraphEncoder:
                 self.caches[s].get((b, r, dtype), self._example(b, r, dtype))
         return len(jobs)
 
+    def deferred_job(self, job: tuple[int, int, bool], dtype: torch.dtype) -> Any:
+        """One graph of :meth:`jobs` as a background job (``kernels.graphs.DeferredCapture``; caches frozen
+        meanwhile): captured without the lock, published under it."""
+        b, r, s = job
+        return self.caches[s].deferred_job("flow-encoder", job, (b, r, dtype), lambda: self._example(b, r, dtype),
+                                           lock=self.lock)
+
     # ---------------------------------------------------------------------------------------------- calls
 
     def __call__(self, tokens: Tensor, tlen: Tensor, ptok: Tensor, plen: Tensor, emb: Tensor, *,

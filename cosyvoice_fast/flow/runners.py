@@ -36,7 +36,8 @@ def _cv2_graph(incremental: bool) -> Build:
         from cosyvoice_fast.flow.graph import CudaGraphFlow
 
         return CudaGraphFlow(flow, models.config, incremental=incremental, buckets=engine.flow_buckets,
-                             rows=engine.flow_rows, capture_at_start=engine.capture_at_start)
+                             rows=engine.flow_rows, capture_at_start=engine.capture_at_start,
+                             defer_capture=engine.background_capture)
     return build
 
 
@@ -45,7 +46,8 @@ def _cv2_fused(incremental: bool) -> Build:
         from cosyvoice_fast.flow.fused import FusedFlow
 
         return FusedFlow(flow, models.config, incremental=incremental, buckets=engine.flow_buckets,
-                         rows=engine.flow_rows, capture_at_start=engine.capture_at_start)
+                         rows=engine.flow_rows, capture_at_start=engine.capture_at_start,
+                         defer_capture=engine.background_capture)
     return build
 
 

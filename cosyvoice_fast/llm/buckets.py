@@ -8,7 +8,7 @@ their graphs and budgets identically.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Collection, Sequence
 
 from cosyvoice_fast.llm.model.kv_cache import KVCacheFullError
 
@@ -67,3 +67,15 @@ def prefill_row_counts(slots: int, length: int, max_tokens: int) -> tuple[int, .
         raise ValueError(f"prefill rows need slots, length and max_tokens >= 1, got {slots}, {length}, {max_tokens}")
     most = max(1, min(slots, max_tokens // length))
     return tuple(sorted({min(most, 1 << i) for i in range(most.bit_length() + 1)}))
+
+
+def captured_shape(captured: Collection[tuple[int, int]], length: int, rows: int) -> tuple[int, int]:
+    """The graph key ``(bucket, row count)`` to replay for a step that needs a bucket of at least ``length`` and
+    at least ``rows`` rows, among the keys ``captured`` SO FAR: the smallest bucket that has one, then its
+    smallest row count.  While the background thread still captures, a step pads up to a bigger captured
+    graph (padded rows and positions are inert: see ``llm.graph``); the largest of each is always captured at
+    start-up, so there is always one.  Raises :class:`KVCacheFullError` when nothing is that big."""
+    fits = [k for k in captured if k[0] >= length and k[1] >= rows]
+    if not fits:
+        raise KVCacheFullError(f"no captured graph holds {length} positions x {rows} rows")
+    return min(fits)

@@ -70,10 +70,11 @@ from cosyvoice_fast.config.backends import BackendUnavailable
 from cosyvoice_fast.llm.stage import LLMState, StepResult, accept_token, new_llm_state
 from cosyvoice_fast.llm.decode_feed import StepFeed
 from cosyvoice_fast.llm.graph_ahead import DecodeAhead
+from cosyvoice_fast.llm.graph_capture import GraphCaptures
 from cosyvoice_fast.llm.graph_slots import Slot, SlotSteps
-from cosyvoice_fast.kernels.graphs import capture, cuda_missing
+from cosyvoice_fast.kernels.graphs import cuda_missing
 from cosyvoice_fast.llm.kv_pool import SlotPool
-from cosyvoice_fast.llm.buckets import bucket_for, choose_kv_buckets, token_budget
+from cosyvoice_fast.llm.buckets import bucket_for, captured_shape, choose_kv_buckets, token_budget
 from cosyvoice_fast.llm.prefill import PREFILL_TOKENS, BatchedPrefill, PrefillItem, SlotRows
 from cosyvoice_fast.llm.nucleus import nucleus_pick_rows, ras_pick_into
 
@@ -97,7 +98,7 @@ def why_unavailable(llm: torch.nn.Module) -> str | None:
 # ------------------------------------------------------------------------------------------ the backend
 
 
-class CudaGraphLLM(SlotSteps, DecodeAhead):
+class CudaGraphLLM(SlotSteps, DecodeAhead, GraphCaptures):
     """Speech-token generation with pooled static KV caches and graph-replayed prefill and decode steps.
 
     ``slots`` requests can run at once, each with room for ``max_len`` LM positions (prompt + text + tokens);
@@ -107,7 +108,10 @@ class CudaGraphLLM(SlotSteps, DecodeAhead):
     Each length gets graphs for 1, 2, 4, ... rows while ``rows x length <= prefill_tokens`` (and rows <=
     ``slots``), which bounds the scratch activations of the largest prefill.  ``fused_prefill`` (default:
     whenever the decoder offers one, as the ``fused`` backend's does) runs those graphs on the fused kernels.
-    Everything is allocated and captured here, so the first request pays nothing.
+    Everything is allocated and captured here, so the first request pays nothing.  With ``defer_capture`` only
+    the graphs ``config.graph_plan.llm_jobs`` marks for before ready are captured here (every shape is still
+    warmed up here); the rest are :attr:`deferred` jobs for the engine's background capture thread, and until
+    they land a step replays the smallest captured graph that covers it (:func:`~.buckets.captured_shape`).
 
     A :meth:`decode` call steps all its states in one graph replay (see the module docstring).
     ``device_ras`` (default: on a GPU where Triton is installed and the sampler is the RAS one) runs
@@ -125,7 +129,7 @@ class CudaGraphLLM(SlotSteps, DecodeAhead):
                  kv_buckets: Sequence[int] | None = None, prefill_buckets: Sequence[int] = (64, 128, 256, 512),
                  progress: bool = True, prefill_tokens: int = PREFILL_TOKENS,
                  device_ras: bool | None = None, decode_ahead: bool | None = None,
-                 fused_prefill: bool | None = None):
+                 fused_prefill: bool | None = None, defer_capture: bool = False):
         reason = why_unavailable(llm)
         if reason is not None:
             raise BackendUnavailable(reason)
@@ -191,7 +195,7 @@ class CudaGraphLLM(SlotSteps, DecodeAhead):
                 self._copied = torch.cuda.Event() if on_cuda else None  # the last host -> device input copy
             self._batch_graphs: dict[tuple[int, int], Any] = {}
             self.pool = SlotPool([self._new_slot(i) for i in range(slots)], name="LLM slot")
-            n = self._capture_all(progress)
+            n = self._capture_all(progress, defer_capture)
         log.info("cudagraph LLM: %d graphs (batched x kv buckets %s + prefill rows per length %s) captured in %.1f "
                  "s; %.0f MiB for caches and graphs", n, list(self.buckets),
                  self.prefiller.row_counts, time.perf_counter() - t0,
@@ -230,31 +234,6 @@ class CudaGraphLLM(SlotSteps, DecodeAhead):
             self._logp[:n].copy_(logp)
             self._token[:n].copy_(token)
 
-    def _graph_jobs(self) -> list[tuple[dict[int, Any], int, Any]]:
-        """Every graph to capture: ``(where it goes, its key, the math it replays)``; warm-ups first per kind."""
-        jobs = [(self._batch_graphs, (b, n), partial(self._batch_step_math, b, n))
-                for b in self.buckets for n in self.row_counts]
-        return jobs + self.prefiller.jobs()
-
-    def _capture_all(self, progress: bool) -> int:
-        from tqdm.auto import tqdm
-
-        jobs = self._graph_jobs()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up: library handles and kernel choices happen outside any capture
-            for b in self.buckets:
-                for n in self.row_counts:
-                    self._batch_step_math(b, n)
-            self.prefiller.warm()
-        torch.cuda.synchronize(self.device)
-        scratch = torch.cuda.graph_pool_handle()
-        for where, key, step in tqdm(jobs, desc="capturing LLM graphs", unit="graph", disable=not progress,
-                                     leave=False):
-            where[key], _ = capture(step, self.device, scratch, warmup=0)  # warmed up above, once per shape
-        torch.cuda.synchronize(self.device)
-        return len(jobs)
-
     # -------------------------------------------------------------------------------------- stepping
 
     @property
@@ -264,8 +243,10 @@ class CudaGraphLLM(SlotSteps, DecodeAhead):
     def _replay(self, top: int, last_slot: int) -> None:
         """Replay the batched decode graph for positions up to ``top`` (its KV bucket) over slot rows
         ``0 .. last_slot`` (the smallest captured row count that covers them)."""
-        n = next(c for c in self.row_counts if c > last_slot)
-        self._batch_graphs[bucket_for(self.buckets, top), n].replay()
+        key = bucket_for(self.buckets, top), next(c for c in self.row_counts if c > last_slot)
+        if key not in self._batch_graphs:  # not captured yet (background): pad up to a captured one
+            key = captured_shape(self._batch_graphs.keys(), top + 1, last_slot + 1)
+        self._batch_graphs[key].replay()
         self.replays += 1
 
     def _accept_rows(self, states: Sequence[LLMState],

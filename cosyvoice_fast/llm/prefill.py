@@ -212,7 +212,9 @@ class BatchedPrefill:
             s.logp.copy_(logp)
             s.token.copy_(token)
             return [int(token.item())]
-        rows = next(r for r in self.row_counts[padded] if r >= len(group))
+        # the smallest row count captured so far (the background thread adds the middle ones after ready; the
+        # largest is always there): unused rows write only the spare slot row
+        rows = next(r for r in self.row_counts[padded] if r >= len(group) and (padded, r) in self.graphs)
         meta = self._meta_np
         meta[:] = 0
         meta[SLOT] = self.spare

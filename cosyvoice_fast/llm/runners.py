@@ -29,14 +29,16 @@ def _graph(models: Any, llm: torch.nn.Module, dtype: torch.dtype, engine: Engine
     from cosyvoice_fast.llm.graph import CudaGraphLLM
 
     slots = resolve_llm_slots(engine, models.config.llm.qwen, dtype, models.device)
-    return CudaGraphLLM(llm, models.config, slots=slots, max_len=engine.max_context)
+    return CudaGraphLLM(llm, models.config, slots=slots, max_len=engine.max_context,
+                       defer_capture=engine.background_capture and engine.capture_at_start)
 
 
 def _fused(models: Any, llm: torch.nn.Module, dtype: torch.dtype, engine: EngineConfig) -> Any:
     from cosyvoice_fast.llm.fused import FusedLLM
 
     slots = resolve_llm_slots(engine, models.config.llm.qwen, dtype, models.device)
-    return FusedLLM(llm, models.config, slots=slots, max_len=engine.max_context)
+    return FusedLLM(llm, models.config, slots=slots, max_len=engine.max_context,
+                   defer_capture=engine.background_capture and engine.capture_at_start)
 
 
 def _trtllm(models: Any, llm: torch.nn.Module, dtype: torch.dtype, engine: EngineConfig) -> Any:

@@ -37,6 +37,7 @@ from cosyvoice_fast.serving.errors import engine_error
 from cosyvoice_fast.serving.aio import next_chunk, open_stream
 from cosyvoice_fast.serving.auth import auth_dependency
 from cosyvoice_fast.serving.body import parse_json, read_body, read_raw
+from cosyvoice_fast.serving.stream_abort import StreamAborted, quiet_stream_aborts
 from cosyvoice_fast.serving.ws import WsLimits, add_ws_routes
 from cosyvoice_fast.frontend.request import AudioChunk
 from cosyvoice_fast.telemetry.record import now
@@ -143,6 +144,7 @@ def _usage(live: LiveRequest) -> dict[str, Any]:
 def create_api_router(get_service: Callable[[], Any], ws_limits: WsLimits | None = None) -> APIRouter:
     """Every ``/v1`` route, bound to the service ``get_service()`` returns (no authentication here)."""
     router = APIRouter(route_class=_route_class(get_service))
+    quiet_stream_aborts()  # an aborted audio response is logged as one line below, not as uvicorn's traceback
     add_ws_routes(router, get_service, ws_limits)  # bi-streaming: text pieces in, audio out, one WebSocket
 
     @router.post("/v1/audio/speech")
@@ -286,8 +288,12 @@ async def _stream_body(params: SpeechParams, stream: Any, first: AudioChunk, wat
                         "telemetry": tele.to_dict()})
         elif tail:
             yield tail
-    except ClientGone:
+    except (ClientGone, asyncio.CancelledError, GeneratorExit) as e:
+        # the client left: seen by our watcher (ClientGone), or by the server, which cancels the response task
+        # (CancelledError) or drops this generator (GeneratorExit); either way ``finally`` cancels the request
         log.info("request %s: client disconnected; cancelled", live.request_id)
+        if not isinstance(e, ClientGone):
+            raise
     except Exception as e:  # noqa: BLE001 - after the headers: tell the client in-band or abort the transfer
         if isinstance(e, _EncodeFailed):
             err = ApiError(500, f"the audio could not be encoded as {params.response_format} ({e}); ask for "
@@ -303,8 +309,8 @@ async def _stream_body(params: SpeechParams, stream: Any, first: AudioChunk, wat
                 log.warning("request %s ended early: %s", live.request_id, err.message)
         store.finish(live.request_id, "error", error=err.message)
         _count(svc, err.status, err.code)
-        if not sse:
-            raise
+        if not sse:  # a broken transfer, logged above as one line (uvicorn's traceback of it is filtered)
+            raise StreamAborted(err.message) from e
         yield _sse({"type": "error", "request_id": live.request_id, **err.body()})
     finally:  # no awaits here: this also runs when the server cancels the response task
         watcher.cancel()

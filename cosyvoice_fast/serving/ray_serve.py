@@ -16,9 +16,11 @@ directory (``--speaker-dir``; a network file system across hosts), read by every
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import logging
 import os
+import signal
 import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -172,6 +174,10 @@ class TTSReplica:
 
     def __init__(self, opts: RayServeOptions, device: str) -> None:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        try:  # `kill -USR1 <pid>` writes every thread's stack into this replica's log: what a stalled replica waits on
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
+        except (AttributeError, RuntimeError, ValueError):  # no such signal on this platform
+            pass
         if device == "cpu":
             import torch
 

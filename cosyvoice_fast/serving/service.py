@@ -200,6 +200,7 @@ def load_service(model_dir: str | Path | None = None, synthetic: str | None = No
     startup.plan(planned_graphs([default], engine_config or EngineConfig(), models.config))
     startup.phase("capturing graphs")
     engine = Engine(models, frontend=frontend, backend=default, config=engine_config)
+    startup.attach_background(engine.background)  # graphs left for after ready: "ready — capturing N/M"
     request_log.attach(engine)
     engine.add_observer(TrimWhenIdle(engine))  # freed heap back to the OS once a burst is over
     metrics = EngineMetrics().attach(engine)

@@ -22,6 +22,7 @@ a one-row filter graph captured on first use, or one eager filter pass from ``mi
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -30,7 +31,7 @@ import torch
 from cosyvoice_fast.config.backends import BackendUnavailable
 from cosyvoice_fast.vocoder.eager import batch_sources
 from cosyvoice_fast.vocoder.stream import ChunkJoining
-from cosyvoice_fast.kernels.graphs import CapturedGraph, GraphCache, capture, cuda_missing
+from cosyvoice_fast.kernels.graphs import CapturedGraph, DeferredCapture, GraphCache, capture, cuda_missing
 
 
 def why_unavailable_on(device: torch.device, engines_dir: Path | None = None) -> str | None:
@@ -52,10 +53,14 @@ def fp32_convs() -> Iterator[None]:
 class CudaGraphVocoder(ChunkJoining):
     def __init__(self, hift: torch.nn.Module, max_graphs: int = 48, max_batch: int = 16, min_batch: int = 6,
                  rows: Sequence[int] = (), lengths: Sequence[int] = (), final_lengths: Sequence[int] = (),
-                 progress: bool = True):
+                 progress: bool = True, defer_after: Sequence[int] | None = None):
         """``lengths`` x ``rows``: the whole-chunk graphs captured now (non-final chunks, which arrive in step
         across streams); ``final_lengths``: lengths captured for the smallest row count only (final chunks,
-        whose lengths vary per utterance, so they rarely share a batch)."""
+        whose lengths vary per utterance, so they rarely share a batch).  ``defer_after``: the first-chunk
+        lengths; given, only those are captured here, for the smallest row count (one request's first chunk,
+        ``config.graph_plan.hift_jobs``), and the rest are left in :attr:`deferred` for the
+        engine's background capture thread (a chunk of such a length runs the eager path until then), and the
+        one-row filter graphs are never captured on first use (a shape no start-up graph covers runs eagerly)."""
         dev = next(hift.parameters()).device
         reason = why_unavailable_on(dev)
         if reason is not None:
@@ -76,7 +81,15 @@ class CudaGraphVocoder(ChunkJoining):
         jobs = sorted({(n, r) for n in lengths for r in self.batch_rows})
         if self.batch_rows:
             jobs += sorted({(n, self.batch_rows[0]) for n in final_lengths} - set(jobs))
-        self._capture_batches(jobs, progress)
+        firsts = set(defer_after or ())
+        now = jobs if defer_after is None else [j for j in jobs if j[0] in firsts and j[1] == self.batch_rows[0]]
+        self._capture_batches(now, progress, jobs)
+        #: captures left for after ready (``kernels.graphs.DeferredCapture``; empty unless ``defer_after``): each
+        #: graph is published by one dict assignment (readers only ``get``); until then its shape runs eagerly
+        self.deferred = [DeferredCapture("hift", j, partial(self._capture_one, *j), partial(self._publish, j))
+                         for j in jobs if j not in now]
+        if defer_after is not None:  # nothing is captured on a request's path: other shapes' filter pass is eager
+            self.graphs.freeze()
 
     def _plain_model(self, hift: torch.nn.Module) -> torch.nn.Module:
         """The module the graphs run: a weight-norm-folded copy (``fused`` also swaps in its kernels here)."""
@@ -93,29 +106,39 @@ class CudaGraphVocoder(ChunkJoining):
         src = torch.where(keep, cache, self.plain.m_source.from_noise(self._f0(mel), noise))
         return self.plain.decode(mel, src), src
 
-    def _capture_batches(self, jobs: Sequence[tuple[int, int]], progress: bool) -> None:
-        """Capture the whole chunk for every (length, row count); start-up only, so serving never captures."""
+    def _capture_batches(self, jobs: Sequence[tuple[int, int]], progress: bool,
+                         every: Sequence[tuple[int, int]]) -> None:
+        """Capture the whole chunk for ``jobs`` (some of ``every`` (length, row count)) at start-up; the others
+        are :attr:`deferred` to the background capture thread, never captured on a request's path."""
         from tqdm.auto import tqdm
 
-        cfg, per_frame = self.plain.cfg, self.plain.samples_per_frame
         # the noise draw is the largest input (9 harmonics per sample): one buffer per row count, sized for the
-        # longest length, serves every length (row i's first n samples are contiguous, as a solo draw needs)
-        longest = {r: max(n for n, rr in jobs if rr == r) * per_frame for _, r in jobs}
-        noise_rows = {r: torch.zeros(r, m, self.plain.m_source.n_harmonics, device=self.device)
-                      for r, m in longest.items()}
+        # longest length of ``every``, serves every length (row i's first n samples are contiguous, as a solo
+        # draw needs)
+        per_frame = self.plain.samples_per_frame
+        longest = {r: max(n for n, rr in every if rr == r) * per_frame for _, r in every}
+        self._noise_rows = {r: torch.zeros(r, m, self.plain.m_source.n_harmonics, device=self.device)
+                            for r, m in longest.items()}
         for n, r in tqdm(jobs, desc="capturing HiFT graphs", unit="graph", disable=not progress or not jobs,
                          leave=False):
-            mel = torch.zeros(r, cfg.in_channels, n, device=self.device)
-            noise = noise_rows[r][:, :n * per_frame]
-            cache = torch.zeros(r, 1, n * per_frame, device=self.device)
-            keep = torch.zeros(r, 1, n * per_frame, dtype=torch.bool, device=self.device)
-            graph, out = capture(lambda a=(mel, noise, cache, keep): self._chunk(*a), self.device, self._pool,
-                                 warmup=1)
-            self.batch_graphs[n, r] = CapturedGraph(graph, (mel, noise, cache, keep), out)
+            self._publish((n, r), self._capture_one(n, r))
+
+    def _capture_one(self, n: int, r: int) -> CapturedGraph:
+        mel = torch.zeros(r, self.plain.cfg.in_channels, n, device=self.device)
+        noise = self._noise_rows[r][:, :n * self.plain.samples_per_frame]
+        cache = torch.zeros(r, 1, n * self.plain.samples_per_frame, device=self.device)
+        keep = torch.zeros(r, 1, n * self.plain.samples_per_frame, dtype=torch.bool, device=self.device)
+        graph, out = capture(lambda a=(mel, noise, cache, keep): self._chunk(*a), self.device, self._pool, warmup=1)
+        return CapturedGraph(graph, (mel, noise, cache, keep), out)
+
+    def _publish(self, key: tuple[int, int], graph: CapturedGraph) -> None:
+        self.batch_graphs[key] = graph
 
     def _graph_for(self, rows: int, frames: int) -> CapturedGraph | None:
-        r = next((c for c in self.batch_rows if c >= rows), None)
-        return None if r is None else self.batch_graphs.get((frames, r))
+        """The graph of the smallest row count >= ``rows`` captured so far at ``frames`` (padding rows are
+        zeros and never mix with real ones), or None."""
+        got = self.batch_graphs  # read once: the background thread publishes by assignment
+        return next((got[frames, c] for c in self.batch_rows if c >= rows and (frames, c) in got), None)
 
     def vocode(self, mel: torch.Tensor, cache_source: torch.Tensor, generator: torch.Generator | None
                ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,6 +27,7 @@ def _cv2_eager(models: Any, engine: EngineConfig) -> Any:
 
 def _cv2_graph(fused: bool) -> Build:
     def build(models: Any, engine: EngineConfig) -> Any:
+        from cosyvoice_fast.config.graph_plan import first_chunk_frames
         from cosyvoice_fast.config.schedule import final_vocoder_frames, vocoder_frames
         from cosyvoice_fast.config.stream import StreamParams
         from cosyvoice_fast.vocoder.fused import FusedVocoder
@@ -37,8 +38,9 @@ def _cv2_graph(fused: bool) -> Build:
         shape = (StreamParams(), models.config.chunk_size, models.config.token_mel_ratio)
         rows = engine.vocoder_rows if engine.capture_at_start else ()
         cls = FusedVocoder if fused else CudaGraphVocoder
+        firsts = first_chunk_frames(*shape) if engine.background_capture else None  # the rest after ready
         return cls(models.hift, max_batch=max(engine.vocoder_rows), rows=rows, lengths=vocoder_frames(*shape),
-                   final_lengths=final_vocoder_frames(*shape))
+                   final_lengths=final_vocoder_frames(*shape), defer_after=firsts)
     return build
 
 

@@ -17,7 +17,9 @@ What is fused, and why it is exact:
   key mask and ``j < (i // C + 1) · C`` as an index rule, never a (T, T) tensor; a padding row with no valid
   key gives 0 instead of attending to frame 0 (never read).
 * **Inputs**: the packing kernel of CosyVoice2's fused estimator writes ``[x | mu | spk | cond]`` rows; the
-  projection's columns are permuted once to that order.  The causal position convs stay cuDNN grouped convs.
+  projection's columns are permuted once to that order.  The causal position convs are Triton tensor-core
+  kernels on the channels-last rows (:mod:`~cosyvoice_fast.flow.kernels.dit_conv`; cuDNN's grouped conv plus
+  its layout transposes cost ~1 ms a forward on an H100).
 
 The gates (``x + gate · y``) are one ``addcmul`` each; GELU (tanh form, which the GEMM epilogue does not offer)
 one launch.
@@ -39,7 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cosyvoice_fast.flow.kernels.dit_conv import causal_conv_mish, pack_conv_weight
 from cosyvoice_fast.flow.kernels.dit_rotary import rotary_qk_
+from cosyvoice_fast.flow.kernels.dit_table import StepTable
 from cosyvoice_fast.flow.kernels.estimator_attention import attention
 from cosyvoice_fast.flow.kernels.estimator_fused import pack_inputs
 from cosyvoice_fast.flow.kernels.estimator_linear import ACT_SILU, PRO_LN, PRO_SINUS, linear
@@ -48,7 +52,7 @@ from cosyvoice_fast.flow.model.dit import DiT
 EPS = 1e-6
 
 
-class FusedDiT(nn.Module):
+class FusedDiT(StepTable, nn.Module):
     """The DiT's forward on fused kernels, reading (and packing once) the weights of ``dit``.
 
     Packed weights are made on first use in the module's current device/dtype and remade when they change
@@ -88,34 +92,16 @@ class FusedDiT(nn.Module):
             qkv = [(torch.cat((b.attn.to_q.weight, b.attn.to_k.weight, b.attn.to_v.weight)).contiguous(),
                     torch.cat((b.attn.to_q.bias, b.attn.to_k.bias, b.attn.to_v.bias)).contiguous())
                    for b in est.transformer_blocks]
+            pos = est.input_embed.conv_pos_embed
+            convs = [(pack_conv_weight(conv[0].weight, conv[0].groups), conv[0].bias.contiguous())
+                     for conv in (pos.conv1, pos.conv2)]
         half = c.time_freq_dim // 2
         freqs = torch.exp(torch.arange(half, device=w0.device, dtype=torch.float32) * -(math.log(10000.0) / (half - 1)))
         table = torch.zeros(self.n_steps, mods_w.shape[0], device=w0.device, dtype=w0.dtype)
-        self._packed = {"key": key, "proj_w": proj_w, "mods_w": mods_w, "mods_b": mods_b, "qkv": qkv,
+        self._packed = {"key": key, "proj_w": proj_w, "mods_w": mods_w, "mods_b": mods_b, "qkv": qkv, "convs": convs,
                         "freqs": freqs, "inv_freq": est.rotary_embed.inv_freq.float().contiguous(), "table": table}
         self._times = None
         return self._packed
-
-    def time_width(self) -> int:
-        """Columns of a :meth:`time_table` row: one, the Euler step's index."""
-        return 1
-
-    def time_table(self, ts: Tensor, rows: int) -> Tensor:
-        """(n_steps, rows, 1): step ``i``'s index for each row; fills the modulation table for the times ``ts``
-        (called by the step graphs outside any capture, once per filling; a host read of ``ts`` is fine)."""
-        p = self.packed()
-        times = tuple(float(v) for v in ts.tolist())
-        if len(times) != self.n_steps:
-            raise ValueError(f"FusedDiT holds {self.n_steps} Euler steps' modulations, got {len(times)} times")
-        if self._times is not None and self._times != times:
-            raise ValueError("FusedDiT serves one Euler schedule per module (captured graphs read its table); "
-                             "build another FusedDiT for another schedule")
-        with torch.no_grad():
-            for i in range(self.n_steps):
-                p["table"][i].copy_(self.modulations(ts[i:i + 1], p)[0])
-        self._times = times
-        idx = torch.arange(self.n_steps, device=ts.device).to(p["table"].dtype)
-        return idx.view(-1, 1, 1).expand(-1, rows, 1)
 
     def modulations(self, t: Tensor, p: dict) -> Tensor:
         """(1, depth·6·dim + 2·dim): every block's [shift, 1+scale, gate, shift, 1+scale, gate] and the final
@@ -125,6 +111,10 @@ class FusedDiT(nn.Module):
         temb = linear(t1, tm[0].weight, tm[0].bias, prologue=PRO_SINUS, act=ACT_SILU, freqs=p["freqs"])
         temb = linear(temb, tm[2].weight, tm[2].bias, act=ACT_SILU)  # SiLU(temb): what every modulation reads
         return linear(temb, p["mods_w"], p["mods_b"])
+
+    def step_modulation(self, t: Tensor, packed: dict) -> Tensor:
+        """The modulation row of one flow time (:class:`~.dit_table.StepTable` fills its table with these)."""
+        return self.modulations(t, packed)[0]
 
     def forward(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
                 streaming: bool = False, tall: Tensor | None = None) -> Tensor:
@@ -142,7 +132,8 @@ class FusedDiT(nn.Module):
         else:
             mods = p["table"].index_select(0, tall.reshape(-1)[:1].long())[0]
         h0 = linear(pack_inputs(x, mu, spks, cond), p["proj_w"], est.input_embed.proj.bias)
-        h = h0 + est.input_embed.conv_pos_embed(h0.view(b, frames, d)).reshape(b * frames, d)
+        (cw1, cb1), (cw2, cb2) = p["convs"]
+        h = causal_conv_mish(causal_conv_mish(h0, cw1, cb1, frames), cw2, cb2, frames, residual=h0)
         chunk = c.static_chunk_size if streaming else 0
         for i, block in enumerate(est.transformer_blocks):
             v = mods[6 * i * d:6 * (i + 1) * d].view(6, d)  # shift, gamma, gate, shift, gamma, gate

@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
@@ -29,24 +28,21 @@ from cosyvoice_fast.vocoder.model.causal_layers import (CausalConv1d, CausalDown
                                                          CausalResBlock, CausalUpsampleConv)
 from cosyvoice_fast.vocoder.model.causal_noise import NoiseTable
 from cosyvoice_fast.vocoder.model.causal_source import CausalSineSource
-from cosyvoice_fast.vocoder.model.hift import istft
+from cosyvoice_fast.vocoder.model.hift_common import (
+    HiFTBase, down_rates, residual_stacks, stage_widths,
+)
 from cosyvoice_fast.vocoder.model.weightnorm import convert_legacy_weight_norm
 
 
-class CausalHiFTGenerator(nn.Module):
+class CausalHiFTGenerator(HiFTBase):
     """Attribute names match the keys of CosyVoice3's ``hift.pt``.  ``noise``: the fixed noise table (shared by
     copies; None draws it by replaying upstream's construction from the config)."""
 
     def __init__(self, cfg: CausalHiFTConfig, noise: NoiseTable | None = None):
-        super().__init__()
-        self.cfg = cfg
-        self.n_fft = cfg.istft_n_fft
-        self.hop = cfg.istft_hop_len
-        self.samples_per_frame = cfg.upsample_factor
-        self.num_kernels = len(cfg.resblock_kernel_sizes)
+        super().__init__(cfg)
         self.look_right = cfg.conv_pre_look_right
         spec_ch = self.n_fft + 2
-        widths = [cfg.base_channels // 2 ** (i + 1) for i in range(len(cfg.upsample_rates))]
+        widths = stage_widths(cfg)
         ins = [cfg.base_channels] + widths[:-1]
 
         self.noise = noise if noise is not None else NoiseTable(cfg)
@@ -56,18 +52,10 @@ class CausalHiFTGenerator(nn.Module):
                                                  look_right=True))
         self.ups = nn.ModuleList(weight_norm(CausalUpsampleConv(cin, c, k, u))
                                  for cin, c, u, k in zip(ins, widths, cfg.upsample_rates, cfg.upsample_kernel_sizes))
-        # the excitation's STFT runs at the final resolution; stage i sees it strided by the rates still to come
-        self.down_rates = [math.prod(cfg.upsample_rates[i + 1:]) for i in range(len(widths))]
+        self.down_rates = down_rates(cfg)
         self.source_downs = nn.ModuleList(CausalDownsampleConv(spec_ch, c, s) for c, s in zip(widths, self.down_rates))
-        self.source_resblocks = nn.ModuleList(
-            CausalResBlock(c, k, tuple(d))
-            for c, k, d in zip(widths, cfg.source_resblock_kernel_sizes, cfg.source_resblock_dilation_sizes))
-        self.resblocks = nn.ModuleList(
-            CausalResBlock(c, k, tuple(d))
-            for c in widths for k, d in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilation_sizes))
+        self.source_resblocks, self.resblocks = residual_stacks(CausalResBlock, widths, cfg)
         self.conv_post = weight_norm(CausalConv1d(widths[-1], spec_ch, 7))
-        window = torch.hann_window(self.n_fft, periodic=True, dtype=torch.float64).float()
-        self.register_buffer("stft_window", window, persistent=False)
 
     def load_checkpoint(self, state_dict: Mapping[str, Tensor]) -> "CausalHiFTGenerator":
         """Strict load of ``hift.pt`` in either weight-norm key style (``weight_g``/``weight_v`` or
@@ -87,11 +75,6 @@ class CausalHiFTGenerator(nn.Module):
 
     # ------------------------------------------------------------------------------------------ filter
 
-    def _source_spectrum(self, source: Tensor) -> Tensor:
-        spec = torch.stft(source.squeeze(1), self.n_fft, self.hop, self.n_fft, window=self.stft_window,
-                          return_complex=True)
-        return torch.cat([spec.real, spec.imag], dim=1)
-
     def decode(self, mel: Tensor, source: Tensor, finalize: bool = True) -> Tensor:
         """(B, 80, T) mel and (B, 1, T * 480) excitation -> (B, T * 480) waveform (finalize), else the last 4
         frames are ``conv_pre``'s look-ahead and (B, (T - 5) * 480) samples come out."""
@@ -108,17 +91,9 @@ class CausalHiFTGenerator(nn.Module):
             if i == last:  # the STFT of T * 480 samples has one frame more than T * 120
                 x = F.pad(x, (1, 0), mode="reflect")
             x = x + src_block(down(s_spec))
-            blocks = self.resblocks[i * self.num_kernels:(i + 1) * self.num_kernels]
-            acc = blocks[0](x)
-            for block in blocks[1:]:
-                acc = acc + block(x)
-            x = acc / self.num_kernels
+            x = self._mrf(i, x)
         x = self.conv_post(F.leaky_relu(x))  # default 0.01 slope here, as trained
-        bins = self.n_fft // 2 + 1
-        magnitude = torch.exp(x[:, :bins]).clamp(max=1e2)
-        phase = torch.sin(x[:, bins:])
-        wav = istft(torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase)), self.n_fft, self.hop,
-                    self.stft_window)
+        wav = self._waveform(x)
         if not finalize:
             wav = wav[:, :-self.samples_per_frame]
         return wav.clamp(-self.cfg.audio_limit, self.cfg.audio_limit)

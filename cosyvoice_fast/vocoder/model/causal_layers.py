@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.nn.utils.parametrizations import weight_norm
 
 from cosyvoice_fast.vocoder.model.hift import Snake
+from cosyvoice_fast.vocoder.model.hift_common import SnakeUnits
 
 
 class CausalConv1d(nn.Conv1d):
@@ -63,7 +64,7 @@ class CausalDownsampleConv(nn.Conv1d):
         return self._conv_forward(x, self.weight, self.bias)
 
 
-class CausalResBlock(nn.Module):
+class CausalResBlock(SnakeUnits):
     """One residual unit per dilation: Snake -> dilated causal conv -> Snake -> causal conv, added back."""
 
     def __init__(self, channels: int, kernel: int, dilations: tuple[int, ...]):
@@ -72,11 +73,6 @@ class CausalResBlock(nn.Module):
         self.convs2 = nn.ModuleList(weight_norm(CausalConv1d(channels, channels, kernel)) for _ in dilations)
         self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
         self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
-
-    def forward(self, x: Tensor) -> Tensor:
-        for act1, conv1, act2, conv2 in zip(self.activations1, self.convs1, self.activations2, self.convs2):
-            x = x + conv2(act2(conv1(act1(x))))
-        return x
 
     def left_context(self) -> int:
         """Samples of the past one output reads (at this block's resolution)."""

@@ -20,6 +20,9 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
 from cosyvoice_fast.config.model import HiFTConfig
+from cosyvoice_fast.vocoder.model.hift_common import (  # noqa: F401 - istft re-exported: its home before CosyVoice3
+    HiFTBase, SnakeUnits, down_rates, istft, residual_stacks, stage_widths,
+)
 from cosyvoice_fast.vocoder.model.source import F0Predictor, HarmonicNoiseSource
 
 
@@ -35,25 +38,6 @@ class Snake(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         a = self.alpha.view(1, -1, 1)
         return x + (1.0 / (a + self.EPS)) * torch.sin(x * a).pow(2)
-
-
-def istft(spec: Tensor, n_fft: int, hop: int, window: Tensor) -> Tensor:
-    """Inverse of a centred, one-sided STFT: (B, n_fft // 2 + 1, F) complex -> (B, (F - 1) * hop) real.
-
-    Same result as ``torch.istft(spec, n_fft, hop, n_fft, window)`` (inverse FFT, window, overlap-add,
-    division by the summed squared window, centre padding trimmed), but built from ops that never read a
-    value back to the host: ``torch.istft`` checks the window envelope with a device sync, which makes it
-    impossible to capture in a CUDA graph.
-    """
-    n_frames = spec.shape[-1]
-    frames = torch.fft.irfft(spec, n=n_fft, dim=1) * window.unsqueeze(-1)  # (B, n_fft, F)
-    full_len = n_fft + hop * (n_frames - 1)
-    fold = dict(output_size=(1, full_len), kernel_size=(1, n_fft), stride=(1, hop))
-    signal = F.fold(frames, **fold).flatten(1)  # overlap-add
-    envelope = F.fold(window.pow(2).view(1, -1, 1).expand(1, n_fft, n_frames), **fold).flatten(1)
-    start = n_fft // 2
-    end = start + hop * (n_frames - 1)
-    return signal[:, start:end] / envelope[:, start:end]
 
 
 def time_major(x: Tensor) -> Tensor:
@@ -88,7 +72,7 @@ def _same_padding(kernel: int, dilation: int) -> int:
     return (kernel - 1) * dilation // 2
 
 
-class SnakeResBlock(nn.Module):
+class SnakeResBlock(SnakeUnits):
     """One residual unit per dilation: Snake -> dilated conv -> Snake -> conv, added back to its input.
 
     Lengths are preserved ("same" padding), so the block can sit anywhere in the upsampling chain.
@@ -105,13 +89,8 @@ class SnakeResBlock(nn.Module):
         self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
         self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
 
-    def forward(self, x: Tensor) -> Tensor:
-        for act1, conv1, act2, conv2 in zip(self.activations1, self.convs1, self.activations2, self.convs2):
-            x = x + conv2(act2(conv1(act1(x))))
-        return x
 
-
-class HiFTGenerator(nn.Module):
+class HiFTGenerator(HiFTBase):
     """CosyVoice2's vocoder; attribute names match the keys of ``hift.pt``.
 
     ``time_major`` (off by default; a speed setting, not a weight): :meth:`decode` runs its conv stack on
@@ -125,14 +104,9 @@ class HiFTGenerator(nn.Module):
     conv_override = None
 
     def __init__(self, cfg: HiFTConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.n_fft = cfg.istft_n_fft
-        self.hop = cfg.istft_hop_len
-        self.samples_per_frame = cfg.upsample_factor
-        self.num_kernels = len(cfg.resblock_kernel_sizes)
+        super().__init__(cfg)
         spec_ch = self.n_fft + 2  # real and imaginary parts of n_fft // 2 + 1 bins
-        widths = [cfg.base_channels // 2 ** (i + 1) for i in range(len(cfg.upsample_rates))]
+        widths = stage_widths(cfg)
 
         self.m_source = HarmonicNoiseSource(cfg)
         self.f0_predictor = F0Predictor(cfg.f0_in_channels, cfg.f0_cond_channels, cfg.f0_num_class)
@@ -141,28 +115,12 @@ class HiFTGenerator(nn.Module):
             weight_norm(nn.ConvTranspose1d(c * 2, c, k, stride=u, padding=(k - u) // 2))
             for c, u, k in zip(widths, cfg.upsample_rates, cfg.upsample_kernel_sizes))
 
-        # The excitation's STFT runs at the final resolution; stage i needs it strided down by the product of
-        # the upsample rates still to come after stage i.
-        strides = []
-        for i in range(len(widths)):
-            s = 1
-            for r in cfg.upsample_rates[i + 1:]:
-                s *= r
-            strides.append(s)
         self.source_downs = nn.ModuleList(
             nn.Conv1d(spec_ch, c, 1) if s == 1 else nn.Conv1d(spec_ch, c, 2 * s, stride=s, padding=s // 2)
-            for c, s in zip(widths, strides))
-        self.source_resblocks = nn.ModuleList(
-            SnakeResBlock(c, k, tuple(d))
-            for c, k, d in zip(widths, cfg.source_resblock_kernel_sizes, cfg.source_resblock_dilation_sizes))
-        self.resblocks = nn.ModuleList(
-            SnakeResBlock(c, k, tuple(d))
-            for c in widths for k, d in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilation_sizes))
+            for c, s in zip(widths, down_rates(cfg)))
+        self.source_resblocks, self.resblocks = residual_stacks(SnakeResBlock, widths, cfg)
         self.conv_post = weight_norm(nn.Conv1d(widths[-1], spec_ch, 7, padding=3))
 
-        # Periodic Hann computed in float64 like scipy's, so the fp32 window is bit-identical to the reference.
-        window = torch.hann_window(self.n_fft, periodic=True, dtype=torch.float64).float()
-        self.register_buffer("stft_window", window, persistent=False)
 
     # ------------------------------------------------------------------------------------------ excitation
 
@@ -175,20 +133,6 @@ class HiFTGenerator(nn.Module):
         return self.m_source(f0, generator)
 
     # ------------------------------------------------------------------------------------------ filter
-
-    def _source_spectrum(self, source: Tensor) -> Tensor:
-        """(B, 1, L) -> (B, n_fft + 2, L / hop + 1): real parts then imaginary parts of a centred STFT."""
-        spec = torch.stft(source.squeeze(1), self.n_fft, self.hop, self.n_fft, window=self.stft_window,
-                          return_complex=True)
-        return torch.cat([spec.real, spec.imag], dim=1)
-
-    def _waveform(self, x: Tensor) -> Tensor:
-        """conv_post output (B, n_fft + 2, F) -> (B, (F - 1) * hop) audio via log-magnitude / phase iSTFT."""
-        bins = self.n_fft // 2 + 1
-        magnitude = torch.exp(x[:, :bins]).clamp(max=1e2)
-        phase = torch.sin(x[:, bins:])  # the trained model expects this squashing; keep it
-        spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
-        return istft(spec, self.n_fft, self.hop, self.stft_window)
 
     def decode(self, mel: Tensor, source: Tensor) -> Tensor:
         """(B, 80, T) mel and (B, 1, T * 480) excitation -> (B, T * 480) waveform in [-0.99, 0.99].
@@ -209,11 +153,7 @@ class HiFTGenerator(nn.Module):
                 if self.time_major:  # the pad's output is channel-major again
                     x = time_major(x)
             x = x + src_block(conv(down, s_spec))
-            blocks = self.resblocks[i * self.num_kernels:(i + 1) * self.num_kernels]
-            acc = blocks[0](x)
-            for block in blocks[1:]:
-                acc = acc + block(x)
-            x = acc / self.num_kernels
+            x = self._mrf(i, x)
         x = conv(self.conv_post, F.leaky_relu(x))  # default 0.01 slope here, as trained
         wav = self._waveform(x)
         return wav.clamp(-self.cfg.audio_limit, self.cfg.audio_limit)
