@@ -180,7 +180,7 @@ class _EagerReplay:
 
 
 class _CpuGraphLLM(CudaGraphLLM):
-    def _capture_all(self, progress: bool) -> int:
+    def _capture_all(self, progress: bool, defer: bool = False) -> int:  # every graph (no background here)
         jobs = self._graph_jobs()
         for where, key, math in jobs:
             where[key] = _EagerReplay(math)
