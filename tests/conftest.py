@@ -8,7 +8,9 @@ so parity can never pass by being skipped.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -135,22 +137,37 @@ class _FakeGraphCache:
         from collections import OrderedDict
 
         self.fn, self.graphs, self.captures, self.replays = fn, OrderedDict(), 0, 0
-        self.max_graphs, self.frozen = max_graphs, False
+        self.max_graphs, self.frozen, self.lock = max_graphs, False, threading.Lock()
 
     def freeze(self) -> None:
         self.frozen = True
 
-    def get(self, key, example):  # noqa: ANN001
+    def _capture(self, example):  # noqa: ANN001
         from cosyvoice_fast.kernels.graphs import CapturedGraph
 
+        static = tuple(t.detach().clone() for t in example)
+        outs = tuple(o.clone() for o in self.fn(*static))
+        return CapturedGraph(_FakeGraph(self.fn, static, outs), static, outs)
+
+    def get(self, key, example):  # noqa: ANN001
         if key not in self.graphs:
             if self.frozen:
                 return None
-            static = tuple(t.detach().clone() for t in example)
-            outs = tuple(o.clone() for o in self.fn(*static))
-            self.graphs[key] = CapturedGraph(_FakeGraph(self.fn, static, outs), static, outs)
+            self.graphs[key] = self._capture(example)
             self.captures += 1
         return self.graphs[key]
+
+    def deferred_job(self, family, shape, key, example, lock=None):  # noqa: ANN001
+        """``GraphCache.deferred_job``: captured off every lock, published under the runner's ``lock``."""
+        from cosyvoice_fast.kernels.graphs import DeferredCapture
+
+        def publish(graph) -> None:  # noqa: ANN001
+            assert self.frozen, "a background capture comes after the runner froze its caches"
+            with lock if lock is not None else contextlib.nullcontext():
+                self.graphs.setdefault(key, graph)
+                self.captures += 1
+
+        return DeferredCapture(family, shape, lambda: self._capture(example()), publish)
 
 
 @pytest.fixture

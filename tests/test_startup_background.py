@@ -89,40 +89,11 @@ def test_background_capture_is_off_unless_its_flag_turns_it_on():
 
 
 # ------------------------------------------------------------------------------------------------ the runners
-class _Cache:
-    """A GraphCache without CUDA: a "graph" is the function's output on the example (counted per key)."""
-
-    def __init__(self, fn, device, max_graphs=64, name="graph"):  # noqa: ANN001
-        self.fn, self.graphs, self.captures, self.replays = fn, {}, 0, 0
-        self.max_graphs, self.frozen, self.lock = max_graphs, False, threading.Lock()
-
-    def freeze(self) -> None:
-        self.frozen = True
-
-    def get(self, key, example):  # noqa: ANN001
-        if key not in self.graphs:
-            if self.frozen:
-                return None
-            self.graphs[key] = "graph"
-            self.captures += 1
-        return self.graphs[key]
-
-    def deferred_job(self, family, shape, key, example, lock=None):  # noqa: ANN001
-        def publish(graph) -> None:  # noqa: ANN001
-            assert self.frozen, "a background capture comes after the runner froze its caches"
-            with lock:  # published under the runner's lock
-                self.graphs[key] = graph
-                self.captures += 1
-
-        return DeferredCapture(family, shape, lambda: (example(), "graph")[1], publish)
-
-
-def test_the_flow_runner_captures_the_plans_first_chunk_graphs_and_defers_the_rest(tiny_models, monkeypatch):
+def test_the_flow_runner_captures_the_plans_first_chunk_graphs_and_defers_the_rest(tiny_models, fake_graphs):
     from cosyvoice_fast.flow.graph import CudaGraphFlow, GraphEstimator
     from cosyvoice_fast.flow.graph_capture import capture_flow
     from cosyvoice_fast.flow.graph_encoder import GraphEncoder
 
-    monkeypatch.setattr(graphs, "GraphCache", _Cache)
     engine = EngineConfig(flow_buckets=(50, 100, 150), flow_rows=(1, 2), background_capture=True)
     flow = tiny_models.flow
     stage = CudaGraphFlow.__new__(CudaGraphFlow)  # __init__ refuses without CUDA
@@ -158,7 +129,9 @@ def test_the_vocoder_captures_first_chunk_lengths_and_defers_the_rest(tiny_model
 
     monkeypatch.setattr(vgraph, "why_unavailable_on", lambda dev: None)
     monkeypatch.setattr(vgraph, "capture", fake_capture)
-    monkeypatch.setattr(vgraph, "GraphCache", _Cache)
+    from conftest import _FakeGraphCache
+
+    monkeypatch.setattr(vgraph, "GraphCache", _FakeGraphCache)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     params = StreamParams()
     firsts = first_chunk_frames(params)

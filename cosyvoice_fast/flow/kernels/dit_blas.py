@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cosyvoice_fast.flow.kernels.dit_conv import causal_conv_mish, pack_conv_weight
+from cosyvoice_fast.flow.kernels.dit_conv import causal_conv_mish
 from cosyvoice_fast.flow.kernels.dit_norm import modulated_norm
 from cosyvoice_fast.flow.kernels.dit_rotary import rotary_qk_
-from cosyvoice_fast.flow.kernels.dit_table import StepTable
+from cosyvoice_fast.flow.kernels.dit_table import StepTable, check_packable, key_rows, pack_shared, packed_key
 from cosyvoice_fast.flow.kernels.estimator_attention import attention
 from cosyvoice_fast.flow.kernels.estimator_fused import pack_inputs
 from cosyvoice_fast.flow.model.dit import DiT
@@ -61,12 +61,9 @@ class BlasDiT(StepTable, nn.Module):
 
     def __init__(self, dit: DiT, n_steps: int = 10):
         super().__init__()
-        c = dit.cfg
-        if not (c.mel_dim == c.mu_dim == c.spk_dim):
-            raise ValueError(f"BlasDiT packs x, mu, spks, cond as equal-width blocks; got mel {c.mel_dim}, "
-                             f"mu {c.mu_dim}, spk {c.spk_dim}")
+        check_packable(dit.cfg, "BlasDiT")
         self.est = dit
-        self.cfg = c
+        self.cfg = dit.cfg
         self.n_steps = int(n_steps)
         self._times: tuple[float, ...] | None = None  # the schedule the table holds
         self._packed: dict | None = None
@@ -77,24 +74,11 @@ class BlasDiT(StepTable, nn.Module):
         return (6 * self.cfg.depth + 2) * self.cfg.dim
 
     def packed(self) -> dict:
-        est, c = self.est, self.cfg
-        w0 = est.proj_out.weight
-        key = (w0.device, w0.dtype, w0.data_ptr())
-        if self._packed is not None and self._packed["key"] == key:
+        est = self.est
+        if self._packed is not None and self._packed["key"] == packed_key(est):
             return self._packed
-        m = c.mel_dim
-        pos = est.input_embed.conv_pos_embed
-        with torch.no_grad():
-            proj = est.input_embed.proj.weight
-            # eager order [x | cond | mu | spk] -> the packing kernel's [x | mu | spk | cond]
-            proj_w = torch.cat((proj[:, :m], proj[:, 2 * m:], proj[:, m:2 * m]), dim=1).contiguous()
-            qkv = [(torch.cat((b.attn.to_q.weight, b.attn.to_k.weight, b.attn.to_v.weight)).contiguous(),
-                    torch.cat((b.attn.to_q.bias, b.attn.to_k.bias, b.attn.to_v.bias)).contiguous())
-                   for b in est.transformer_blocks]
-            convs = [(pack_conv_weight(conv[0].weight, conv[0].groups), conv[0].bias.contiguous())
-                     for conv in (pos.conv1, pos.conv2)]
-        self._packed = {"key": key, "proj_w": proj_w, "qkv": qkv, "convs": convs,
-                        "inv_freq": est.rotary_embed.inv_freq.float().contiguous(),
+        w0 = est.proj_out.weight
+        self._packed = {**pack_shared(est), "inv_freq": est.rotary_embed.inv_freq.float().contiguous(),
                         "table": torch.zeros(self.n_steps, self.width, device=w0.device, dtype=w0.dtype)}
         self._times = None
         return self._packed
@@ -120,12 +104,9 @@ class BlasDiT(StepTable, nn.Module):
         """The velocity (B, 80, T).  ``tall``: this forward's row of :meth:`time_table` (then ``t`` is not read
         and the modulations come from the table)."""
         b, _, frames = x.shape
-        if mask.shape != (b, 1, frames):
-            raise ValueError(f"estimator mask must be ({b}, 1, {frames}), got {tuple(mask.shape)}")
+        keys = key_rows(mask, x)
         est, c, p = self.est, self.cfg, self.packed()
         d, inner = c.dim, c.inner_dim
-        keys = mask.reshape(b * frames)
-        keys = keys if keys.dtype == x.dtype and keys.is_contiguous() else keys.to(x.dtype).contiguous()
         if tall is None:
             mods, sel = self.modulations(t, b), None
         else:

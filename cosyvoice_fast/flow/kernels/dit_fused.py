@@ -41,9 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cosyvoice_fast.flow.kernels.dit_conv import causal_conv_mish, pack_conv_weight
+from cosyvoice_fast.flow.kernels.dit_conv import causal_conv_mish
 from cosyvoice_fast.flow.kernels.dit_rotary import rotary_qk_
-from cosyvoice_fast.flow.kernels.dit_table import StepTable
+from cosyvoice_fast.flow.kernels.dit_table import StepTable, check_packable, key_rows, pack_shared, packed_key
 from cosyvoice_fast.flow.kernels.estimator_attention import attention
 from cosyvoice_fast.flow.kernels.estimator_fused import pack_inputs
 from cosyvoice_fast.flow.kernels.estimator_linear import ACT_SILU, PRO_LN, PRO_SINUS, linear
@@ -62,25 +62,18 @@ class FusedDiT(StepTable, nn.Module):
         super().__init__()
         self.n_steps = int(n_steps)  # rows of the modulation table (the CFM's Euler steps)
         self._times: tuple[float, ...] | None = None  # the schedule the table holds
-        c = dit.cfg
-        if not (c.mel_dim == c.mu_dim == c.spk_dim):
-            raise ValueError(f"FusedDiT packs x, mu, spks, cond as equal-width blocks; got mel {c.mel_dim}, "
-                             f"mu {c.mu_dim}, spk {c.spk_dim}")
+        check_packable(dit.cfg, "FusedDiT")
         self.est = dit
-        self.cfg = c
+        self.cfg = dit.cfg
         self._packed: dict | None = None
 
     def packed(self) -> dict:
         est, c = self.est, self.cfg
-        w0 = est.proj_out.weight
-        key = (w0.device, w0.dtype, w0.data_ptr())
-        if self._packed is not None and self._packed["key"] == key:
+        if self._packed is not None and self._packed["key"] == packed_key(est):
             return self._packed
-        d, m = c.dim, c.mel_dim
+        w0 = est.proj_out.weight
+        d = c.dim
         with torch.no_grad():
-            proj = est.input_embed.proj.weight
-            # eager order [x | cond | mu | spk] -> the packing kernel's [x | mu | spk | cond]
-            proj_w = torch.cat((proj[:, :m], proj[:, 2 * m:], proj[:, m:2 * m]), dim=1).contiguous()
             mods_w = torch.cat([b.attn_norm.linear.weight for b in est.transformer_blocks]
                                + [est.norm_out.linear.weight]).contiguous()
             mods_b = torch.cat([b.attn_norm.linear.bias for b in est.transformer_blocks]
@@ -89,16 +82,10 @@ class FusedDiT(StepTable, nn.Module):
                 mods_b[(6 * i + 1) * d:(6 * i + 2) * d] += 1
                 mods_b[(6 * i + 4) * d:(6 * i + 5) * d] += 1
             mods_b[6 * c.depth * d:(6 * c.depth + 1) * d] += 1  # norm_out: scale first, then shift
-            qkv = [(torch.cat((b.attn.to_q.weight, b.attn.to_k.weight, b.attn.to_v.weight)).contiguous(),
-                    torch.cat((b.attn.to_q.bias, b.attn.to_k.bias, b.attn.to_v.bias)).contiguous())
-                   for b in est.transformer_blocks]
-            pos = est.input_embed.conv_pos_embed
-            convs = [(pack_conv_weight(conv[0].weight, conv[0].groups), conv[0].bias.contiguous())
-                     for conv in (pos.conv1, pos.conv2)]
         half = c.time_freq_dim // 2
         freqs = torch.exp(torch.arange(half, device=w0.device, dtype=torch.float32) * -(math.log(10000.0) / (half - 1)))
         table = torch.zeros(self.n_steps, mods_w.shape[0], device=w0.device, dtype=w0.dtype)
-        self._packed = {"key": key, "proj_w": proj_w, "mods_w": mods_w, "mods_b": mods_b, "qkv": qkv, "convs": convs,
+        self._packed = {**pack_shared(est), "mods_w": mods_w, "mods_b": mods_b,
                         "freqs": freqs, "inv_freq": est.rotary_embed.inv_freq.float().contiguous(), "table": table}
         self._times = None
         return self._packed
@@ -121,12 +108,9 @@ class FusedDiT(StepTable, nn.Module):
         """The velocity (B, 80, T).  ``tall``: this forward's row of :meth:`time_table` (then ``t`` is not read
         and the modulations come from the table)."""
         b, _, frames = x.shape
-        if mask.shape != (b, 1, frames):
-            raise ValueError(f"estimator mask must be ({b}, 1, {frames}), got {tuple(mask.shape)}")
+        m = key_rows(mask, x)
         est, c, p = self.est, self.cfg, self.packed()
         d, inner = c.dim, c.inner_dim
-        m = mask.reshape(b * frames)
-        m = m if m.dtype == x.dtype and m.is_contiguous() else m.to(x.dtype).contiguous()
         if tall is None:
             mods = self.modulations(t, p)[0]
         else:
