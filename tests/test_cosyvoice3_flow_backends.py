@@ -3,8 +3,8 @@ streamed call (``case_flow_stream``): each keeps exactly upstream's new frames.
 
 CPU: eager reproduces every kept mel (1e-4, the fixture's tolerance) with the schedule of ``config/schedule.py``;
 the incremental runner equals eager (1e-4) while computing only the new chunks; the graph runner's padding and
-batching run through ``fake_graphs``; the fused DiT kernels run through Triton's interpreter against the recorded
-estimator calls.  GPU tests (``-m gpu``) compare graphs and fused kernels with eager on CUDA.
+batching run through ``fake_graphs`` (the captured DiT's kernels: ``test_cosyvoice3_dit_kernels.py``).  GPU tests
+(``-m gpu``) compare the graph stage with eager on CUDA (``fused`` is the same runner for CosyVoice3).
 """
 
 from __future__ import annotations
@@ -317,103 +317,3 @@ def test_gpu_cosyvoice3_graph_bf16_close_to_fp32(cv3_flow_cuda, stream_case):
         assert torch.isfinite(a).all()
         assert _maxabs(a, b) <= 5e-2 * scale and (a.float() - b.float()).abs().mean().item() <= 1e-2 * scale
         assert _maxabs(a, e) <= 5e-2 * scale
-
-
-# ------------------------------------------------------------------------------------------ fused kernels
-
-
-@pytest.fixture
-def kernel_dit(cv3_flow, no_tf32):
-    """The fixture's DiT where the Triton kernels run: CUDA (fp32, TF32 off) or the CPU interpreter."""
-    import copy
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    return copy.deepcopy(cv3_flow.decoder.estimator).to(dev).eval()
-
-
-def _est_inputs(case: dict, device: torch.device, frames: int | None = None) -> dict:
-    e = case["estimator_inputs"]
-    return {k: (v[..., :frames] if frames and k in ("x", "mask", "mu", "cond") else v).to(device)
-            for k, v in e.items()}
-
-
-@pytest.mark.parametrize("streaming,key", [(False, "estimator_output"), (True, "estimator_output_streaming")])
-def test_cosyvoice3_fused_dit_reproduces_recorded_estimator(kernel_dit, load_case3, streaming, key):
-    from cosyvoice_fast.flow.kernels.dit_fused import FusedDiT
-
-    case = load_case3("case_flow")
-    e = _est_inputs(case, kernel_dit.proj_out.weight.device)
-    with torch.inference_mode():
-        out = FusedDiT(kernel_dit)(e["x"], e["mask"], e["mu"], e["t"], e["spks"], e["cond"], streaming)
-    assert _maxabs(out, case[key]) <= TOL
-
-
-def test_cosyvoice3_fused_dit_padding_never_reaches_real_frames(kernel_dit, load_case3):
-    """A graph bucket's shape: one real row right-padded by 10 frames, then an all-padding row (mask 0)."""
-    from cosyvoice_fast.flow.kernels.dit_fused import FusedDiT
-
-    e = _est_inputs(load_case3("case_flow"), kernel_dit.proj_out.weight.device)
-    n = e["x"].shape[2]
-
-    def pad(z: torch.Tensor) -> torch.Tensor:
-        z = torch.nn.functional.pad(z[:1], (0, 10))
-        return torch.cat([z, torch.zeros_like(z)])
-
-    with torch.inference_mode():
-        ref = kernel_dit(e["x"][:1], e["mask"][:1], e["mu"][:1], e["t"][:1], e["spks"][:1], e["cond"][:1], True)
-        out = FusedDiT(kernel_dit)(pad(e["x"]), pad(e["mask"]), pad(e["mu"]), e["t"],
-                                   torch.cat([e["spks"][:1], e["spks"][:1] * 0]), pad(e["cond"]), True)
-    assert torch.isfinite(out).all()
-    assert _maxabs(out[:1, :, :n], ref) <= TOL
-
-
-def test_cosyvoice3_fused_dit_modulation_table(kernel_dit, load_case3, cv3_flow):
-    """Step graphs read each Euler step's modulations from a table filled once: bit-identical to computing them;
-    another schedule is refused (captured graphs read the one table)."""
-    from cosyvoice_fast.flow.kernels.dit_fused import FusedDiT
-    from cosyvoice_fast.flow.model.cfm import euler_schedule
-
-    dev = kernel_dit.proj_out.weight.device
-    e = _est_inputs(load_case3("case_flow"), dev, kernel_dit.cfg.static_chunk_size // 2)  # short: interpreter
-    steps = cv3_flow.cfg.cfm.n_timesteps
-    ts, _ = euler_schedule(steps, cv3_flow.cfg.cfm.t_scheduler, dev)
-    fused = FusedDiT(kernel_dit, steps)
-    assert fused.time_width() == 1
-    with torch.inference_mode():
-        table = fused.time_table(ts, 2)
-        assert table.shape == (steps, 2, 1)
-        i = steps // 2
-        by_table = fused(e["x"], e["mask"], e["mu"], ts[:1].expand(2), e["spks"], e["cond"], True, tall=table[i])
-        by_time = fused(e["x"], e["mask"], e["mu"], ts[i:i + 1].expand(2), e["spks"], e["cond"], True)
-        assert torch.equal(by_table, by_time)
-        fused.time_table(ts, 4)  # the same schedule again (another row bucket): fine
-        with pytest.raises(ValueError, match="one Euler schedule per module"):
-            fused.time_table(ts.flip(0), 2)
-
-
-@pytest.mark.gpu
-def test_gpu_cosyvoice3_fused_equals_eager_fp32(cv3_flow_cuda, stream_case):
-    from cosyvoice_fast.flow.dit_fused import DiTFusedFlow
-
-    inputs, chunk = _inputs(stream_case, "cuda"), cv3_flow_cuda.cfg.chunk_tokens
-    ref = _stream(DiTEagerFlow(cv3_flow_cuda), inputs, stream_case, chunk)
-    stage = DiTFusedFlow(cv3_flow_cuda)
-    for _ in range(2):
-        out = _stream(stage, inputs, stream_case, chunk)
-        assert max(_maxabs(a, b) for a, b in zip(out, ref)) <= TOL
-    assert stage.estimator.eager_calls == 0
-
-
-@pytest.mark.gpu
-def test_gpu_cosyvoice3_fused_bf16_close_to_fp32(cv3_flow_cuda, stream_case):
-    """The bf16 bound of the graph test (max <= 5e-2 x scale, mean <= 1e-2 x scale) for the fused kernels."""
-    from cosyvoice_fast.flow.dit_fused import DiTFusedFlow
-
-    inputs32, chunk = _inputs(stream_case, "cuda"), cv3_flow_cuda.cfg.chunk_tokens
-    ref = _stream(DiTEagerFlow(cv3_flow_cuda), inputs32, stream_case, chunk)
-    flow16 = cv3_flow_cuda.to(torch.bfloat16)
-    out = _stream(DiTFusedFlow(flow16), _inputs(stream_case, "cuda", torch.bfloat16), stream_case, chunk)
-    for a, b in zip(out, ref):
-        scale = max(1.0, b.abs().max().item())
-        assert torch.isfinite(a).all()
-        assert _maxabs(a, b) <= 5e-2 * scale and (a.float() - b.float()).abs().mean().item() <= 1e-2 * scale

@@ -130,12 +130,12 @@ def test_cosyvoice3_backend_table_is_honest():
     assert not info[("llm", "trtllm")].available and "not written for cosyvoice3" in info[("llm", "trtllm")].reason
     assert not info[("flow", "tensorrt")].available
     assert info[("vocoder", "fused")].note.startswith("fused = cudagraph for cosyvoice3")
-    assert not info[("flow", "fused")].note  # the fused DiT exists: the name means what it says
+    assert info[("flow", "fused")].note.startswith("fused = cudagraph for cosyvoice3")  # the all-Triton DiT lost
     assert not any(b.note for b in available_backends("cpu"))  # CosyVoice2's names mean what they say
     fused = stage_keys(BackendConfig(flow="fused", vocoder="fused"), "cosyvoice3")
     graph = stage_keys(BackendConfig(flow="cudagraph", vocoder="cudagraph"), "cosyvoice3")
     assert fused["vocoder"] == graph["vocoder"] == ("vocoder", "cudagraph", "fp32")  # one runner, one object
-    assert (fused["flow"][1], graph["flow"][1]) == ("fused", "cudagraph")
+    assert fused["flow"] == graph["flow"] == ("flow", "cudagraph", "fp32")  # one runner, one object
     assert stage_keys(BackendConfig(flow="cudagraph", incremental=False), "cosyvoice3")["flow"] == graph["flow"]
     assert stage_keys(BackendConfig(), "cosyvoice3")["flow"][1] == "incremental"
     with pytest.raises(BackendUnavailable, match="flow backend 'tensorrt' is unavailable: not written for "

@@ -1,11 +1,11 @@
-"""Micro-benchmark of CosyVoice3's DiT estimator forward: eager vs CUDA graph, PyTorch modules vs fused kernels,
-read against the GPU's peak.
+"""Micro-benchmark of CosyVoice3's DiT estimator forward: eager vs CUDA graph, PyTorch modules vs the captured
+cuBLAS + Triton DiT, read against the GPU's peak.
 
 ``python -m cosyvoice_fast.bench.dit_profile --out dit.json`` builds a DiT of the given sizes (default the real
 Fun-CosyVoice3-0.5B: dim 1024, 22 blocks, 16 heads x 64, ff x2) with synthetic random weights, and times one
 forward of the CFG pair (2 rows x 112 frames, bf16), for each variant (``eager``: the PyTorch modules, what the
-``cudagraph`` stage captured before; ``cudagraph``: :class:`~cosyvoice_fast.flow.kernels.dit_blas.BlasDiT`, what it
-captures now; ``fused``: :class:`~cosyvoice_fast.flow.kernels.dit_fused.FusedDiT`, the ``fused`` stage's):
+``cudagraph`` stage captured before; ``cudagraph``: :class:`~cosyvoice_fast.flow.kernels.dit_blas.BlasDiT`, what the
+``cudagraph`` and ``fused`` stages capture now; the all-Triton DiT that was ``fused`` lost, docs/VARIANTS.md):
 
 * ``direct_ms``: the module called directly, no graph (CUDA events around ``iters`` warm calls, mean);
 * ``graph_ms``: the forward as a raw CUDA-graph replay (:func:`~cosyvoice_fast.bench.estimator_profile.
@@ -30,8 +30,8 @@ import torch
 from cosyvoice_fast.config.dit import DiTConfig, DiTFlowConfig
 
 H100_BF16_TFLOPS = 990.0
-#: the estimator modules timed: PyTorch modules, the cudagraph stage's BlasDiT, the fused stage's FusedDiT
-VARIANTS = ("eager", "cudagraph", "fused")
+#: the estimator modules timed: PyTorch modules, the graph stages' BlasDiT
+VARIANTS = ("eager", "cudagraph")
 
 
 def _module(name: str, est: torch.nn.Module, n_steps: int) -> torch.nn.Module:
@@ -40,10 +40,6 @@ def _module(name: str, est: torch.nn.Module, n_steps: int) -> torch.nn.Module:
         from cosyvoice_fast.flow.kernels.dit_blas import BlasDiT
 
         return BlasDiT(est, n_steps)
-    if name == "fused":
-        from cosyvoice_fast.flow.kernels.dit_fused import FusedDiT
-
-        return FusedDiT(est, n_steps)
     return est
 
 
@@ -172,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peak-tflops", type=float, default=H100_BF16_TFLOPS)
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help="comma list of eager (the PyTorch modules: the old cudagraph path), cudagraph (BlasDiT: "
-                         "what the cudagraph stage captures), fused (FusedDiT)")
+                         "what the cudagraph and fused stages capture)")
     ap.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -54,10 +54,11 @@ class EngineConfig:
       concurrency needs (``config.graph_plan``'s ``first_chunk``) before the server reports ready, and the rest
       (more rows, other LLM KV buckets, final-chunk flow graphs, HiFT's later lengths) in one background thread
       after it; until then those shapes run eagerly (the LLM: padded to a captured bigger graph), never
-      captured on a request's path.  Off by default (``--background-capture`` turns it on): on an H100 the first
-      background LLM capture beside the start-up's own GPU work was invalidated (``cudaErrorStreamCaptureInvalidated``)
-      and its graph pool then refused the family's other captures; serving while capturing has not passed a GPU
-      test yet.  Off, every graph is captured before ready, as before.
+      captured on a request's path.  Each capture holds ``kernels.gpu_gate.GPU_GATE`` alone (engine turns and
+      admissions wait for it, milliseconds).  Off by default (``--background-capture`` turns it on): on GPUs a
+      capture beside serving work was invalidated (H100) or deadlocked (H200), and the LLM's captures on the new
+      thread failed in ``cublasCreate`` (H200); the gate, the thread's BLAS set-up and the pool release that
+      answer them have not passed the GPU test yet.  Off, every graph is captured before ready, as before.
     - ``llm_memory_fraction``: share of the free GPU memory (read when the LLM stage is built) that the KV cache
       may take when ``llm_slots`` is ``None``; the rest is left to flow/vocoder graphs and their buffers.
     - ``stage_variants``: built implementations kept per stage (LLM, flow, vocoder); the least recently used one

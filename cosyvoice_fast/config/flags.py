@@ -35,8 +35,8 @@ ENGINE_HELP: dict[str, str] = {
     "cuda_streams": "2: the LLM and flow + vocoder in their own threads and CUDA streams (overlapped); 1: one after the other",
     "capture_at_start": "capture graphs on first use instead of at start-up (faster start, slower first requests)",
     "background_capture": "report ready after the first-chunk graphs and capture the rest in a background thread "
-                          "while serving (NOT SAFE YET: on an H100 a capture beside serving work was invalidated; "
-                          "see docs/architecture.md, Start-up); default: every graph before ready",
+                          "while serving (NOT VERIFIED YET: its GPU test has not passed; see docs/architecture.md, "
+                          "Start-up); default: every graph before ready",
     "llm_memory_fraction": "share of free GPU memory the LLM KV cache may take when --llm-slots is auto",
     "stage_variants": "built backends kept per stage (LLM, flow, vocoder); the least recently used beyond it is "
                       "dropped",

@@ -32,6 +32,7 @@ import torch
 
 from cosyvoice_fast.engine.stages import StageCache
 from cosyvoice_fast.kernels.graphs import BackgroundCaptures
+from cosyvoice_fast.kernels.gpu_gate import GPU_GATE
 from cosyvoice_fast.engine.stages import StageSet, check_available, family_of_models
 from cosyvoice_fast.config.backends import BackendConfig
 from cosyvoice_fast.config.yamlfile import ConfigError
@@ -122,7 +123,8 @@ class Engine:
         cache = self.frontend._cache()  # type: ignore[attr-defined]
         feats = cache.get(speaker)
         inputs = Frontend.build_inputs([torch.zeros(1, 1, dtype=torch.int32)], feats, "cross_lingual")
-        state = inc.prompt_flow_state(inputs.to(self.models.device, cfg.torch_dtype))
+        with GPU_GATE.work():
+            state = inc.prompt_flow_state(inputs.to(self.models.device, cfg.torch_dtype))
         feats.extra = {k: v for k, v in feats.extra.items() if not k.startswith(FLOW_STATE_PREFIX)}
         feats.extra.update({FLOW_STATE_PREFIX + k: v for k, v in state.items()})
         cache.add(speaker, feats, overwrite=True)
@@ -309,19 +311,20 @@ class Engine:
                        "incremental_flow": cfg.incremental,
                        "stream": request.stream, "seed": request.seed,
                        **{k: getattr(request.stream_params, k) for k in StreamParams.__slots__}}
-        stages = self.stages(cfg)
+        stages = self.stages(cfg)  # outside the gate: a new backend's build captures graphs
         dev = self.models.device
-        if request.text_source is not None:  # bi-streaming: the voice is prepared once, text arrives later
-            from cosyvoice_fast.engine.bistream import bistream_inputs
+        with GPU_GATE.work():  # the frontend's GPU work and the copies never overlap a graph capture
+            if request.text_source is not None:  # bi-streaming: the voice is prepared once, text arrives later
+                from cosyvoice_fast.engine.bistream import bistream_inputs
 
-            stages, inputs = bistream_inputs(self, request, stages, tele)
-        else:
-            inputs = self.prepare(request, tele).to(dev, cfg.torch_dtype)  # prompt mel/embedding feed the flow
-        if dev.type == "cuda":  # the copies ran on this thread's stream; the workers read them on their own
-            torch.cuda.current_stream(dev).synchronize()
+                stages, inputs = bistream_inputs(self, request, stages, tele)
+            else:
+                inputs = self.prepare(request, tele).to(dev, cfg.torch_dtype)  # prompt mel/embedding: the flow's
+            if dev.type == "cuda":  # the copies ran on this thread's stream; the workers read them on their own
+                torch.cuda.current_stream(dev).synchronize()
+            g_llm = torch.Generator(device=dev).manual_seed(request.seed)
+            g_voc = torch.Generator(device=dev).manual_seed(request.seed + 1)
         tele.frontend_done = now()
-        g_llm = torch.Generator(device=dev).manual_seed(request.seed)
-        g_voc = torch.Generator(device=dev).manual_seed(request.seed + 1)
         state = RequestState(request=request, inputs=inputs, telemetry=tele, stages=stages,
                              llm_generator=g_llm, vocoder_generator=g_voc)
         with self._cv:

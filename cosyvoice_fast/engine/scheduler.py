@@ -15,10 +15,10 @@ With ``EngineConfig.cuda_streams == 2`` each side has its own worker thread, and
 (the LLM's at high priority): a 100 ms batch of flow solves no longer holds every stream's decoding behind it.
 First audio keeps precedence: while a batch holding a first chunk is solved, the LMs already past their own
 first chunk pause, and an LM pauses as soon as its own first chunk is ready (:func:`~.policy.yields`), so that
-solve has the GPU to itself as in the serial order
-(``EngineConfig.first_chunk_priority``; with it off every LM keeps decoding).
-Both threads wait on one condition when they have nothing to do (never a busy loop), and each wakes the other
-when it made work for it.  With ``cuda_streams == 1`` one thread runs an LLM turn then a chunk turn.
+solve has the GPU to itself as in the serial order (``EngineConfig.first_chunk_priority``; off: every LM keeps
+decoding).  Both threads wait on one condition when idle (never a busy loop), and each wakes the other when it
+made work for it.  With ``cuda_streams == 1`` one thread runs an LLM turn then a chunk turn.  Each turn's GPU
+work holds :data:`~cosyvoice_fast.kernels.gpu_gate.GPU_GATE` shared (a graph capture waits for it).
 
 Ownership keeps the two threads apart: an LLM state (slot, KV cache) is only ever touched on the LLM side, so
 a request that ends on the chunk side (its last chunk, or an error) while its LM still holds a slot is handed
@@ -44,6 +44,7 @@ from cosyvoice_fast.engine.policy import Limits, RequestView, Snapshot
 from cosyvoice_fast.engine.state import Phase, RequestState, SegmentState
 from cosyvoice_fast.engine.stream import CLIENT_ERRORS, DONE
 from cosyvoice_fast.llm.stage import steppable
+from cosyvoice_fast.kernels.gpu_gate import GPU_GATE
 
 log = logging.getLogger(__name__)
 
@@ -91,16 +92,14 @@ class Scheduler:
                 self.counts[k] += v  # type: ignore[index, operator]
 
     def sync(self) -> None:
-        """Make a stage's wall-clock honest on a GPU: it ends when its kernels ran (this thread's stream only,
-        so the other side's work is not waited for)."""
+        """Make a stage's wall-clock honest on a GPU (this thread's stream only: never the other side's work)."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
     def held(self) -> int:
         """Requests the engine still holds: waiting, running, or ended while their chunk was being computed."""
         with self.cv:
-            running = {id(st) for st in self.active} | self.busy
-            return len(self.incoming) + len(running)
+            return len(self.incoming) + len({id(st) for st in self.active} | self.busy)
 
     def wake(self) -> None:
         with self.cv:
@@ -246,17 +245,16 @@ class Scheduler:
             states = list(self.active)
             batches = policy.plan(self._snapshot(states, llm_side=False), self.limits).chunks
         for batch in batches:
-            group = [states[i] for i in batch.rows]
-            if not batch.first:
-                self.chunks.run(group)
-                continue
-            self.first_busy = self.overlap
+            if batch.first:
+                self.first_busy = self.overlap
             try:
-                self.chunks.run(group)
+                with GPU_GATE.work():
+                    self.chunks.run([states[i] for i in batch.rows])
             finally:
-                with self.cv:
-                    self.first_busy = False
-                    self.cv.notify_all()
+                if batch.first:
+                    with self.cv:
+                        self.first_busy = False
+                        self.cv.notify_all()
 
     def _gather(self) -> None:
         """Keep ready chunks waiting while another request's chunk of the same kind (first, or later) is a few
@@ -284,17 +282,18 @@ class Scheduler:
                 self.cv.wait(timeout=left)
 
     def llm_turn(self) -> None:
-        with self.cv:
-            released, self._release = self._release, []
-            for st in released:
-                st.close()
-            dropped = [st for st in self.active if st.cancelled.is_set()]
-            for st in dropped:
-                st.telemetry.cancelled = True
-                st.out.put(DONE)  # wakes a consumer blocked on the queue in another thread
-                self.finish(st)
-        self._start_segments()
-        self._decode()
+        with GPU_GATE.work():  # a graph capture (background, or a new backend's build) waits for this turn
+            with self.cv:
+                released, self._release = self._release, []
+                for st in released:
+                    st.close()
+                dropped = [st for st in self.active if st.cancelled.is_set()]
+                for st in dropped:
+                    st.telemetry.cancelled = True
+                    st.out.put(DONE)  # wakes a consumer blocked on the queue in another thread
+                    self.finish(st)
+            self._start_segments()
+            self._decode()
 
     def _admit_waiting(self) -> None:
         """Move waiting requests into free streams, oldest first (caller holds ``cv``).  A request cancelled

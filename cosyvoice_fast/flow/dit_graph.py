@@ -59,10 +59,10 @@ class DiTGraphFlow:
                  rows: Sequence[int] | None = None, capture_at_start: bool = False,
                  max_frames: int = DEFAULT_MAX_FRAMES, max_graphs: int = 128, progress: bool = True,
                  estimator: Callable[[nn.Module], nn.Module] | None = None):
-        """``estimator`` maps the DiT to the module the graphs capture (the ``fused`` stage's
-        :class:`~cosyvoice_fast.flow.kernels.dit_fused.FusedDiT`); default
-        :class:`~cosyvoice_fast.flow.kernels.dit_blas.BlasDiT` (cuBLAS GEMMs, fused AdaLN/conv glue: the eager
-        DiT's numbers in ~180 launches instead of ~1140)."""
+        """``estimator`` maps the DiT to the module the graphs capture (CPU tests pass the eager DiT itself:
+        BlasDiT's Triton kernels run ~100x slower under the interpreter); default
+        :class:`~cosyvoice_fast.flow.kernels.dit_blas.BlasDiT` (cuBLAS GEMMs, fused AdaLN/rotary/attention/conv
+        glue: the eager DiT's numbers in ~180 launches instead of ~1140)."""
         if not isinstance(flow, DiTFlow):
             raise TypeError(f"DiTGraphFlow drives CosyVoice3's DiTFlow, got {type(flow).__name__}; "
                             "CosyVoice2's flow runs on CudaGraphFlow")

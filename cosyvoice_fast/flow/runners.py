@@ -2,9 +2,9 @@
 
 A backend name is what a user picks (``eager``, ``cudagraph``, ``fused``, ``tensorrt``); with the ``incremental``
 flag it resolves to a *runner* (:func:`runner_for`), the object actually built and cached.  Two backends that
-resolve to one runner share it (CosyVoice3's flow has no separate incremental graph runner: its ``cudagraph`` and
-``fused`` runners recompute every chunk, whatever the flag).  :data:`BACKENDS` notes where a name means something
-else for a family.  The engine never names a family: it asks this table.
+resolve to one runner share it (CosyVoice3's flow has no separate incremental graph runner: its ``cudagraph``
+runner recomputes every chunk, whatever the flag, and serves ``fused`` too).  :data:`BACKENDS` notes where a name
+means something else for a family.  The engine never names a family: it asks this table.
 """
 
 from __future__ import annotations
@@ -69,13 +69,6 @@ def _cv3_incremental(models: Any, flow: torch.nn.Module, engine: EngineConfig) -
     return DiTIncrementalFlow(flow, models.config)
 
 
-def _cv3_fused(models: Any, flow: torch.nn.Module, engine: EngineConfig) -> Any:
-    from cosyvoice_fast.flow.dit_fused import DiTFusedFlow
-
-    return DiTFusedFlow(flow, models.config, buckets=engine.flow_buckets, rows=engine.flow_rows,
-                        capture_at_start=engine.capture_at_start)
-
-
 def _cv3_graph(models: Any, flow: torch.nn.Module, engine: EngineConfig) -> Any:
     from cosyvoice_fast.flow.dit_graph import DiTGraphFlow
 
@@ -88,19 +81,21 @@ RUNNERS: Mapping[str, Mapping[str, Build]] = {
     "cosyvoice2": {"eager": _cv2_eager, "incremental": _cv2_incremental,
                    "cudagraph": _cv2_graph(False), "cudagraph-incremental": _cv2_graph(True),
                    "fused": _cv2_fused(False), "fused-incremental": _cv2_fused(True), "tensorrt": _cv2_tensorrt},
-    "cosyvoice3": {"eager": _cv3_eager, "incremental": _cv3_incremental, "cudagraph": _cv3_graph,
-                   "fused": _cv3_fused},
+    "cosyvoice3": {"eager": _cv3_eager, "incremental": _cv3_incremental, "cudagraph": _cv3_graph},
 }
+
+#: CosyVoice3's ``fused`` flow is its cudagraph runner: the DiT on Triton GEMMs lost to cuBLAS (docs/VARIANTS.md)
+CV3_FUSED_NOTE = ("fused = cudagraph for cosyvoice3 (its captured DiT already fuses AdaLN, rotary, attention and "
+                  "convs around cuBLAS GEMMs; the all-Triton DiT measured slower)")
 
 #: family -> backend -> (can it run here?, a note when the name means something else for this family)
 BACKENDS: Mapping[str, Mapping[str, tuple[Check, str]]] = {
     "cosyvoice2": {"eager": (runs_anywhere, ""), "cudagraph": (ask_module("cosyvoice_fast.flow.graph"), ""),
                    "fused": (ask_module("cosyvoice_fast.flow.fused"), ""),
                    "tensorrt": (ask_module("cosyvoice_fast.flow.tensorrt"), "")},
-    # the DiT runners' rules are the U-Net ones' (cudagraph: a CUDA device; fused: that and Triton), asked of the
-    # modules that state them
+    # the DiT graph runner's rule is the U-Net one's (a CUDA device), asked of the module that states it
     "cosyvoice3": {"eager": (runs_anywhere, ""), "cudagraph": (ask_module("cosyvoice_fast.flow.graph"), ""),
-                   "fused": (ask_module("cosyvoice_fast.flow.fused"), ""),
+                   "fused": (ask_module("cosyvoice_fast.flow.graph"), CV3_FUSED_NOTE),
                    "tensorrt": (refuse("not written for cosyvoice3 (the DiT estimator has no ONNX export); use "
                                        "cudagraph or fused"), "")},
 }
@@ -116,7 +111,7 @@ RESOLVE: Mapping[str, Mapping[tuple[str, bool], str]] = {
                    ("tensorrt", False): "tensorrt", ("tensorrt", True): "tensorrt"},
     "cosyvoice3": {("eager", False): "eager", ("eager", True): "incremental",
                    ("cudagraph", False): "cudagraph", ("cudagraph", True): "cudagraph",
-                   ("fused", False): "fused", ("fused", True): "fused",
+                   ("fused", False): "cudagraph", ("fused", True): "cudagraph",
                    ("tensorrt", False): "tensorrt", ("tensorrt", True): "tensorrt"},
 }
 

@@ -12,8 +12,9 @@ With background capture (``EngineConfig.background_capture``) a runner captures 
 needs in its constructor and hands the rest back as :class:`DeferredCapture` jobs; :class:`BackgroundCaptures`
 runs them after the server is ready, in one thread on its own CUDA stream, and each job publishes its graph
 under its runner's lock.  Until then that shape runs eagerly, as a frozen miss does.  Why this is safe:
-capture itself executes nothing (``capture_error_mode="thread_local"`` confines capture's restrictions to
-the capturing thread), the warm-up before it runs on fresh inputs outside any graph pool, and a new graph of
+capture itself executes nothing and holds :data:`~cosyvoice_fast.kernels.gpu_gate.GPU_GATE` alone (no
+engine turn or admission runs GPU work meanwhile: a capture beside them was invalidated or deadlocked on
+GPUs), the warm-up before it runs beside serving on fresh inputs outside any graph pool, and a new graph of
 a shared pool is only replayed after publishing, under the same lock that serialises that runner's replays.
 Each capturing thread reuses one capture stream per device (:func:`capture_stream`), so library workspaces
 are set up once per thread, not once per graph, and one warm-up per graph is enough.
@@ -32,6 +33,8 @@ from functools import partial
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
+
+from cosyvoice_fast.kernels.gpu_gate import GPU_GATE
 
 log = logging.getLogger(__name__)
 
@@ -103,53 +106,68 @@ def capture(fn: Callable[[], object], device: torch.device, pool: object, warmup
     returned (static outputs, valid after each replay)."""
     side = capture_stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
+    pool = pool if pool is not None else torch.cuda.graph_pool_handle()  # known, so a failed capture can free it
     with torch.cuda.stream(side), torch.inference_mode():
         for _ in range(warmup):
             fn()
         if warmup:
             side.synchronize()
         graph = torch.cuda.CUDAGraph()
-        # a background capture runs beside other threads' GPU work: "relaxed" keeps their calls (a cudaFree, a
-        # device sync) from invalidating it, as "thread_local" did on an H100 (not yet re-run on a GPU)
-        background = getattr(_ROLE, "background", False)
-        graph.capture_begin(pool=pool, capture_error_mode="relaxed" if background else "thread_local")
-        try:
-            out = fn()
-        except BaseException:
-            _end_failed_capture(graph, device)
-            raise
-        try:
-            graph.capture_end()
-        except BaseException:
-            _release_pool(graph, device)
-            raise
+        with GPU_GATE.exclusive():  # no other thread's GPU work while the stream captures (gpu_gate says why)
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                out = fn()
+            except BaseException:
+                _end_failed_capture(graph, device, pool)
+                raise
+            try:
+                graph.capture_end()
+            except BaseException:
+                _release_pool(device, pool)
+                raise
     torch.cuda.current_stream(device).wait_stream(side)
     count_capture()
     return graph, out
 
 
-def _end_failed_capture(graph: "torch.cuda.CUDAGraph", device: torch.device) -> None:
+def _end_failed_capture(graph: "torch.cuda.CUDAGraph", device: torch.device, pool: object) -> None:
     """After ``fn`` raised inside a capture: end the capture (it may already be invalid) and release the pool."""
     try:
         graph.capture_end()
         return  # ended cleanly: capture_end released the pool's recording itself
     except Exception:  # noqa: BLE001 - the capture failed already; the first error is the one raised
         pass
-    _release_pool(graph, device)
+    _release_pool(device, pool)
 
 
-def _release_pool(graph: "torch.cuda.CUDAGraph", device: torch.device) -> None:
+def _release_pool(device: torch.device, pool: object) -> None:
     """torch's ``capture_end`` stops routing allocations into the graph's pool only after the stream capture
     ended well; after a failed one the pool stays "recording" and every later capture into it fails with
-    "beginAllocateToPool: already recording to mempool_id" (seen on an H100: one failed LLM capture took the
-    family's 37 others with it).  End that routing here (``torch.cuda.use_mem_pool``'s own call)."""
+    "beginAllocateToPool: already recording to mempool_id" (seen on an H100 and an H200: one failed LLM
+    capture took the family's 37 others with it).  End that routing here (``torch.cuda.use_mem_pool``'s own
+    call), for the pool id the capture was given: ``graph.pool()`` refuses to answer after a failed capture."""
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
     if end is None:
+        log.warning("this torch has no _cuda_endAllocateToPool: a failed capture's pool stays unusable")
         return
     try:
-        end(device.index if device.index is not None else torch.cuda.current_device(), graph.pool())
+        end(device.index if device.index is not None else torch.cuda.current_device(), pool)
     except Exception:  # noqa: BLE001 - nothing to release (already ended)
         log.debug("graph pool already released after a failed capture", exc_info=True)
+
+
+def prepare_capture_thread(device: torch.device) -> None:
+    """Create the calling thread's cuBLAS/cuBLASLt handles and their workspaces on its capture stream, outside
+    any capture.  torch keeps BLAS handles per thread and workspaces per (handle, stream), so a new thread's
+    first GEMM calls ``cublasCreate``; inside a capture that fails (H200: ``CUBLAS_STATUS_NOT_INITIALIZED``, the
+    LLM's background captures, which skip the warm-up because running their step would write live rows)."""
+    side = capture_stream(device)
+    with torch.cuda.stream(side), torch.inference_mode():
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            a = torch.ones(16, 16, device=device, dtype=dtype)
+            torch.nn.functional.linear(a, a, a[0])
+            torch.bmm(a[None], a[None])
+    side.synchronize()
 
 
 def count_capture() -> None:
@@ -334,6 +352,12 @@ class BackgroundCaptures:
         _ROLE.background = True
         dev = torch.device(self.device) if self.device is not None else None
         stream = capture_stream(dev) if dev is not None and dev.type == "cuda" else None  # this thread's own
+        if stream is not None:
+            try:
+                with CAPTURE_LOCK:
+                    prepare_capture_thread(dev)
+            except Exception:  # noqa: BLE001 - the captures below then fail one by one, each logged
+                log.warning("could not set up the background capture thread's BLAS handles", exc_info=True)
         while (job := self._next()) is not None:
             try:
                 with CAPTURE_LOCK, torch.cuda.stream(stream) if stream is not None else _NO_LOCK:

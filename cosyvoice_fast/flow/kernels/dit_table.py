@@ -1,5 +1,5 @@
-"""What both captured DiTs (:class:`~.dit_blas.BlasDiT`, :class:`~.dit_fused.FusedDiT`) share: the per-Euler-step
-modulation table their step graphs read, the weights they pack alike, and the key mask as rows.
+"""The captured DiT's (:class:`~.dit_blas.BlasDiT`) per-Euler-step modulation table its step graphs read, the
+weights it packs once, and the key mask as rows.
 
 Every AdaLN vector of the DiT depends only on the flow time, and a streaming solve runs the same 10 times for
 every chunk.  So the table holds one row of modulations per Euler step, filled outside any capture; a step
@@ -18,7 +18,7 @@ from cosyvoice_fast.flow.kernels.dit_conv import pack_conv_weight
 
 
 def check_packable(cfg: Any, name: str) -> None:
-    """Both pack ``[x | mu | spk | cond]`` as equal-width blocks (CosyVoice2's packing kernel)."""
+    """The DiT packs ``[x | mu | spk | cond]`` as equal-width blocks (CosyVoice2's packing kernel)."""
     if not (cfg.mel_dim == cfg.mu_dim == cfg.spk_dim):
         raise ValueError(f"{name} packs x, mu, spks, cond as equal-width blocks; got mel {cfg.mel_dim}, "
                          f"mu {cfg.mu_dim}, spk {cfg.spk_dim}")
@@ -31,7 +31,7 @@ def packed_key(est: torch.nn.Module) -> tuple:
 
 
 def pack_shared(est: torch.nn.Module) -> dict:
-    """The packed weights both DiTs use: the input projection's columns in the packing kernel's order, each
+    """The packed weights the captured DiT uses: the input projection's columns in the packing kernel's order, each
     block's q/k/v as one matrix, and the two position convs packed for :func:`~.dit_conv.causal_conv_mish`."""
     m = est.cfg.mel_dim
     pos = est.input_embed.conv_pos_embed
