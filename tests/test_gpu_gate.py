@@ -5,6 +5,7 @@ before its first capture: both failures seen on an H200 (docs/RESULTS.md, round 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -146,7 +147,6 @@ class _FakeGraph:
 @pytest.fixture
 def fake_capture_cuda(monkeypatch):
     """Just enough of torch.cuda for :func:`graphs.capture` on a CPU; records the pools released."""
-    import contextlib
     import types
 
     from cosyvoice_fast.kernels import graphs
@@ -186,7 +186,7 @@ def test_the_background_thread_sets_up_its_blas_handles_before_its_first_capture
 
     events: list = []
     monkeypatch.setattr(graphs, "capture_stream", lambda device: types.SimpleNamespace())
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(graphs, "prepare_capture_thread",
                         lambda device: events.append(("prepare", str(device), threading.current_thread().name)))
     worker = BackgroundCaptures(device="cuda:0")

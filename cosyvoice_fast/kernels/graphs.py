@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Hashable, Sequence
@@ -247,7 +248,7 @@ class GraphCache:
         return DeferredCapture(family, shape, lambda: self._capture(example()), partial(self._publish, key, lock))
 
     def _publish(self, key: Hashable, lock: Any, g: CapturedGraph) -> None:
-        with lock if lock is not None else _NO_LOCK, self.lock:
+        with lock if lock is not None else nullcontext(), self.lock:
             self.graphs.setdefault(key, g)
             self.captures += 1
 
@@ -259,17 +260,6 @@ class GraphCache:
         outs = out if isinstance(out, tuple) else (out,)
         log.debug("%s: captured shapes %s", self.name, [tuple(t.shape) for t in static_in])
         return CapturedGraph(graph, static_in, outs)
-
-
-class _NoLock:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_NO_LOCK = _NoLock()
 
 
 @dataclass(frozen=True)
@@ -360,7 +350,7 @@ class BackgroundCaptures:
                 log.warning("could not set up the background capture thread's BLAS handles", exc_info=True)
         while (job := self._next()) is not None:
             try:
-                with CAPTURE_LOCK, torch.cuda.stream(stream) if stream is not None else _NO_LOCK:
+                with CAPTURE_LOCK, torch.cuda.stream(stream) if stream is not None else nullcontext():
                     graph = job.capture()
                 if job.publish is not None:
                     job.publish(graph)
